@@ -1,0 +1,171 @@
+"""Start a whole swarm on this machine: a bootstrap DHT and petals servers in child processes.
+
+This is the launcher behind the demo, the multi-process tests and the live experiments. Children come
+from a *forkserver* that has already imported torch and petals, so a server starts without paying for the
+imports again, and servers can be added or killed at any point — also after the launching process has
+started client threads, which a plain ``fork`` would not survive. Every peer runs in its own process
+group with a watchdog on the launcher, so nothing outlives the swarm, even when the launcher is killed.
+
+Environment variables that should reach the servers must be set before the first swarm starts (the
+forkserver keeps the environment it was started with).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarm.checkpoint import dht_prefix_for
+from swarm.process import stop_process_group
+
+_PRELOAD = ["swarm.compat", "petals.server.server", "server.runner", "swarm.dht"]
+
+
+class SwarmStartError(RuntimeError):
+    """A peer of a local swarm failed to start; the message carries the peer's own error."""
+
+
+@dataclass
+class Peer:
+    """A running child peer (bootstrap DHT or server)."""
+
+    name: str
+    process: Any
+    peer_id: str | None = None
+    start: int | None = None
+    end: int | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _await_report(peer: Peer, conn, timeout: float) -> tuple:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            message = conn.recv()
+            if message[0] == "error":
+                raise SwarmStartError(f"{peer.name} failed to start: {message[1]}")
+            return message
+        if not peer.process.is_alive():
+            raise SwarmStartError(f"{peer.name} exited with code {peer.process.exitcode} before it was ready")
+    raise SwarmStartError(f"{peer.name} was not ready after {timeout:.0f} s")
+
+
+class LocalSwarm:
+    """A DHT plus any number of petals servers for one model, on loopback.
+
+    >>> with LocalSwarm("models/tiny") as swarm:
+    ...     swarm.add_server((0, 2)); swarm.add_server((2, 4))
+    ...     peers = swarm.initial_peers   # give these to clients
+    """
+
+    def __init__(self, model_dir: str | Path, *, dht_prefix: str | None = None, host: str = "127.0.0.1"):
+        self.model_dir = str(model_dir)
+        self.dht_prefix = dht_prefix or dht_prefix_for(model_dir)
+        self.host = host
+        self.dht: Peer | None = None
+        self.servers: list[Peer] = []
+        self._ctx = _context()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def __enter__(self) -> "LocalSwarm":
+        self.start_dht()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start_dht(self, port: int = 0, timeout: float = 60.0) -> list[str]:
+        """Start the bootstrap DHT peer; return its multiaddrs (what clients and servers join with)."""
+        from swarm.dht import bootstrap_dht_main
+
+        if self.dht is not None:
+            return self.initial_peers
+        receive, send = self._ctx.Pipe(duplex=False)
+        process = self._ctx.Process(
+            target=bootstrap_dht_main, args=(self.host, port, os.getpid(), send), name="dht", daemon=False
+        )
+        process.start()
+        self.dht = Peer("dht", process)
+        _, maddrs = _await_report(self.dht, receive, timeout)
+        self.dht.info["maddrs"] = maddrs
+        return maddrs
+
+    @property
+    def initial_peers(self) -> list[str]:
+        if self.dht is None:
+            raise RuntimeError("the swarm's DHT is not started")
+        return list(self.dht.info["maddrs"])
+
+    def add_server(
+        self,
+        blocks: tuple[int, int] | None = None,
+        *,
+        num_blocks: int | None = None,
+        name: str | None = None,
+        timeout: float = 120.0,
+        wait: bool = True,
+        **options: Any,
+    ) -> Peer:
+        """Start a petals server serving ``blocks = (start, end)`` (or ``num_blocks`` chosen by petals).
+
+        ``options`` go to :func:`server.runner.offline_server_kwargs` (``cache_tokens``, ``max_length``,
+        ``port``, ``announce_port``, any petals ``Server`` kwarg ...). With ``wait`` (the default) this
+        returns once the server's blocks answer requests.
+        """
+        from server.runner import offline_server_kwargs, server_process_main
+
+        kwargs = offline_server_kwargs(
+            self.model_dir, dht_prefix=self.dht_prefix, initial_peers=self.initial_peers,
+            block_indices=blocks, num_blocks=num_blocks, host=self.host, **options,
+        )
+        name = name or f"server{len(self.servers)}"
+        receive, send = self._ctx.Pipe(duplex=False)
+        process = self._ctx.Process(
+            target=server_process_main, args=(kwargs, os.getpid(), send), name=name, daemon=False
+        )
+        process.start()
+        peer = Peer(name, process, info={"kwargs": kwargs, "report": receive})
+        self.servers.append(peer)
+        if wait:
+            self.wait_ready(peer, timeout)
+        return peer
+
+    def wait_ready(self, peer: Peer, timeout: float = 120.0) -> Peer:
+        """Block until ``peer`` reports that its blocks serve requests."""
+        if peer.peer_id is None:
+            _, peer.peer_id, peer.start, peer.end = _await_report(peer, peer.info["report"], timeout)
+        return peer
+
+    def kill(self, peer: Peer, sig: int = signal.SIGKILL) -> None:
+        """Kill a server abruptly (with its whole process group), as a vanished volunteer would."""
+        try:
+            os.killpg(peer.process.pid, sig)
+        except ProcessLookupError:
+            pass
+        peer.process.join(10)
+
+    def stop_server(self, peer: Peer, timeout: float = 10.0) -> None:
+        """Stop a server gracefully (it announces OFFLINE), then reap its process group."""
+        stop_process_group(peer.process, timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every server, then the DHT. Safe to call twice."""
+        for peer in self.servers:
+            if peer.process.pid is not None:
+                stop_process_group(peer.process, timeout)
+        if self.dht is not None:
+            stop_process_group(self.dht.process, timeout)

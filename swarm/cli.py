@@ -1,0 +1,51 @@
+"""The ``chainswarm`` command line.
+
+Each subcommand lives in the package that owns it and is imported only when it is the one being run, so
+``chainswarm plan`` never imports torch and ``chainswarm --help`` answers at once. A subcommand module
+exposes ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code; 2 for bad input).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module implementing it, one-line help); imported lazily, listed in this order by --help.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "make-model": ("swarm.commands.make_model", "write a random-weight Llama checkpoint and a BPE tokenizer"),
+    "plan": ("swarm.commands.plan", "plan block placement (GBP-CR) and chains (GCA) for a swarm description"),
+    "wan": ("swarm.commands.wan", "emulate WAN latency between loopback hosts: config, run, measure"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chainswarm",
+        description="Serve LLMs over a swarm of volunteer GPUs: planned block placement, chain "
+        "composition, JFFC dispatch, per-client fairness and prefix reuse, on top of petals.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser = _top_parser()
+        if not argv:
+            parser.print_help()
+            return 2
+        parser.parse_args(argv[:1])  # --help, or an "invalid choice" error (exit 2)
+        return 2
+    name = argv[0]
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"chainswarm {name}", description=help_text)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

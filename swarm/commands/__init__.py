@@ -1,0 +1,1 @@
+"""Subcommands of the ``chainswarm`` CLI that belong to the control plane."""

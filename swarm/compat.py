@@ -1,0 +1,92 @@
+"""The one place where Chainswarm adapts petals 2.2.0.post1 to the stack it can actually run on.
+
+petals 2.2.0.post1 pins hivemind 1.1.10.post2, which cannot be built here; hivemind 1.1.12 works except
+that it no longer re-exports 17 names from its top-level namespace that petals imports. This module puts
+those names back and switches off petals' start-up calls that need the internet:
+
+* the PyPI version check of ``petals.cli.run_server`` (``validate_version``),
+* the public bootstrap peers (``PUBLIC_INITIAL_PEERS``) that petals falls back to when no peers are given —
+  a Chainswarm swarm is always private, so a missing ``initial_peers`` becomes a clear error instead of a
+  dial to the internet — and the health.petals.dev reachability check that goes with them,
+* the speedtest.net measurement behind ``throughput="auto"`` (the default network speed is used instead;
+  Chainswarm measures communication time itself, see ``server.profiling``).
+
+Every entry point imports petals through this module (``from swarm.compat import petals``) so the
+patches are applied before anything else touches petals. ``tests/test_compat.py`` checks that plain
+``import petals`` still breaks without the shim, so the shim cannot rot silently when versions move.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+# Offline by default: a missing file in a local checkpoint must fail, not retry the hub forever.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("BITSANDBYTES_NOWELCOME", "1")
+
+# Names hivemind 1.1.12 dropped from ``hivemind/__init__.py`` that petals 2.2.0.post1 imports from there.
+HIVEMIND_TOP_LEVEL_NAMES: dict[str, tuple[str, ...]] = {
+    "hivemind.p2p": ("P2P", "P2PContext", "PeerID"),
+    "hivemind.compression": ("serialize_torch_tensor", "deserialize_torch_tensor", "deserialize_tensor_stream"),
+    "hivemind.utils.asyncio": ("anext",),
+    "hivemind.utils.logging": ("get_logger",),
+    "hivemind.utils.nested": ("nested_compare", "nested_flatten", "nested_pack"),
+    "hivemind.utils.serializer": ("MSGPackSerializer",),
+    "hivemind.utils.tensor_descr": ("BatchTensorDescriptor", "TensorDescriptor"),
+    "hivemind.utils.timed_storage": ("get_dht_time", "MAX_DHT_TIME_DISCREPANCY_SECONDS", "TimedStorage"),
+}
+
+
+def restore_hivemind_names() -> list[str]:
+    """Put the dropped names back on the ``hivemind`` module; return the ones that were missing."""
+    import hivemind
+
+    restored = []
+    for module_name, names in HIVEMIND_TOP_LEVEL_NAMES.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            if not hasattr(hivemind, name):
+                setattr(hivemind, name, getattr(module, name))
+                restored.append(name)
+    return restored
+
+
+def _skip_version_check() -> None:
+    logger.debug("petals version check skipped (Chainswarm runs offline)")
+
+
+def _skip_reachability_check(*_args, **_kwargs) -> None:
+    logger.debug("health.petals.dev reachability check skipped (private swarm)")
+
+
+def _default_network_rps(config, *, timeout: float = 60, default_speed: float = 100e6) -> float:
+    """petals' default network speed (100 Mbit/s) expressed in its unit, without running speedtest."""
+    return default_speed / (config.hidden_size * 16)
+
+
+def _patch_petals() -> None:
+    import petals.client.config as client_config
+    import petals.constants as constants
+    import petals.server.reachability as reachability
+    import petals.server.server as server_module
+    import petals.server.throughput as throughput
+    import petals.utils.version as version
+
+    version.validate_version = _skip_version_check
+    constants.PUBLIC_INITIAL_PEERS.clear()  # the same list object petals' server and CLI use as a default
+    client_config.ClientConfig.initial_peers = ()
+    reachability.validate_reachability = _skip_reachability_check
+    server_module.validate_reachability = _skip_reachability_check
+    throughput.measure_network_rps = _default_network_rps
+
+
+restore_hivemind_names()
+import petals  # noqa: E402  (must follow the hivemind names)
+
+_patch_petals()
+
+__all__ = ["petals", "restore_hivemind_names", "HIVEMIND_TOP_LEVEL_NAMES"]

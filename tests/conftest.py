@@ -1,0 +1,36 @@
+"""Shared fixtures: a tiny random Llama checkpoint and its local transformers reference."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 4-block random Llama (hidden 64) with a trained BPE tokenizer, written once per test session."""
+    from swarm.checkpoint import TinyLlamaSpec, make_random_llama
+
+    return str(make_random_llama(tmp_path_factory.mktemp("models") / "tiny", TinyLlamaSpec(seed=1)))
+
+
+@pytest.fixture(scope="session")
+def reference_generate(tiny_model):
+    """Greedy generation with the same checkpoint run locally in transformers (the ground truth)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+
+    def generate(input_ids, max_new_tokens: int):
+        with torch.inference_mode():
+            return model.generate(
+                input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+
+    return generate
