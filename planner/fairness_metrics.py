@@ -81,18 +81,18 @@ def service_difference(events, f, g, t1: float, t2: float) -> float:
 
 
 def max_service_gap(events, f, g, t1: float, t2: float) -> float:
-    """max over sub-intervals [a, b] of [t1, t2] of |W_f(a, b) - W_g(a, b)|
-    = max D - min D with D(t) = W_f(0, t) - W_g(0, t) over the event times in
-    [t1, t2] and the left limit at t1."""
-    curves = cumulative_service(events)
-    cf, cg = curves.get(f), curves.get(g)
-    points = {t1, t2}
-    for curve in (cf, cg):
-        if curve is not None:
-            points.update(t for t in curve[0] if t1 <= t <= t2)
-    values = [_value_at(cf, t1, strict=True) - _value_at(cg, t1, strict=True)]
-    values += [_value_at(cf, t) - _value_at(cg, t) for t in sorted(points)]
-    return max(values) - min(values)
+    """max over sub-intervals of [t1, t2] of |W_f - W_g| = max D - min D, where
+    D = W_f - W_g is tracked event by event (events at equal times keep their
+    recorded order, e.g. a decode token before the admission that follows it)
+    over the events with t1 <= time <= t2, starting from D = 0 at t1."""
+    d = 0.0
+    lo = hi = 0.0
+    for time, client, amount in sorted(events, key=lambda e: e[0]):
+        if time < t1 or time > t2 or client not in (f, g):
+            continue
+        d += amount if client == f else -amount
+        lo, hi = min(lo, d), max(hi, d)
+    return hi - lo
 
 
 def intersect_intervals(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> list:

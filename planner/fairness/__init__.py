@@ -8,7 +8,7 @@ available as standalone pieces.
 """
 
 from .base import CHAIN_MODES, CentralQueueScheduler
-from .bfio import BfioPlacement, BfioSession, BfioWorker, bfio_place, server_load_profile, swarm_bfio_cost
+from .bfio import BfioPlacement, BfioSession, BfioWorker, bfio_objective, bfio_place, server_load_profile, swarm_bfio_cost
 from .counters import DeficitCounters, StickinessQuanta
 from .dlpm import DLPMScheduler, LPMScheduler, SwarmScheduler
 from .doubleq import DoubleQRouter
@@ -55,6 +55,7 @@ __all__ = [
     "UnknownClientError",
     "UnknownRequestError",
     "VTCScheduler",
+    "bfio_objective",
     "bfio_place",
     "make_scheduler",
     "server_load_profile",

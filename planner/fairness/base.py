@@ -295,8 +295,8 @@ class CentralQueueScheduler:
         if delta_extend and not req.recompute_free:
             amount = self.weights.extend * delta_extend
             req.charged_extend += amount
-            self._record_service(now, req.client_id, amount)
             self._charge_reconcile(req, amount)
+            self._record_service(now, req.client_id, amount)
 
     def on_tokens(self, request_id: Hashable, count: int, now: float) -> None:
         """``count`` output tokens were generated (streamed) for a running request."""
@@ -309,8 +309,8 @@ class CentralQueueScheduler:
             return
         req.output_tokens += count
         amount = self.weights.output * count
-        self._record_service(now, req.client_id, amount, client_view=amount)
         self._charge_output(req, count)
+        self._record_service(now, req.client_id, amount, client_view=amount)
 
     def on_finish(self, request_id: Hashable, now: float, output_tokens: int | None = None) -> None:
         """The session ended normally.  ``output_tokens`` (e.g. reported by a lease
@@ -425,7 +425,7 @@ class CentralQueueScheduler:
         current chain mode's single-request cost (e.g. for failover hints)."""
         req = self._get(request_id, "rank_chains")
         chains = [c for c in self._chains.values() if c.healthy and c.spec.fits(req.input_tokens, req.max_new_tokens)]
-        matches = {c.spec.chain_id: self._match(req, c.spec.chain_id) for c in chains}
+        matches = {req.request_id: {c.spec.chain_id: self._match(req, c.spec.chain_id) for c in chains}}
         return [c.spec.chain_id for c in sorted(chains, key=lambda c: self._single_key(req, c, matches, None))]
 
     def work_conserving(self) -> bool:
@@ -522,12 +522,12 @@ class CentralQueueScheduler:
         chain.active += 1
         chain.running.add(r.request_id)
         extend = r.input_tokens - matched
+        self._settle(r, chain.spec.chain_id, matched, best_match, now)
+        r.provisional = 0.0
         if not r.recompute_free:
             amount = self.weights.extend * extend
             r.charged_extend = amount
             self._record_service(now, r.client_id, amount, client_view=self.weights.extend * r.input_tokens)
-        self._settle(r, chain.spec.chain_id, matched, best_match, now)
-        r.provisional = 0.0
         if self.quanta is not None and not r.recompute_free:
             self.quanta.charge(r.client_id, chain.spec.chain_id, self.weights.extend * r.input_tokens)
         self._after_grant(r, now)

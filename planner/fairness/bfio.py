@@ -74,6 +74,23 @@ def _add(loads, worker, size, remaining, horizon, drift, sign=1.0):
             row[h] += sign * (size + drift * h)
 
 
+def bfio_objective(
+    workers: Sequence[BfioWorker],
+    assignment: Sequence[int],
+    request_sizes: Sequence[float],
+    horizon: int = 0,
+    *,
+    drift: float = 1.0,
+    request_remaining: Sequence[int | None] | None = None,
+) -> tuple[float, float]:
+    """(J, max load at h = 0) of one allocation: request i goes to worker assignment[i]."""
+    remaining = list(request_remaining) if request_remaining is not None else [None] * len(request_sizes)
+    loads = _base_loads(workers, horizon, drift)
+    for i, w in enumerate(assignment):
+        _add(loads, w, request_sizes[i], remaining[i], horizon, drift)
+    return _objective(loads, horizon)
+
+
 def bfio_place(
     workers: Sequence[BfioWorker],
     request_sizes: Sequence[float],
