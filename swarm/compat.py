@@ -68,6 +68,18 @@ def _default_network_rps(config, *, timeout: float = 60, default_speed: float = 
     return default_speed / (config.hidden_size * 16)
 
 
+def _import_bitsandbytes_quietly() -> None:
+    """bitsandbytes 0.41.1 prints a missing-symbol line on CPU-only hosts at import; it is harmless there."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as exc:  # a GPU host with a broken CUDA setup: quantisation will fail later, loudly
+            logger.warning("bitsandbytes failed to import: %s", exc)
+
+
 def _patch_petals() -> None:
     import petals.client.config as client_config
     import petals.constants as constants
@@ -85,6 +97,7 @@ def _patch_petals() -> None:
 
 
 restore_hivemind_names()
+_import_bitsandbytes_quietly()
 import petals  # noqa: E402  (must follow the hivemind names)
 
 _patch_petals()

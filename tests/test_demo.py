@@ -1,0 +1,35 @@
+"""`chainswarm demo` runs end to end in a fresh process and exits cleanly, leaving no process behind."""
+import os
+import subprocess
+import sys
+import uuid
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.swarm
+
+
+def _processes_with_marker(marker: str) -> list:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("CHAINSWARM_TEST_MARKER") == marker:
+                found.append(proc)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_demo_generates_through_the_swarm_and_exits_cleanly(tmp_path):
+    marker = uuid.uuid4().hex  # inherited by every process the demo starts (servers, DHTs, p2pd)
+    result = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "demo", "--workdir", str(tmp_path), "--max-new-tokens", "12"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "CHAINSWARM_TEST_MARKER": marker},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "swarm output equals local transformers output: yes" in result.stdout
+    assert "[demo] generated:" in result.stdout
+    assert "Traceback" not in output and "Exception ignored" not in output, output
+    assert not _processes_with_marker(marker)
