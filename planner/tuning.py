@@ -157,7 +157,7 @@ def iter_candidates(
             processed = run.num_processed(num_chains)
             sub = _truncate(run, processed)
             gbp = _result_from_run(arrays, c, sub, requirement, True)
-            key = tuple(zip(sub.order, sub.starts))
+            key = tuple(zip(sub.order, sub.starts, sub.blocks))
             if key not in memo:
                 alloc = gca(model, arrays.servers, placement_from_run(sub, len(arrays), processed))
                 rates = [ch.rate for ch in alloc.chains]
