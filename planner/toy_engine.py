@@ -98,12 +98,18 @@ class ToyEngine:
                 )
                 if accepted and r.client_id not in open_backlog:
                     open_backlog[r.client_id] = t
-            for g in sched.dispatch(t):
-                # the engine's cache is what the scheduler matched against: report it
-                actual = min(
+            grants = sched.dispatch(t)
+            # prefills of one round run concurrently: each sees the cache as it was
+            # before the round (what the scheduler matched against), then all insert
+            reused = {
+                g.request_id: min(
                     self.cache.longest_match(g.chain_id, hashes[g.request_id], now=t) * self.page_size,
                     len(by_id[g.request_id].tokens) - 1,
                 )
+                for g in grants
+            }
+            for g in grants:
+                actual = reused[g.request_id]
                 sched.on_prefill(g.request_id, actual, t)
                 self.cache.insert(g.chain_id, hashes[g.request_id], t)
                 trace.order.append(g.request_id)

@@ -488,6 +488,7 @@ class CentralQueueScheduler:
             }
             matches[r.request_id] = row
             best[r.request_id] = max(row.values()) if row else 0
+        self._begin_round(matches)
         picked: list[RequestState] = []
         remaining = list(candidates)
         while len(picked) < slots and remaining:
@@ -661,6 +662,9 @@ class CentralQueueScheduler:
 
     def _before_enqueue(self, req: RequestState, now: float) -> None:
         """Called on arrival before the request joins the queue (VTC lift)."""
+
+    def _begin_round(self, matches: dict) -> None:
+        """A dispatch round starts; ``matches[rid][chain]`` = m_k(r) over fitting free chains."""
 
     def _select_next(self, candidates: list[RequestState], best: dict, now: float) -> RequestState | None:
         raise NotImplementedError

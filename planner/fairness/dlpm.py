@@ -71,19 +71,46 @@ class DLPMScheduler(CentralQueueScheduler):
     def _forget_client(self, client):
         self.deficits.forget(client)
 
+    def _begin_round(self, matches):
+        self._round_matches = matches
+        self._round_pending: dict = {}  # client -> worst-case settlement still pending this round
+
     def _select_next(self, candidates, best, now):
-        eligible = {r.client_id for r in candidates}
-        self.deficits.refill_until_credit(eligible)
-        for r in sorted(candidates, key=lambda r: (-best[r.request_id], r.seq)):
-            if self.deficits.deficit[r.client_id] > 0:
-                return r
-        return None  # unreachable: the refill loop guarantees an eligible client with credit
+        """Next pick of the round, in LPM order, subject to the deficit.
+
+        A client's first pick in a round needs q > 0 (provisional charge at the
+        best-case extend, as in §14.4).  A further pick of the same client in the
+        same round needs q - pending > 0, where pending is the worst-case
+        settlement of its earlier picks (best match minus the smallest match over
+        the free chains it fits): without this, several best-case picks could be
+        settled to much larger extends and overdraw q below -U (a gap in §14.4's
+        pseudocode; it never changes single-slot rounds nor E9).  A refill happens
+        only when every client with a candidate has q <= 0 (the DRR rule the
+        bounds rest on).  When a client still has q > 0 but only pessimistic
+        credit <= 0, the round ends instead, and ``dispatch`` runs another round
+        with settled counters, so no slot stays idle.
+        """
+        deficit, pending = self.deficits.deficit, self._round_pending
+        order = sorted(candidates, key=lambda r: (-best[r.request_id], r.seq))
+        for attempt in range(2):
+            for r in order:
+                if deficit[r.client_id] - pending.get(r.client_id, 0.0) > 0:
+                    return r
+            clients = {r.client_id for r in candidates}
+            if attempt or any(deficit[c] > 0 for c in clients):
+                return None  # someone still has (unsettled) credit: settle first
+            self.deficits.refill_until_credit(clients)
+        return None
 
     def _charge_pick(self, req, best_match, now):
         if req.recompute_free:
+            self._round_pending.setdefault(req.client_id, 0.0)
             return 0.0
         amount = self.weights.extend * (req.input_tokens - best_match)
         self.deficits.charge(req.client_id, amount)
+        row = self._round_matches.get(req.request_id) or {None: best_match}
+        worst_extra = self.weights.extend * (best_match - min(row.values()))
+        self._round_pending[req.client_id] = self._round_pending.get(req.client_id, 0.0) + worst_extra
         return amount
 
     def _refund_pick(self, req, amount):
