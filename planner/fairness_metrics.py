@@ -7,7 +7,6 @@ intervals are (start, end) pairs during which a client had a queued request.
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 from typing import Hashable, Iterable, Mapping, Sequence
 
@@ -59,15 +58,6 @@ def cumulative_service(events: Iterable[tuple[float, Hashable, float]]) -> dict:
                 cum.append(total)
         out[client] = (times, cum)
     return out
-
-
-def _value_at(curve, t: float, strict: bool = False) -> float:
-    """W(0, t) inclusive of events at t (or strictly before t with ``strict``)."""
-    if curve is None:
-        return 0.0
-    times, cum = curve
-    idx = bisect.bisect_left(times, t) if strict else bisect.bisect_right(times, t)
-    return cum[idx - 1] if idx else 0.0
 
 
 def service_in_interval(events, client, t1: float, t2: float) -> float:

@@ -161,3 +161,26 @@ def test_forget_idle_clients():
     assert s.forget_idle_clients(now=5000, idle_for=100) == ["a"]
     with pytest.raises(UnknownClientError):
         s.deficit("a")
+
+
+def test_bfio_mode_avoids_loaded_servers():
+    s = make_scheduler("bfio", quantum=1000, bfio_horizon=2, server_kv_time={"s1": 1.0, "s2": 1.0, "s3": 1.0})
+    s.set_chains([
+        ChainSpec("a", 2, decode_time=0.05, servers=("s1", "s2")),
+        ChainSpec("b", 1, decode_time=0.10, servers=("s3",)),
+    ])
+    s.submit("long", "x", 500, 0, max_new_tokens=50)
+    assert s.dispatch(0)[0].chain_id == "a"  # empty swarm: J ties, JFFC picks the faster chain
+    s.submit("next", "y", 400, 1, max_new_tokens=50)
+    # on "a" it would pile 900 tokens on s1/s2 while s3 idles; "b" balances the servers
+    assert s.dispatch(1)[0].chain_id == "b"
+
+
+def test_metrics_helpers():
+    from planner.fairness_metrics import max_backlogged_gap, percentile, service_rates
+
+    events = [(0, "f", 10), (1, "g", 4), (2, "f", 2), (3, "g", 10)]
+    assert service_rates(events, 0, 4) == {"f": 3.0, "g": 3.5}
+    gap, where = max_backlogged_gap(events, {"f": [(0, 3)], "g": [(1, 5)]})
+    assert gap == 12 and where[:2] == ("f", "g")  # D over [1, 3]: -4, -2, -12 (from 0)
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5

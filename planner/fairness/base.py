@@ -26,8 +26,7 @@ requests on the free slots (``jffc`` / ``most_free`` / ``est_time`` / ``lpm``
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 from .bfio import server_load_profile, swarm_bfio_cost
 from .counters import StickinessQuanta

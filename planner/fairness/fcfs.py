@@ -6,7 +6,6 @@ from collections import deque
 from typing import Hashable
 
 from .base import CentralQueueScheduler
-from .types import RequestState
 
 
 class FCFSScheduler(CentralQueueScheduler):
