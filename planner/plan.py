@@ -191,6 +191,33 @@ def plan(
     return _assemble(model, servers, placement, chosen_c, how, candidates, layout, allocation, arrival_rate, rho)
 
 
+def plan_for_placement(
+    model: ModelSpec,
+    servers: Sequence[Server],
+    placement: Placement,
+    arrival_rate: float,
+    *,
+    target_load: float | None = None,
+    method: str = "kept",
+    c: int | None = None,
+) -> Plan:
+    """GCA and the bounds over a *given* placement (no block moves): what a running swarm can do with
+    the ranges its servers already hold. Used to rebuild chains at once when a server vanishes, and to
+    decide whether a fresh plan is worth moving blocks for.
+
+    Raises ValueError if a server's blocks no longer fit its memory and InfeasibleError when the
+    placement forms no complete chain.
+    """
+    servers = validate_servers(servers)
+    rho = DEFAULT_TARGET_LOAD if target_load is None else target_load
+    validate_load(arrival_rate, rho)
+    allocation = gca(model, servers, placement)
+    if not allocation.chains:
+        raise InfeasibleError("the current placement forms no complete chain with a free cache slot")
+    return _assemble(model, servers, method, c, "kept" if c is not None else None, (), placement, allocation,
+                     arrival_rate, rho)
+
+
 def _no_c(c: int | None, placement: str) -> None:
     if c is not None:
         raise ValueError(f"--c does not apply to the {placement} placement")
