@@ -16,13 +16,19 @@ usable link are recomputed, and the change is propagated backwards in decreasing
 
 Tie-breaks (§6.3, §15.6): among paths whose times agree within a relative 1e-9, fewer servers first, then
 the lexicographically smallest sequence of server ids (greedy from j0, which is exact because every
-suffix of an optimal path is optimal).
+suffix of an optimal path is optimal). Servers that end at the same boundary share the rest of the path,
+so among them the choice is by their own cost rounded to 40 significant bits (relative ~1e-12), then id;
+all this differs from the textbook only for times within float noise of each other.
+
+Cost: one O(Σ_j m_j log) setup, then per round O(path length + boundaries touched × distinct ends).
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from planner.model import (
     TIME_RTOL,
@@ -87,69 +93,123 @@ def gca(
         budget = [int(b) for b in slot_budget]
         if len(budget) != len(servers) or min(budget) < 0:
             raise ValueError("slot_budget must give a non-negative slot count per server")
-    comm = [s.comm_time_s for s in servers]
-    compute = [s.compute_time_s for s in servers]
     id_rank = {sid: r for r, sid in enumerate(sorted(s.id for s in servers))}
-    ranks = [id_rank[s.id] for s in servers]
-    paths = _gca_paths(model.num_blocks, placement.spans, budget, comm, compute, ranks)
+    placed = [(j, span[0], span[1]) for j, span in enumerate(placement.spans) if span is not None]
+    return allocate(
+        model.num_blocks,
+        [s.id for s in servers],
+        placed,
+        budget,
+        [s.comm_time_s for s in servers],
+        [s.compute_time_s for s in servers],
+        [id_rank[s.id] for s in servers],
+    )
+
+
+def allocate(
+    num_blocks: int,
+    ids: Sequence[str],
+    placed: Sequence[tuple[int, int, int]],
+    budget: Sequence[int],
+    comm: Sequence[float],
+    compute: Sequence[float],
+    ranks: Sequence[int],
+) -> Allocation:
+    """GCA over pre-validated inputs (the tuner's hot path): ``placed`` lists (server, start, end);
+    ``budget``, ``comm``, ``compute`` and ``ranks`` (id order) are indexed by server."""
+    paths = _gca_paths(num_blocks, placed, budget, comm, compute, ranks)
     chains = []
+    allocated = [0] * len(ids)
     for path, capacity in paths:
         time = 0.0
         for j, (start, end) in path:
             time += comm[j] + compute[j] * (end - start)
+            allocated[j] += capacity * (end - start)
         chains.append(
             Chain(
-                servers=tuple(servers[j].id for j, _ in path),
+                servers=tuple(ids[j] for j, _ in path),
                 spans=tuple(span for _, span in path),
                 capacity=capacity,
                 service_time=time,
             )
         )
-    allocated = [0] * len(servers)
-    for path, capacity in paths:
-        for j, (start, end) in path:
-            allocated[j] += capacity * (end - start)
     return Allocation(tuple(chains), tuple(budget), tuple(allocated))
+
+
+def _build_groups(num_blocks, placed, comm, compute, ranks):
+    """groups[e] = [[end, need, members, costs, pointer], ...] for every boundary e (see _gca_paths)."""
+    groups: list[list[list]] = [[] for _ in range(num_blocks)]
+    if not placed:
+        return groups
+    arr = np.asarray(placed, dtype=np.int64)
+    server, start, end = arr[:, 0], arr[:, 1], arr[:, 2]
+    width = end - start
+    total = int(width.sum())
+    offsets = np.repeat(np.cumsum(width) - width, width)
+    rep_server = np.repeat(server, width)
+    rep_end = np.repeat(end, width)
+    boundary = np.repeat(start, width) + (np.arange(total) - offsets)
+    need = rep_end - boundary
+    comm_a = np.asarray(comm, dtype=np.float64)[rep_server]
+    compute_a = np.asarray(compute, dtype=np.float64)[rep_server]
+    own = comm_a + compute_a * need
+    mant, expo = np.frexp(own)
+    key = np.ldexp(np.round(mant * 2.0**40), expo - 40)
+    rank = np.asarray(ranks, dtype=np.int64)[rep_server]
+    order = np.lexsort((rank, key, rep_end, boundary))
+    boundary, rep_end, need = boundary[order], rep_end[order], need[order]
+    members_all = rep_server[order].tolist()
+    costs_all = own[order].tolist()
+    cut = np.flatnonzero((np.diff(boundary) != 0) | (np.diff(rep_end) != 0)) + 1
+    lows = [0] + cut.tolist()
+    highs = cut.tolist() + [total]
+    b_list, e_list, n_list = boundary.tolist(), rep_end.tolist(), need.tolist()
+    for lo, hi in zip(lows, highs):
+        groups[b_list[lo]].append([e_list[lo], n_list[lo], members_all[lo:hi], costs_all[lo:hi], 0])
+    return groups
 
 
 def _gca_paths(
     num_blocks: int,
-    spans: Sequence[tuple[int, int] | None],
+    placed: Sequence[tuple[int, int, int]],
     budget: Sequence[int],
     comm: Sequence[float],
     compute: Sequence[float],
     ranks: Sequence[int],
 ) -> list[tuple[list[tuple[int, tuple[int, int]]], int]]:
-    """Core of GCA over plain lists: returns [(path as [(server, processed span)], capacity)] in order."""
+    """Core of GCA: returns [(path as [(server, processed span)], capacity)] in order."""
     L = num_blocks
-    residual = list(budget)
-    ends = [s[1] if s is not None else -1 for s in spans]
-    # cover[e]: servers that may process the block after boundary e (start ≤ e < end), by id rank.
-    cover: list[list[int]] = [[] for _ in range(L)]
-    for j in sorted((j for j, s in enumerate(spans) if s is not None), key=lambda j: ranks[j]):
-        start, end = spans[j]
-        for e in range(start, end):
-            cover[e].append(j)
+    residual = {j: int(budget[j]) for j, _, _ in placed}
+    ends = {j: end for j, _, end in placed}
+    # groups[e]: the servers that may process the block after boundary e (start ≤ e < end), grouped by
+    # their end. Inside a group every server has the same tail F(end) and hop count, so its order is fixed
+    # by its own cost τc_j + τp_j·(end − e) (rounded to 40 significant bits, then id rank); slots only
+    # shrink, so the group's best usable server is found by advancing a pointer (amortized O(1)).
+    groups = _build_groups(L, placed, comm, compute, ranks)
 
     value = [_INF] * (L + 1)  # F(e): fastest time from boundary e to jE
     hops = [0] * (L + 1)  # servers on that fastest path
     best = [-1] * (L + 1)  # server chosen at boundary e
     value[L] = 0.0
-    users_of_server: list[set[int]] = [set() for _ in spans]  # boundaries whose best is j
+    users_of_server: dict[int, set[int]] = {j: set() for j in residual}  # boundaries whose best is j
     users_of_boundary: list[set[int]] = [set() for _ in range(L + 1)]  # boundaries whose best ends here
 
     def recompute(e: int) -> bool:
         """Recompute F(e); return True if (F, hops) changed."""
         bv, bh, br, bj = _INF, 0, 0, -1
-        for j in cover[e]:
-            end = ends[j]
-            need = end - e
-            if residual[j] < need:
+        for group in groups[e]:
+            end, need, members, costs, ptr = group
+            n = len(members)
+            while ptr < n and residual[members[ptr]] < need:
+                ptr += 1
+            group[4] = ptr
+            if ptr == n:
                 continue
             tail = value[end]
             if tail == _INF:
                 continue
-            v = comm[j] + compute[j] * need + tail
+            j = members[ptr]
+            v = costs[ptr] + tail
             h = hops[end] + 1
             r = ranks[j]
             if bj < 0:

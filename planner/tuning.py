@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from planner.allocation import Allocation, gca
+from planner.allocation import Allocation, allocate
 from planner.bounds import response_time_bounds
 from planner.model import ModelSpec, Server
 from planner.placement import (
@@ -33,7 +33,6 @@ from planner.placement import (
     GbpCrResult,
     SwarmArrays,
     _result_from_run,
-    placement_from_run,
     run_chain_loop,
     validate_load,
 )
@@ -95,11 +94,24 @@ class TuningResult:
         return next(cand for cand in self.candidates if cand.c == self.c)
 
 
-@dataclass
 class _Evaluation:
-    gbp: GbpCrResult
-    allocation: Allocation
-    candidate: Candidate
+    """One c's GBP-CR result (built lazily: it is O(J)), GCA allocation and candidate row."""
+
+    __slots__ = ("_arrays", "_run", "_requirement", "_feasible", "_gbp", "allocation", "candidate")
+
+    def __init__(self, arrays, run, requirement, feasible, allocation, candidate):
+        self._arrays, self._run, self._requirement, self._feasible = arrays, run, requirement, feasible
+        self._gbp = None
+        self.allocation: Allocation = allocation
+        self.candidate: Candidate = candidate
+
+    @property
+    def gbp(self) -> GbpCrResult:
+        if self._gbp is None:
+            self._gbp = _result_from_run(
+                self._arrays, self.candidate.c, self._run, self._requirement, self._feasible
+            )
+        return self._gbp
 
 
 def _c_intervals(arrays: SwarmArrays, cmax: int) -> list[tuple[int, int]]:
@@ -134,6 +146,12 @@ def iter_candidates(
     top = cmax if wanted is None else max(max(wanted), 1)
     memo: dict[tuple, tuple[Allocation, float, int, float | None, float | None]] = {}
     L = model.num_blocks
+    ids = [s.id for s in arrays.servers]
+    comm = arrays.comm.tolist()
+    compute = arrays.compute.tolist()
+    ranks = arrays.id_rank.tolist()
+    empty_run = ChainRun([], [], [], [], [], [])
+    no_slots = tuple(0 for _ in ids)
     for lo, hi in _c_intervals(arrays, max(top, 1)):
         cs = range(lo, hi + 1) if wanted is None else [c for c in wanted if lo <= c <= hi]
         if not cs:
@@ -148,18 +166,16 @@ def iter_candidates(
         for c in cs:
             requirement = arrival_rate / (target_load * c)
             if not feasible:
-                gbp = _result_from_run(arrays, c, ChainRun([], [], [], [], [], []), requirement, False)
-                alloc = Allocation((), tuple(0 for _ in arrays.servers), tuple(0 for _ in arrays.servers))
+                alloc = Allocation((), no_slots, no_slots)
                 cand = Candidate(c, None, None, 0.0, 0, None, None, False)
-                yield _Evaluation(gbp, alloc, cand)
+                yield _Evaluation(arrays, empty_run, requirement, False, alloc, cand)
                 continue
             num_chains = run.chains_needed(requirement)
             processed = run.num_processed(num_chains)
             sub = _truncate(run, processed)
-            gbp = _result_from_run(arrays, c, sub, requirement, True)
             key = tuple(zip(sub.order, sub.starts, sub.blocks))
             if key not in memo:
-                alloc = gca(model, arrays.servers, placement_from_run(sub, len(arrays), processed))
+                alloc = _allocate_run(arrays, sub, ids, comm, compute, ranks)
                 rates = [ch.rate for ch in alloc.chains]
                 caps = [ch.capacity for ch in alloc.chains]
                 bounds = response_time_bounds(rates, caps, arrival_rate)
@@ -181,7 +197,17 @@ def iter_candidates(
                 upper=upper,
                 feasible=True,
             )
-            yield _Evaluation(gbp, alloc, cand)
+            yield _Evaluation(arrays, sub, requirement, True, alloc, cand)
+
+
+def _allocate_run(arrays: SwarmArrays, run: ChainRun, ids, comm, compute, ranks) -> Allocation:
+    """GCA on the placement of a (truncated) GBP-CR run, with M̃_j computed vectorized."""
+    model = arrays.model
+    blocks = np.zeros(len(ids), dtype=np.int64)
+    blocks[run.order] = run.blocks
+    budget = ((arrays.memory_bytes - blocks * model.block_bytes) // model.slot_bytes).tolist()
+    placed = [(j, a, a + m) for j, a, m in zip(run.order, run.starts, run.blocks)]
+    return allocate(model.num_blocks, ids, placed, budget, comm, compute, ranks)
 
 
 def _truncate(run: ChainRun, processed: int) -> ChainRun:
