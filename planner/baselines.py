@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -187,6 +187,75 @@ def bprr_reservation(model: ModelSpec, servers: Sequence[Server], arrival_rate: 
         return 1
     r_hat = arrival_rate * chains[0].service_time
     return max(1, math.ceil(min(r_hat + math.sqrt(max(r_hat, 1.0)), r_max)))
+
+
+@dataclass(frozen=True)
+class Route:
+    """A WS-RR route: the chain to use now and how long the request must wait before it can start."""
+
+    servers: tuple[str, ...]
+    spans: tuple[Span, ...]
+    """Blocks each server processes (first-host rule), 0-based half-open."""
+    start_delay: float
+    """The largest wait on the path: the request starts this long after it arrives."""
+    service_time: float
+    """Σ τc_j + τp_j·m_ij over the path (eq. 2)."""
+
+
+def ws_rr_route(
+    model: ModelSpec,
+    servers: Sequence[Server],
+    placement: Placement,
+    wait_s: Callable[[int, int], float],
+) -> Route | None:
+    """WS-RR (§12.2, fast time scale): the path minimizing Σ over links of (tW_ij − t) + τc_j + τp_j·m_ij.
+
+    ``wait_s(j, slots)`` is how long from now until server j (index into ``servers``) has ``slots`` free
+    cache slots (0 if it has them now, ``math.inf`` if never); the simulator computes it from the active
+    requests' (estimated or true) completion times. The request then starts after the largest wait on its
+    path. Same DAG programme and tie-breaks as GCA. Returns None if no path has a finite cost.
+    """
+    L = model.num_blocks
+    value = [math.inf] * (L + 1)
+    hops = [0] * (L + 1)
+    choice: list[tuple[int, float] | None] = [None] * (L + 1)
+    value[L] = 0.0
+    covering: list[list[int]] = [[] for _ in range(L)]
+    for j, span in sorted(enumerate(placement.spans), key=lambda js: servers[js[0]].id):
+        if span is not None:
+            for e in range(span[0], span[1]):
+                covering[e].append(j)
+    for e in range(L - 1, -1, -1):
+        for j in covering[e]:
+            end = placement.spans[j][1]
+            need = end - e
+            if value[end] == math.inf:
+                continue
+            wait = max(0.0, float(wait_s(j, need)))
+            if wait == math.inf:
+                continue
+            v = wait + servers[j].comm_time_s + servers[j].compute_time_s * need + value[end]
+            h = hops[end] + 1
+            if choice[e] is None or v < value[e] - 1e-9 * value[e] or (
+                v <= value[e] + 1e-9 * value[e] and h < hops[e]
+            ):
+                value[e], hops[e], choice[e] = v, h, (j, wait)
+    if choice[0] is None:
+        return None
+    path, e, delay, service = [], 0, 0.0, 0.0
+    while e < L:
+        j, wait = choice[e]
+        end = placement.spans[j][1]
+        path.append((j, (e, end)))
+        delay = max(delay, wait)
+        service += servers[j].comm_time_s + servers[j].compute_time_s * (end - e)
+        e = end
+    return Route(
+        servers=tuple(servers[j].id for j, _ in path),
+        spans=tuple(span for _, span in path),
+        start_delay=delay,
+        service_time=service,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

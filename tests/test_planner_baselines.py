@@ -148,3 +148,21 @@ def test_plan_rejects_bad_input():
         Server("x", -1, 1, 1)
     with pytest.raises(ValueError):
         parse_swarm({"model": {"num_blocks": 4, "block_size_gb": 1}, "servers": [], "arrival_rate": 1})
+
+
+def test_ws_rr_route_penalizes_waiting():
+    from planner.baselines import ws_rr_route
+
+    placement = cg_bp(EX3_MODEL, EX3_SERVERS[:3], 2).placement  # A [0,4), B [0,3), C [2,4)
+    ids = [s.id for s in EX3_SERVERS[:3]]
+    free = ws_rr_route(EX3_MODEL, EX3_SERVERS[:3], placement, lambda j, slots: 0.0)
+    assert free.servers == ("A",) and free.start_delay == 0 and free.service_time == 3.0
+    # A busy for 2 s: B (3 blocks, 2.0 s) then C (block 3, 0.2 + 1 = 1.2 s) costs 3.2 < 3 + 2
+    busy_a = ws_rr_route(EX3_MODEL, EX3_SERVERS[:3], placement, lambda j, slots: 2.0 if ids[j] == "A" else 0.0)
+    assert busy_a.servers == ("B", "C") and busy_a.spans == ((0, 3), (3, 4))
+    assert busy_a.service_time == pytest.approx(3.2) and busy_a.start_delay == 0
+    # everything waits: the smallest total wait + time wins, and the start is the largest wait on it
+    waits = {"A": 1.0, "B": 0.5, "C": 0.75}
+    route = ws_rr_route(EX3_MODEL, EX3_SERVERS[:3], placement, lambda j, slots: waits[ids[j]])
+    assert route.servers == ("A",) and route.start_delay == 1.0
+    assert ws_rr_route(EX3_MODEL, EX3_SERVERS[:3], placement, lambda j, slots: math.inf) is None
