@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from client.distributed import open_distributed_model
+    from swarm.petals_client import open_distributed_model
     from server.local_swarm import LocalSwarm
 
     model_dir = _ensure_model(args)

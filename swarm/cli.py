@@ -13,7 +13,9 @@ import sys
 # name -> (module implementing it, one-line help); imported lazily, listed in this order by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("experiments.demo", "start a local swarm, generate text through it and check it against transformers"),
+    "generate": ("client.cli", "generate text through an orchestrator (HTTP), optionally streaming"),
     "make-model": ("swarm.commands.make_model", "write a random-weight Llama checkpoint and a BPE tokenizer"),
+    "orchestrator": ("swarm.commands.orchestrator", "run the orchestrator: plan, assign blocks, dispatch sessions, HTTP API"),
     "plan": ("swarm.commands.plan", "plan block placement (GBP-CR) and chains (GCA) for a swarm description"),
     "wan": ("swarm.commands.wan", "emulate WAN latency between loopback hosts: config, run, measure"),
 }

@@ -1,0 +1,126 @@
+"""``SwarmClient``: generate text through a Chainswarm orchestrator over HTTP (OpenAI-style completions)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import httpx
+
+
+class SwarmError(RuntimeError):
+    """The orchestrator refused or failed a request; ``status`` is the HTTP status, ``kind`` its error type."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(f"{status} {kind}: {message}")
+        self.status, self.kind, self.message = status, kind, message
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    chain_id: str | None = None
+    waiting_s: float | None = None
+    service_s: float | None = None
+    raw: dict | None = None
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        error = response.json().get("error", {})
+        kind, message = error.get("type", "error"), error.get("message", response.text)
+    except (ValueError, AttributeError):
+        kind, message = "error", response.text
+    raise SwarmError(response.status_code, kind, message)
+
+
+class SwarmClient:
+    """A small, synchronous client of the orchestrator's HTTP API.
+
+    >>> client = SwarmClient("http://127.0.0.1:8000", api_key="secret")
+    >>> client.generate("Once upon a time", max_new_tokens=32, temperature=0).text
+    >>> for piece in client.stream("Once upon a time", max_new_tokens=32): print(piece, end="")
+    """
+
+    def __init__(self, url: str, api_key: str | None = None, *, client_id: str | None = None,
+                 timeout: float = 600.0):
+        headers = {}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        if client_id:
+            headers["X-Client-Id"] = client_id
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SwarmClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _body(self, prompt: str, max_new_tokens: int, temperature: float, top_p: float, stream: bool) -> dict:
+        return {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                "stream": stream}
+
+    def generate(self, prompt: str, max_new_tokens: int = 32, *, temperature: float = 1.0,
+                 top_p: float = 1.0) -> Completion:
+        response = self._http.post("/v1/completions", json=self._body(prompt, max_new_tokens, temperature, top_p,
+                                                                       False))
+        _raise_for(response)
+        doc = response.json()
+        choice, usage, swarm = doc["choices"][0], doc["usage"], doc.get("chainswarm", {})
+        return Completion(choice["text"], choice["finish_reason"], usage["prompt_tokens"],
+                          usage["completion_tokens"], swarm.get("chain_id"), swarm.get("waiting_s"),
+                          swarm.get("service_s"), doc)
+
+    def stream(self, prompt: str, max_new_tokens: int = 32, *, temperature: float = 1.0,
+               top_p: float = 1.0) -> Iterator[str]:
+        """Yield text pieces as the swarm generates them (server-sent events)."""
+        body = self._body(prompt, max_new_tokens, temperature, top_p, True)
+        with self._http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code >= 400:
+                response.read()
+                _raise_for(response)
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise SwarmError(503, chunk["error"].get("type", "error"), chunk["error"].get("message", ""))
+                text = chunk["choices"][0]["text"]
+                if text:
+                    yield text
+
+    def swarm(self) -> dict[str, Any]:
+        response = self._http.get("/v1/swarm")
+        _raise_for(response)
+        return response.json()
+
+    # leases: for clients that drive the chain themselves (see client.direct.DirectSwarmModel)
+    def lease(self, input_tokens: int, max_new_tokens: int, *, timeout_s: float | None = None) -> dict:
+        body: dict[str, Any] = {"input_tokens": input_tokens, "max_new_tokens": max_new_tokens}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        response = self._http.post("/v1/leases", json=body)
+        _raise_for(response)
+        return response.json()
+
+    def reroute(self, lease_id: str, start: int, end: int, failed_peers: list[str]) -> list[dict]:
+        response = self._http.post(f"/v1/leases/{lease_id}/reroute",
+                                   json={"start": start, "end": end, "failed_peers": failed_peers})
+        _raise_for(response)
+        return response.json()["route"]
+
+    def release(self, lease_id: str, output_tokens: int | None = None) -> None:
+        params = {} if output_tokens is None else {"output_tokens": output_tokens}
+        _raise_for(self._http.delete(f"/v1/leases/{lease_id}", params=params))

@@ -1,0 +1,110 @@
+"""The orchestrator's generation engine: runs a granted session through its chain (the paper's proxy).
+
+One petals distributed model (embeddings and LM head local, blocks remote) serves every session; each
+session runs in its own worker thread and routes on its own lease (``swarm.routing``), so many sessions
+proceed concurrently on different chains. Generated tokens are reported as they appear, for streaming
+and for per-token fairness charging.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from swarm.routing import Lease, LeaseProvider, install, use_lease
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+
+
+class _TokenSink:
+    """A transformers streamer that forwards every newly generated token id."""
+
+    def __init__(self, on_token: Callable[[int], None]):
+        self.on_token = on_token
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first puts the prompt
+            self._prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.on_token(int(token))
+
+    def end(self) -> None:
+        pass
+
+
+class GenerationEngine:
+    """Generates through the swarm on leased chains. Thread-safe; ``generate`` blocks."""
+
+    def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
+                 max_retries: int = 3):
+        from transformers import AutoTokenizer
+
+        from swarm.compat import petals
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
+            model_dir, initial_peers=list(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries,
+            show_route=False, torch_dtype=torch.float32,
+        )
+        self.model.eval()
+        self.manager = install(self.model)
+        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="session")
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._closed = threading.Event()
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], params: SamplingParams,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        """Run one session on ``lease``'s chain (blocking). ``provider`` handles mid-session failover."""
+        if self._closed.is_set():
+            raise RuntimeError("the generation engine is closed")
+        produced: list[int] = []
+
+        def sink(token: int) -> None:
+            produced.append(token)
+            if on_token is not None:
+                on_token(token)
+
+        ids = torch.tensor([input_ids], dtype=torch.long)
+        sampling = dict(do_sample=False)
+        if params.temperature > 0:
+            sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p)
+        with use_lease(lease, provider), torch.inference_mode():
+            self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
+                eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id if self.eos_token_id is not None else 0,
+                streamer=_TokenSink(sink), **sampling,
+            )
+        stopped = bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
+        return GenerationResult(produced, "stop" if stopped else "length")
+
+    def close(self) -> None:
+        from swarm.petals_client import close_distributed_model
+
+        self._closed.set()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        close_distributed_model(self.model)

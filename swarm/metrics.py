@@ -1,0 +1,61 @@
+"""Prometheus metrics of the orchestrator (one registry per orchestrator, so tests can run several)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
+
+
+class _SwarmCollector:
+    """Gauges read from the orchestrator's state at scrape time (never stale, nothing to keep in sync)."""
+
+    def __init__(self, orchestrator):
+        self.orchestrator = orchestrator
+
+    def collect(self):
+        status = self.orchestrator.status()
+        servers = GaugeMetricFamily("chainswarm_servers", "servers by state", labels=["state"])
+        states: dict[str, int] = {}
+        for s in status["servers"]:
+            state = "suspect" if s["suspect"] else s["state"]
+            states[state] = states.get(state, 0) + 1
+        for state, n in sorted(states.items()):
+            servers.add_metric([state], n)
+        yield servers
+        capacity = GaugeMetricFamily("chainswarm_chain_capacity", "concurrent sessions per chain", labels=["chain"])
+        active = GaugeMetricFamily("chainswarm_chain_active", "sessions running per chain", labels=["chain"])
+        for c in status["chains"]:
+            capacity.add_metric([c["id"]], c["capacity"])
+            active.add_metric([c["id"]], c["active"])
+        yield capacity
+        yield active
+        queue = GaugeMetricFamily("chainswarm_queue_length", "requests waiting per client", labels=["client"])
+        service = GaugeMetricFamily("chainswarm_client_service", "service received (cost units)", labels=["client"])
+        for client, info in status["clients"].items():
+            queue.add_metric([client], info["waiting"])
+            service.add_metric([client], info["service"])
+        yield queue
+        yield service
+        plan = status["plan"] or {}
+        yield GaugeMetricFamily("chainswarm_plan_capacity", "total chain capacity of the plan",
+                                value=plan.get("total_capacity") or 0)
+        yield GaugeMetricFamily("chainswarm_replans", "plans computed since start", value=plan.get("replans") or 0)
+
+
+class SwarmMetrics:
+    def __init__(self, orchestrator):
+        self.registry = CollectorRegistry()
+        self.registry.register(_SwarmCollector(orchestrator))
+        self.requests = Counter("chainswarm_requests", "finished requests", ["client", "outcome"],
+                                registry=self.registry)
+        self.tokens = Counter("chainswarm_generated_tokens", "tokens generated", ["client"], registry=self.registry)
+        self.waiting = Histogram("chainswarm_waiting_seconds", "queueing time before a chain slot",
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.service = Histogram("chainswarm_service_seconds", "session time on the chain",
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, client: str, outcome: str, waiting_s: float, service_s: float) -> None:
+        self.requests.labels(client, outcome).inc()
+        self.waiting.observe(waiting_s)
+        self.service.observe(service_s)

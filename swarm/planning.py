@@ -1,0 +1,167 @@
+"""From measured server profiles to a plan, assignments and routable chains (no I/O).
+
+The orchestrator turns each server's per-token measurements into the planner's per-job times with its
+expected request lengths (chain-composition spec §2.7 footnote 11 and §10.2):
+
+    τp_j = t_o + prefill_s·l̄_I + decode_s·(l̄_O − 1)        τc_j = l̄_O·(RTT_j + per-hop overhead)
+
+runs the planner (GBP-CR with c tuned by the Theorem 3.7 lower bound, then GCA, by default), and keeps
+plans stable: when membership changes it compares the best fresh plan with GCA over the *current*
+placement (restricted to the servers still present) and keeps the current block ranges unless the fresh
+plan is better by more than a tolerance — so servers reload only when it pays off, and a vanished server
+only costs a GCA rebuild.
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from planner.model import ModelSpec, Placement, Server
+from planner.plan import Plan, plan, plan_for_placement
+from planner.tuning import InfeasibleError
+from swarm.records import SERVING, Assignment, ServerProfile
+
+BYTES_PER_GB = 10**9
+
+
+@dataclass(frozen=True)
+class Expectations:
+    """What the orchestrator plans for: request lengths, arrival rate and planner settings."""
+
+    max_length: int  # tokens per session (prompt + output); one KV slot holds this many tokens
+    input_tokens: float  # l̄_I, mean prompt length
+    output_tokens: float  # l̄_O, mean generated tokens
+    arrival_rate: float  # λ, requests per second
+    target_load: float = 0.7  # ρ̄
+    hop_overhead_s: float = 0.018  # per relayed round trip (petals' per-hop serialisation constant)
+    block_overhead_s: float = 0.001  # t_o, per block per job
+    placement: str = "gbp-cr"
+    tuning: str = "lower-bound"
+    c: int | None = None
+    replan_tolerance: float = 0.05  # keep current ranges unless a fresh plan is this much better
+
+    def __post_init__(self) -> None:
+        if self.max_length < 2 or self.input_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("max_length must be >= 2 and expected lengths >= 1")
+        if self.input_tokens + self.output_tokens > self.max_length:
+            raise ValueError("expected input + output tokens exceed max_length")
+        if self.arrival_rate <= 0:
+            raise ValueError("the expected arrival rate must be > 0")
+
+
+def planner_inputs(
+    profiles: Sequence[ServerProfile], num_blocks: int, expect: Expectations
+) -> tuple[ModelSpec, list[Server]]:
+    """The planner's model and servers for these profiles (servers sorted by node id, deterministic)."""
+    if not profiles:
+        raise InfeasibleError("no servers have joined the swarm yet")
+    block_bytes = max(p.block_bytes for p in profiles)
+    slot_bytes = max(p.cache_bytes_per_token for p in profiles) * expect.max_length
+    model = ModelSpec(num_blocks, block_bytes / BYTES_PER_GB, slot_bytes / BYTES_PER_GB)
+    servers = []
+    for p in sorted(profiles, key=lambda p: p.node_id):
+        rtt = p.rtt_s or 0.0
+        servers.append(Server(
+            id=p.node_id,
+            memory_gb=p.memory_bytes / BYTES_PER_GB,
+            comm_time_s=expect.output_tokens * (rtt + expect.hop_overhead_s),
+            compute_time_s=expect.block_overhead_s + p.prefill_s * expect.input_tokens
+            + p.decode_s * (expect.output_tokens - 1),
+        ))
+    return model, servers
+
+
+def objective(p: Plan) -> float:
+    """Lower is better: the Theorem 3.7 lower bound on mean response time, or 1/ν when overloaded."""
+    if p.bounds is not None:
+        return p.bounds.lower
+    return math.inf if p.total_rate <= 0 else 1e9 / p.total_rate
+
+
+def choose_plan(
+    profiles: Sequence[ServerProfile], num_blocks: int, expect: Expectations, current: Plan | None
+) -> tuple[Plan, bool]:
+    """The plan to run for ``profiles``; the flag says whether block ranges were kept from ``current``.
+
+    Raises InfeasibleError (a ValueError) when these servers cannot form a single chain.
+    """
+    model, servers = planner_inputs(profiles, num_blocks, expect)
+    kept = None
+    if current is not None:
+        old_spans = {sp.id: sp.span for sp in current.servers}
+        layout = Placement(tuple(old_spans.get(s.id) for s in servers))
+        try:
+            kept = plan_for_placement(model, servers, layout, expect.arrival_rate,
+                                      target_load=expect.target_load, method=current.placement_method)
+        except ValueError:  # the old ranges no longer fit (memory changed) or form no chain
+            kept = None
+    try:
+        fresh = plan(model, servers, expect.arrival_rate, target_load=expect.target_load,
+                     c=expect.c, tuning=expect.tuning, placement=expect.placement)
+    except InfeasibleError:
+        if kept is not None:
+            return kept, True
+        raise
+    if kept is not None and objective(kept) <= objective(fresh) * (1 + expect.replan_tolerance):
+        return kept, True
+    return fresh, False
+
+
+def new_plan_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def assignments_for(p: Plan, plan_id: str, max_length: int) -> dict[str, Assignment]:
+    """One Assignment per server of the plan (servers without blocks get an empty range).
+
+    ``cache_slots`` is in sessions of ``max_length`` tokens over the server's whole span: the planner
+    counts block-slots (Σ_k c_k·m_ij), petals sizes one pool for all of a server's blocks, so the pool gets
+    ⌈block-slots / blocks⌉ sessions.
+    """
+    result = {}
+    for sp in p.servers:
+        if sp.span is None:
+            result[sp.id] = Assignment(plan_id, 0, 0, 0, max_length)
+        else:
+            blocks = sp.span[1] - sp.span[0]
+            result[sp.id] = Assignment(plan_id, sp.span[0], sp.span[1], -(-sp.slots_allocated // blocks), max_length)
+    return result
+
+
+def server_matches(profile: ServerProfile | None, assignment: Assignment) -> bool:
+    """True when a server serves what it was assigned (range, and at least the assigned KV slots)."""
+    return (
+        profile is not None
+        and profile.state == SERVING
+        and (profile.start, profile.end) == (assignment.start, assignment.end)
+        and profile.cache_slots >= assignment.cache_slots
+    )
+
+
+@dataclass(frozen=True)
+class RoutableChain:
+    """A chain of the plan, with the petals peer of each hop."""
+
+    chain_id: str
+    index: int  # position in the plan (0 = fastest)
+    servers: tuple[str, ...]  # node ids
+    spans: tuple[tuple[int, int], ...]
+    capacity: int
+    service_time: float
+    route: tuple[tuple[str, int, int], ...]  # (peer id, start, end)
+    ready: bool  # every server serves its assignment
+
+
+def routable_chains(
+    p: Plan, plan_id: str, profiles: Mapping[str, ServerProfile], assignments: Mapping[str, Assignment]
+) -> list[RoutableChain]:
+    chains = []
+    for index, ch in enumerate(p.chains):
+        peers = [profiles.get(node) for node in ch.servers]
+        ready = all(server_matches(profiles.get(node), assignments[node]) for node in ch.servers)
+        route = tuple((prof.peer_id if prof else "", s, e) for prof, (s, e) in zip(peers, ch.spans))
+        chains.append(RoutableChain(f"{plan_id}/{index}", index, tuple(ch.servers), tuple(ch.spans),
+                                    ch.capacity, ch.service_time, route, ready))
+    return chains
