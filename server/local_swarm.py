@@ -22,7 +22,11 @@ from typing import Any
 from swarm.checkpoint import dht_prefix_for
 from swarm.process import stop_process_group
 
-_PRELOAD = ["swarm.compat", "petals.server.server", "server.runner", "swarm.dht"]
+_PRELOAD = ["swarm.compat", "petals.server.server", "server.runner", "swarm.dht", "server.node"]
+
+# ChainswarmServer keyword arguments (the rest of add_node's options are petals Server kwargs).
+_NODE_OPTIONS = ("check_period", "assignment_poll", "drain_timeout", "profile_ttl_factor", "rtt_period",
+                 "profile_cache_dir")
 
 
 class SwarmStartError(RuntimeError):
@@ -149,6 +153,102 @@ class LocalSwarm:
         if peer.peer_id is None:
             _, peer.peer_id, peer.start, peer.end = _await_report(peer, peer.info["report"], timeout)
         return peer
+
+    # -- orchestrated nodes (server.node.ChainswarmServer) ---------------------------------------------
+    def add_node(
+        self,
+        *,
+        node_id: str | None = None,
+        memory_gb: float | None = None,
+        wait: bool = True,
+        timeout: float = 120.0,
+        update_period: float = 2.0,
+        **options: Any,
+    ) -> Peer:
+        """Start an orchestrated server node that profiles itself and waits for its assignment.
+
+        ``options`` are :class:`server.node.ChainswarmServer` arguments (``check_period``,
+        ``drain_timeout``, ``profile_cache_dir`` ...) or petals ``Server`` kwargs via
+        :func:`server.runner.offline_server_kwargs` (``device``, ``torch_dtype``, ``port``, ...).
+        ``update_period`` is both the profile heartbeat and petals' announcement period. With ``wait`` (the
+        default) this returns once the node has published its profile; ``peer.info["profile"]`` holds it.
+        """
+        from server.node import node_process_main
+        from server.runner import offline_server_kwargs
+
+        node_options = {key: options.pop(key) for key in _NODE_OPTIONS if key in options}
+        kwargs = offline_server_kwargs(
+            self.model_dir, dht_prefix=self.dht_prefix, initial_peers=self.initial_peers,
+            block_indices=(0, 1), host=self.host, update_period=update_period, **options,
+        )
+        del kwargs["block_indices"]  # the orchestrator's assignment decides
+        node_id = node_id or f"node{sum(1 for s in self.servers if 'node_id' in s.info)}"
+        kwargs.update(node_options, node_id=node_id, memory_gb=memory_gb)
+        receive, send = self._ctx.Pipe(duplex=False)
+        pushes = self._ctx.Value("q", 0)
+        process = self._ctx.Process(
+            target=node_process_main, args=(kwargs, os.getpid(), send, pushes), name=node_id, daemon=False
+        )
+        process.start()
+        peer = Peer(node_id, process, info={"kwargs": kwargs, "report": receive, "node_id": node_id,
+                                            "pushes": pushes, "state": None, "plan_id": None})
+        self.servers.append(peer)
+        if wait:
+            self.wait_profiled(peer, timeout)
+        return peer
+
+    @property
+    def nodes(self) -> list[Peer]:
+        """The orchestrated nodes among :attr:`servers`."""
+        return [peer for peer in self.servers if "node_id" in peer.info]
+
+    def _node_message(self, peer: Peer, message: tuple) -> None:
+        kind = message[0]
+        if kind == "error":
+            raise SwarmStartError(f"{peer.name} failed: {message[1]}")
+        if kind == "profiled":
+            _, _node_id, peer.peer_id, peer.info["profile"] = message
+            peer.info["state"] = peer.info["profile"]["state"]
+        elif kind == "state":
+            _, state, plan_id, start, end, slots = message
+            peer.info.update(state=state, plan_id=plan_id, cache_slots=slots)
+            peer.start, peer.end = start, end
+            peer.info.setdefault("history", []).append((state, plan_id, start, end, slots))
+
+    def _await_node(self, peer: Peer, done, timeout: float, what: str) -> Peer:
+        conn = peer.info["report"]
+        deadline = time.monotonic() + timeout
+        while True:
+            while conn.poll(0):
+                self._node_message(peer, conn.recv())
+            if done():
+                return peer
+            if not peer.process.is_alive():
+                while conn.poll(0):
+                    self._node_message(peer, conn.recv())
+                raise SwarmStartError(f"{peer.name} exited with code {peer.process.exitcode} before {what}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SwarmStartError(f"{peer.name} was not {what} after {timeout:.0f} s "
+                                      f"(state {peer.info.get('state')}, plan {peer.info.get('plan_id')})")
+            conn.poll(min(0.1, remaining))
+
+    def wait_profiled(self, peer: Peer, timeout: float = 120.0) -> Peer:
+        """Block until the node has published its profile (``peer.peer_id`` is set then)."""
+        return self._await_node(peer, lambda: "profile" in peer.info, timeout, "profiled")
+
+    def wait_state(self, peer: Peer, state: str, plan_id: str | None = None, timeout: float = 120.0) -> Peer:
+        """Block until the node reports ``state`` (under ``plan_id``, if given)."""
+        return self._await_node(
+            peer,
+            lambda: peer.info.get("state") == state and (plan_id is None or peer.info.get("plan_id") == plan_id),
+            timeout, state if plan_id is None else f"{state} under plan {plan_id}",
+        )
+
+    def wait_serving(self, peer: Peer, plan_id: str | None = None, timeout: float = 120.0) -> Peer:
+        """Block until the node serves its assigned blocks (of ``plan_id``, if given); ``peer.start/end``
+        then hold its range."""
+        return self.wait_state(peer, "serving", plan_id, timeout)
 
     def kill(self, peer: Peer, sig: int = signal.SIGKILL) -> None:
         """Kill a server abruptly (with its whole process group), as a vanished volunteer would."""

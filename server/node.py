@@ -1,0 +1,401 @@
+"""The orchestrated volunteer server: profile, wait for an assignment, serve exactly those blocks.
+
+:class:`ChainswarmServer` is a petals ``Server`` whose block choice belongs to the orchestrator:
+
+1. On start it measures its profile (:mod:`server.profiling`) and publishes it as a
+   :class:`swarm.records.ServerProfile` DHT record, renewed every heartbeat (``update_period``) with a TTL
+   of ``profile_ttl_factor`` heartbeats, so a vanished server drops out of the orchestrator's view.
+2. ``_choose_blocks()`` — called by petals' ``run()`` loop — waits for the node's
+   :class:`swarm.records.Assignment` (state ``waiting``; an assignment with ``start == end`` means "hold no
+   blocks" and keeps it waiting), sizes the KV cache to ``cache_slots`` sessions of ``max_length`` tokens
+   plus the prefix-cache budget (state ``loading``) and returns the range. Once the blocks answer requests
+   the state becomes ``serving``.
+3. ``_should_choose_other_blocks()`` — polled every ``check_period`` s instead of petals' balance check —
+   looks for a new assignment. Same layout (range, slots, lengths) under a new plan id: adopted in place.
+   Another layout: state ``draining`` (petals sees the server as JOINING, so its routing opens no new
+   sessions here), wait until every open session has ended (bounded by ``drain_timeout``), then let petals
+   reload with the new range. Malformed or impossible assignments are logged and ignored.
+
+petals' own block selection and rebalancing never run. A launcher can follow a node through ``report``, a
+``multiprocessing`` connection that receives ``("profiled", node_id, peer_id, profile_dict)`` once and
+``("state", state, plan_id, start, end, cache_slots)`` on every change.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from petals.data_structures import ServerState
+from petals.server.server import Server
+
+from server import profiling
+from swarm import records
+from swarm.records import DRAINING, LOADING, SERVING, WAITING, Assignment, RecordError, ServerProfile
+
+logger = logging.getLogger(__name__)
+
+_PLACEHOLDER_BLOCKS = "0:1"  # petals needs a span (or a GPU) at construction; the real one comes later
+
+
+class _Stopped(Exception):
+    """The server was shut down while it waited for an assignment."""
+
+
+def _layout(assignment: Optional[Assignment]) -> Optional[tuple]:
+    """What a reload depends on: everything but the plan id."""
+    if assignment is None:
+        return None
+    return (assignment.start, assignment.end, assignment.cache_slots, assignment.max_length,
+            assignment.prefix_cache_tokens)
+
+
+class ChainswarmServer(Server):
+    """A petals ``Server`` that serves the blocks the orchestrator assigns to ``node_id``.
+
+    Keyword arguments (everything else goes to petals' ``Server``; ``num_blocks``/``block_indices`` are
+    not accepted — the orchestrator decides):
+
+    * ``node_id`` — the stable name the orchestrator knows this server by (default: host name + peer id);
+    * ``memory_gb`` — memory budget for blocks + KV cache (default: free GPU / available host memory);
+    * ``profile_cache_dir`` — where measured compute times are cached (default ``~/.cache/chainswarm``);
+    * ``check_period`` — how often (s) to look for a new assignment while serving (default 1);
+    * ``assignment_poll`` — how often (s) to look for the first assignment while waiting (default 0.5);
+    * ``drain_timeout`` — longest wait (s) for open sessions before a reload (default 300);
+    * ``profile_ttl_factor`` — profile TTL in heartbeats (default 2.5); the heartbeat is ``update_period``;
+    * ``rtt_period`` — how often (s) the RTT to the orchestrator is re-measured (default 30);
+    * ``report`` — optional ``multiprocessing`` connection for launcher reports (see the module doc).
+    """
+
+    def __init__(
+        self,
+        *,
+        node_id: Optional[str] = None,
+        memory_gb: Optional[float] = None,
+        profile_cache_dir: Optional[str] = None,
+        check_period: float = 1.0,
+        assignment_poll: float = 0.5,
+        drain_timeout: float = 300.0,
+        profile_ttl_factor: float = 2.5,
+        rtt_period: float = 30.0,
+        report: Any = None,
+        **server_kwargs: Any,
+    ):
+        for key in ("num_blocks", "block_indices"):
+            if server_kwargs.get(key) is not None:
+                raise ValueError(f"{key} is chosen by the orchestrator; do not pass it to ChainswarmServer")
+            server_kwargs.pop(key, None)
+        if check_period <= 0 or assignment_poll <= 0 or drain_timeout < 0 or profile_ttl_factor < 1:
+            raise ValueError("periods must be positive and the profile TTL at least one heartbeat")
+        server_kwargs.setdefault("throughput", 1.0)  # petals' own benchmark is replaced by the profile
+        server_kwargs.setdefault("update_period", 10.0)
+        server_kwargs["attn_cache_tokens"] = 1  # placeholder, sized per assignment in _choose_blocks
+        server_kwargs["mean_balance_check_period"] = check_period / 2  # run() waits U(0, 2·this)
+        quant_type = server_kwargs.get("quant_type")
+        if isinstance(quant_type, str):
+            server_kwargs["quant_type"] = profiling._quant(quant_type)
+        started = time.perf_counter()
+        super().__init__(block_indices=_PLACEHOLDER_BLOCKS, **server_kwargs)
+
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.node_id = node_id or f"{socket.gethostname()}-{self.peer_id[-8:]}"
+        self.check_period, self.assignment_poll = check_period, assignment_poll
+        self.drain_timeout = drain_timeout
+        self.heartbeat_period = float(self.update_period)
+        self.profile_ttl = profile_ttl_factor * self.heartbeat_period
+        self.server_info.public_name = self.server_info.public_name or self.node_id
+
+        # -- profile -----------------------------------------------------------------------------------
+        self.memory_bytes = profiling.usable_memory_bytes(self.device, memory_gb)
+        self.block_bytes = profiling.block_bytes(self.block_config, self.torch_dtype, self.quant_type)
+        self.cache_bytes_per_token = profiling.cache_bytes_per_token(self.block_config, self.torch_dtype)
+        self.compute = profiling.compute_times(
+            self.block_config, self.device, self.torch_dtype, self.quant_type,
+            cache_dir=profile_cache_dir, tensor_parallel_devices=self.tensor_parallel_devices,
+        )
+        self.server_info.inference_rps = 1.0 / self.compute.decode_s
+        self.server_info.forward_rps = 1.0 / self.compute.prefill_s
+        self.profiling_s = time.perf_counter() - started
+
+        # -- lifecycle state ---------------------------------------------------------------------------
+        self._lock = threading.RLock()
+        self._state = WAITING
+        self._current: Optional[Assignment] = None  # the assignment loaded (or being loaded)
+        self._next: Optional[Assignment] = None  # the assignment to load after a drain
+        self._acked_plan: Optional[str] = None  # plan id of an empty assignment we are waiting under
+        self._ignored: set[str] = set()  # malformed records already logged
+        self._wake = threading.Event()
+        self._reports: "queue.Queue[tuple]" = queue.Queue()
+        self.timings: dict[str, float] = {"profiling_s": self.profiling_s}
+
+        self._rtt = profiling.RttMonitor(self.dht, self.dht_prefix, period=rtt_period,
+                                         on_change=lambda _rtt: self._wake.set())
+        self._threads = [
+            threading.Thread(target=self._heartbeat_loop, name="profile-heartbeat", daemon=True),
+            self._rtt,
+        ]
+        if report is not None:
+            self._threads.append(threading.Thread(target=self._report_loop, args=(report,),
+                                                  name="launcher-report", daemon=True))
+        profile = self.profile()
+        logger.info("node %s (peer %s) profile: %s", self.node_id, self.peer_id, profile)
+        self._publish(profile)
+        self._reports.put(("profiled", self.node_id, self.peer_id, profile.to_dict()))
+        for thread in self._threads:
+            thread.start()
+
+    # -- profile and state ---------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def assignment(self) -> Optional[Assignment]:
+        return self._current
+
+    def profile(self) -> ServerProfile:
+        """The profile as it would be published now."""
+        with self._lock:
+            current, state = self._current, self._state
+            return ServerProfile(
+                node_id=self.node_id,
+                peer_id=self.peer_id,
+                memory_bytes=self.memory_bytes,
+                block_bytes=self.block_bytes,
+                cache_bytes_per_token=self.cache_bytes_per_token,
+                prefill_s=self.compute.prefill_s,
+                decode_s=self.compute.decode_s,
+                rtt_s=self._rtt.rtt_s,
+                device=str(self.device),
+                torch_dtype=str(self.torch_dtype).replace("torch.", ""),
+                quant_type=self.quant_type.name.lower(),
+                state=state,
+                plan_id=current.plan_id if current is not None else self._acked_plan,
+                start=current.start if current is not None else None,
+                end=current.end if current is not None else None,
+                cache_slots=current.cache_slots if current is not None else 0,
+                version=petals.__version__,
+            )
+
+    def _set_state(self, state: str, current: Optional[Assignment] = None, *, keep_current: bool = False) -> None:
+        with self._lock:
+            if not keep_current:
+                self._current = current
+            changed = state != self._state
+            self._state = state
+            profile = self.profile()
+        if changed:
+            logger.info("node %s: %s (plan %s, blocks %s:%s, %d cache slots)", self.node_id, state,
+                        profile.plan_id, profile.start, profile.end, profile.cache_slots)
+        self._reports.put(("state", state, profile.plan_id, profile.start, profile.end, profile.cache_slots))
+        self._wake.set()
+
+    def _publish(self, profile: Optional[ServerProfile] = None) -> None:
+        try:
+            records.publish_profile(self.dht, self.dht_prefix, profile or self.profile(), self.profile_ttl)
+        except Exception as exc:  # a DHT hiccup must not kill the heartbeat
+            logger.warning("node %s could not publish its profile: %s", self.node_id, exc)
+
+    def _heartbeat_loop(self) -> None:
+        next_beat = time.monotonic() + self.heartbeat_period
+        while not self.stop.is_set():
+            self._wake.wait(0.1 if self._state == LOADING else max(0.0, next_beat - time.monotonic()))
+            if self.stop.is_set():
+                return
+            woken = self._wake.is_set()
+            self._wake.clear()
+            self._check_loaded()
+            if woken or time.monotonic() >= next_beat:
+                self._publish()
+                next_beat = time.monotonic() + self.heartbeat_period
+
+    def _check_loaded(self) -> None:
+        with self._lock:
+            container = self.module_container
+            if self._state == LOADING and container is not None and container.ready.is_set():
+                self.timings["last_load_s"] = time.perf_counter() - self._load_started
+                self._set_state(SERVING, keep_current=True)
+
+    def _report_loop(self, report) -> None:
+        while True:
+            message = self._reports.get()
+            try:
+                report.send(message)
+            except (OSError, EOFError, BrokenPipeError):
+                return  # the launcher is gone; the watchdog takes care of us
+
+    # -- assignments ---------------------------------------------------------------------------------
+    def fetch_assignment(self) -> Optional[Assignment]:
+        """This node's current, valid assignment from the DHT (None if absent, expired or malformed)."""
+        try:
+            found = self.dht.get(f"{self.dht_prefix}.{records.ASSIGNMENTS}", latest=True)
+        except Exception as exc:
+            logger.warning("node %s could not read assignments: %s", self.node_id, exc)
+            return None
+        if found is None or not isinstance(found.value, dict):
+            return None
+        for subkey, item in found.value.items():
+            if str(subkey) != self.node_id:
+                continue
+            raw = getattr(item, "value", None)
+            try:
+                assignment = Assignment.from_dict(raw)
+                self._check_feasible(assignment)
+                return assignment
+            except (RecordError, TypeError, ValueError) as exc:
+                fingerprint = repr(raw)
+                if fingerprint not in self._ignored:
+                    self._ignored.add(fingerprint)
+                    logger.warning("node %s ignores a malformed assignment %r: %s", self.node_id, raw, exc)
+                return None
+        return None
+
+    def _check_feasible(self, assignment: Assignment) -> None:
+        num_layers = self.block_config.num_hidden_layers
+        if assignment.end > num_layers:
+            raise RecordError(f"blocks {assignment.start}:{assignment.end} exceed the model's {num_layers} blocks")
+        if assignment.num_blocks and assignment.cache_slots == 0 and assignment.prefix_cache_tokens == 0:
+            logger.warning("node %s: assignment %s has blocks but no cache slots", self.node_id, assignment)
+        need = self.memory_needed(assignment)
+        if need > self.memory_bytes:
+            logger.warning("node %s: assignment %s needs %.3f GiB, more than the %.3f GiB budget", self.node_id,
+                           assignment, need / profiling.GIB, self.memory_bytes / profiling.GIB)
+
+    def cache_bytes_for(self, assignment: Assignment) -> int:
+        """KV cache for the assignment on all its blocks: slots · max_length + prefix tokens per block."""
+        tokens = assignment.cache_slots * assignment.max_length + assignment.prefix_cache_tokens
+        return self.cache_bytes_per_token * tokens * assignment.num_blocks
+
+    def memory_needed(self, assignment: Assignment) -> int:
+        return self.block_bytes * assignment.num_blocks + self.cache_bytes_for(assignment)
+
+    # -- petals hooks --------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            super().run()
+        except _Stopped:
+            return
+
+    def _choose_blocks(self) -> list[int]:
+        """Wait for a non-empty assignment, size the KV cache for it and return its block range."""
+        waited_since = time.perf_counter()
+        assignment, self._next = self._next, None
+        while True:
+            if assignment is None:
+                assignment = self.fetch_assignment()
+                if assignment is None and self._current is not None and self._current.num_blocks:
+                    assignment = self._current  # a restart after a crashed handler: keep serving the plan
+            if assignment is not None and assignment.num_blocks > 0:
+                break
+            if self._state != WAITING or (assignment is not None and assignment.plan_id != self._acked_plan):
+                self._acked_plan = assignment.plan_id if assignment is not None else self._acked_plan
+                self._set_state(WAITING, None)
+            if self.stop.wait(self.assignment_poll):
+                raise _Stopped()
+            assignment = None
+        self.timings["last_wait_s"] = time.perf_counter() - waited_since
+        self._load_started = time.perf_counter()
+        self.attn_cache_bytes = self.cache_bytes_for(assignment)
+        self.inference_max_length = assignment.max_length
+        self.num_blocks = assignment.num_blocks
+        self.server_info.throughput = self.server_info.forward_rps / ((assignment.num_blocks + 1) / 2)
+        logger.info("node %s loads blocks %d:%d for plan %s: %d cache slots × %d tokens (+%d prefix tokens), "
+                    "%.1f MiB of KV cache", self.node_id, assignment.start, assignment.end, assignment.plan_id,
+                    assignment.cache_slots, assignment.max_length, assignment.prefix_cache_tokens,
+                    self.attn_cache_bytes / 2**20)
+        self._set_state(LOADING, assignment)
+        return list(range(assignment.start, assignment.end))
+
+    def _should_choose_other_blocks(self) -> bool:
+        """Adopt a new plan id in place, or drain and return True when the layout changes."""
+        self._check_loaded()
+        new = self.fetch_assignment()
+        if new is None or new == self._current:
+            return False
+        if _layout(new) == _layout(self._current):
+            logger.info("node %s adopts plan %s (same blocks and slots)", self.node_id, new.plan_id)
+            self._set_state(self._state, new)
+            return False
+        target = self._drain(new)
+        if target is None:
+            return False
+        self._next = target
+        return True
+
+    def _drain(self, target: Assignment) -> Optional[Assignment]:
+        """Stop taking sessions, wait until the open ones end, return the assignment to load next (None when
+        the orchestrator went back to the current layout meanwhile)."""
+        logger.info("node %s drains before moving to plan %s (blocks %d:%d)", self.node_id, target.plan_id,
+                    target.start, target.end)
+        began = time.perf_counter()
+        self._set_state(DRAINING, keep_current=True)
+        container = self.module_container
+        if container is not None:
+            container.dht_announcer.announce(ServerState.JOINING)  # petals' routing opens no new sessions here
+        next_poll = time.monotonic() + self.check_period
+        while self.sessions_open():
+            if time.perf_counter() - began > self.drain_timeout:
+                logger.warning("node %s: sessions still open after the %.0f s drain timeout; reloading anyway",
+                               self.node_id, self.drain_timeout)
+                break
+            if self.stop.wait(0.05):
+                raise _Stopped()
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.check_period
+                latest = self.fetch_assignment()
+                if latest is not None and _layout(latest) == _layout(self._current):
+                    logger.info("node %s: plan %s keeps the current blocks; drain cancelled", self.node_id,
+                                latest.plan_id)
+                    if container is not None:
+                        container.dht_announcer.announce(ServerState.ONLINE)
+                    self._set_state(SERVING, latest)
+                    return None
+                if latest is not None:
+                    target = latest
+        self.timings["last_drain_s"] = time.perf_counter() - began
+        return target
+
+    def sessions_open(self) -> bool:
+        """Whether any inference session holds (or waits for) KV cache on this server."""
+        container = self.module_container
+        if container is None or not container.module_backends:
+            return False
+        cache = next(iter(container.module_backends.values())).memory_cache
+        return cache.current_size_bytes > 0 or cache.enqueued_size_bytes > 0
+
+    def shutdown(self, timeout: Optional[float] = 5) -> None:
+        self.stop.set()
+        self._wake.set()
+        self._rtt.stop()
+        super().shutdown(timeout)
+
+
+def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
+    """Build a :class:`ChainswarmServer` with the push-fixed handler and run it until SIGTERM/SystemExit."""
+    from server.handler import install
+
+    install(push_counter=push_counter)
+    server = ChainswarmServer(report=report, **server_kwargs)
+    try:
+        server.run()
+    finally:
+        server.shutdown()
+
+
+def node_process_main(server_kwargs: dict, launcher_pid: int, report=None, push_counter=None) -> None:
+    """Entry point of a node child process started by :meth:`server.local_swarm.LocalSwarm.add_node`."""
+    from swarm.process import become_group_leader
+
+    become_group_leader(launcher_pid)
+    logging.basicConfig(level=os.environ.get("CHAINSWARM_LOGLEVEL", "WARNING"))
+    try:
+        run_node(server_kwargs, report=report, push_counter=push_counter)
+    except Exception as exc:  # tell the launcher instead of leaving it waiting
+        if report is not None:
+            report.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise

@@ -1,0 +1,360 @@
+"""What a volunteer server measures about itself before the orchestrator plans with it.
+
+The profile has three parts (chain-composition spec §2.3, §2.7; petals-integration spec §6.1.3-6.1.4):
+
+* **memory** — the budget for blocks plus KV cache: ``--memory-gb`` if given, else the free GPU memory or
+  the available host memory minus a safety margin; together with the bytes of one block (petals'
+  ``get_block_size`` for the dtype and quantisation) and the KV bytes of one token on one block;
+* **compute** — per block and per token: the decode time (one token with a growing KV cache) and the
+  prefill time (a forward over many tokens), timed on one randomly initialised block of the real
+  architecture with a timed forward and decode of a block built as petals builds it. The result is cached in a JSON file keyed by the model
+  config's fingerprint, the device, dtype and quantisation, so a restarted server skips the measurement;
+* **communication** — the round-trip time to the orchestrator's peer, pinged over the swarm.
+
+The orchestrator turns the per-token times into the planner's per-job times with :func:`job_compute_time`.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+CACHE_FILE = "compute_profile_v1.json"
+# Keys of a model config that do not change the architecture (paths, versions, bookkeeping).
+_NON_ARCHITECTURE_KEYS = {"transformers_version", "dht_prefix", "architectures", "torch_dtype"}
+
+
+# -- memory ----------------------------------------------------------------------------------------------
+
+
+def usable_memory_bytes(
+    device: Any = "cpu",
+    memory_gb: Optional[float] = None,
+    *,
+    margin_fraction: float = 0.1,
+    margin_bytes: int = 256 * 1024**2,
+) -> int:
+    """Bytes this server may spend on blocks and KV cache.
+
+    An explicit ``memory_gb`` budget wins. Otherwise: free memory of the CUDA device
+    (``torch.cuda.mem_get_info``) or available host memory (``psutil``), minus ``margin_fraction`` of it and
+    ``margin_bytes`` for activations, allocator slack and the process itself.
+    """
+    if memory_gb is not None:
+        if not (memory_gb > 0 and math.isfinite(memory_gb)):
+            raise ValueError(f"memory budget must be a positive number of GiB, got {memory_gb}")
+        return int(memory_gb * GIB)
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return max(0, int(free * (1.0 - margin_fraction)) - int(margin_bytes))
+
+
+def block_bytes(config, torch_dtype, quant_type) -> int:
+    """Weights of one transformer block as this server will hold them (dtype and quantisation included)."""
+    from swarm.compat import petals  # noqa: F401
+    from petals.server.block_utils import get_block_size
+
+    return int(get_block_size(config, "memory", dtype=_dtype(torch_dtype), quant_type=_quant(quant_type)))
+
+
+def cache_bytes_per_token(config, torch_dtype) -> int:
+    """KV cache bytes of one token on one block: keys + values, shared across the query groups."""
+    from petals.utils.misc import get_size_in_bytes
+
+    groups = getattr(config, "num_key_value_groups", 1) or 1
+    return int(2 * config.hidden_size // groups * get_size_in_bytes(_dtype(torch_dtype)))
+
+
+# -- compute ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComputeTimes:
+    """Per block, per token: prefill (forward over a long input) and decode (one token with a KV cache)."""
+
+    prefill_s: float
+    decode_s: float
+    measured_s: float = 0.0  # how long the measurement itself took
+    cached: bool = False  # read from the cache file instead of measured
+
+
+def config_fingerprint(config) -> str:
+    """A short hash of the architecture-relevant part of a model config (not its path or version)."""
+    doc = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    doc = {k: v for k, v in doc.items() if not k.startswith("_") and k not in _NON_ARCHITECTURE_KEYS}
+    blob = json.dumps(doc, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    """``$CHAINSWARM_CACHE_DIR``, else ``~/.cache/chainswarm``."""
+    return Path(os.environ.get("CHAINSWARM_CACHE_DIR") or Path.home() / ".cache" / "chainswarm")
+
+
+def device_name(device) -> str:
+    """A device description that identifies the hardware (a GPU model, not just ``cuda:0``)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        return f"cpu:{os.cpu_count()}x{torch.get_num_threads()}t"
+    return device.type
+
+
+def compute_cache_key(config, device, torch_dtype, quant_type) -> str:
+    return "|".join(
+        (config_fingerprint(config), device_name(device), _dtype_name(torch_dtype), _quant(quant_type).name.lower())
+    )
+
+
+def measure_block_times(
+    config,
+    device="cpu",
+    torch_dtype="float32",
+    quant_type="none",
+    *,
+    decode_steps: int = 24,
+    prefill_tokens: Optional[int] = None,
+    prefill_steps: int = 3,
+    warmup_steps: int = 2,
+    tensor_parallel_devices=None,
+) -> ComputeTimes:
+    """Time one randomly initialised block of ``config``'s architecture on ``device``.
+
+    The block is built and converted the way a petals server holds it (``convert_block``: tensor-parallel
+    wrapper, quantisation). Decode = ``decode_steps`` one-token steps with a KV cache that grows from
+    ``prefill_tokens``; prefill = ``prefill_steps`` forwards over ``prefill_tokens`` tokens (default 128 on a
+    CPU, 1024 on a GPU, capped by the model's maximum length). Each step is timed separately and the
+    lower quartile is kept: the device's speed, not the moments a neighbour process took the CPU.
+    """
+    import torch
+
+    from swarm.compat import petals  # noqa: F401
+    from petals.utils.convert_block import convert_block
+
+    device = torch.device(device)
+    dtype = _dtype(torch_dtype)
+    if prefill_tokens is None:
+        prefill_tokens = 128 if device.type == "cpu" else 1024
+    max_positions = getattr(config, "max_position_embeddings", None) or prefill_tokens + decode_steps + 1
+    prefill_tokens = max(1, min(prefill_tokens, max_positions - decode_steps - warmup_steps - 1))
+    devices = tuple(torch.device(d) for d in (tensor_parallel_devices or (device,)))
+
+    def timed(fn):
+        _sync(device)
+        began = time.perf_counter()
+        result = fn()
+        _sync(device)
+        return time.perf_counter() - began, result
+
+    started = time.perf_counter()
+    with torch.inference_mode():
+        block = config.block_class(config).to(dtype)
+        block = convert_block(block, 0, config, devices, device, quant_type=_quant(quant_type), freeze=True)
+        prompt = torch.randn(1, prefill_tokens, config.hidden_size, device=device, dtype=dtype)
+        token = torch.randn(1, 1, config.hidden_size, device=device, dtype=dtype)
+
+        prefill = []
+        for step in range(warmup_steps + prefill_steps):
+            elapsed, (_, cache) = timed(lambda: block.forward(prompt, use_cache=True))
+            if step >= warmup_steps:
+                prefill.append(elapsed / prefill_tokens)
+        decode = []
+        for step in range(warmup_steps + decode_steps):
+            elapsed, (_, cache) = timed(lambda: block.forward(token, use_cache=True, layer_past=cache))
+            if step >= warmup_steps:
+                decode.append(elapsed)
+    times = ComputeTimes(_lower_quartile(prefill), _lower_quartile(decode), measured_s=time.perf_counter() - started)
+    logger.info("block compute on %s (%s, %s): prefill %.3g ms/token, decode %.3g ms/token, measured in %.2f s",
+                device_name(device), _dtype_name(dtype), _quant(quant_type).name.lower(),
+                times.prefill_s * 1e3, times.decode_s * 1e3, times.measured_s)
+    return times
+
+
+def _lower_quartile(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=4, method="inclusive")[0] if len(samples) > 1 else samples[0]
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compute_times(
+    config,
+    device="cpu",
+    torch_dtype="float32",
+    quant_type="none",
+    *,
+    cache_dir: Optional[str | os.PathLike] = None,
+    force: bool = False,
+    **measure_options,
+) -> ComputeTimes:
+    """Per-block per-token compute times, from the cache file if this (model, device, dtype, quant) was
+    measured before, else measured now and cached (``force`` re-measures)."""
+    path = Path(cache_dir or default_cache_dir()) / CACHE_FILE
+    key = compute_cache_key(config, device, torch_dtype, quant_type)
+    if not force:
+        entry = _read_cache(path).get(key)
+        if entry is not None:
+            try:
+                times = ComputeTimes(float(entry["prefill_s"]), float(entry["decode_s"]), cached=True)
+                if times.prefill_s > 0 and times.decode_s > 0:
+                    return times
+            except (KeyError, TypeError, ValueError):
+                logger.warning("ignoring a malformed compute-profile cache entry for %s", key)
+    times = measure_block_times(config, device, torch_dtype, quant_type, **measure_options)
+    _update_cache(path, key, {**asdict(times), "cached": False, "measured_at": time.time()})
+    return times
+
+
+def job_compute_time(prefill_s: float, decode_s: float, mean_input: float, mean_output: float,
+                     overhead_s: float = 1e-3) -> float:
+    """τp of one block for a whole request (chain-composition spec §2.7, footnote 11):
+    ``overhead + prefill_s·l̄_I + decode_s·(l̄_O − 1)``."""
+    return overhead_s + prefill_s * mean_input + decode_s * max(0.0, mean_output - 1)
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _update_cache(path: Path, key: str, entry: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            doc = _read_cache(path)
+            doc[key] = entry
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+    except OSError as exc:  # a read-only home must not stop a server: it just re-measures next time
+        logger.warning("could not write the compute-profile cache %s: %s", path, exc)
+
+
+# -- communication ---------------------------------------------------------------------------------------
+
+
+def measure_rtt(dht, peer_id: str, *, pings: int = 3, timeout: float = 2.0) -> Optional[float]:
+    """Median round-trip time (s) of ``pings`` DHT pings to ``peer_id`` (base58) over the swarm, or None
+    when the peer does not answer."""
+    from swarm.compat import petals  # noqa: F401
+    from hivemind.p2p import PeerID
+    from petals.utils.ping import ping
+
+    try:
+        target = PeerID.from_base58(peer_id)
+    except Exception:
+        logger.warning("orchestrator peer id %r is not a valid base58 peer id", peer_id)
+        return None
+    samples = []
+    for _ in range(max(1, pings)):
+        with contextlib.suppress(Exception):
+            rtt = dht.run_coroutine(partial(ping, target, wait_timeout=timeout))
+            if rtt is not None and math.isfinite(rtt):
+                samples.append(float(rtt))
+    return statistics.median(samples) if samples else None
+
+
+def orchestrator_rtt(dht, dht_prefix: str, **options) -> Optional[float]:
+    """RTT to the orchestrator announced under ``dht_prefix``; None while no orchestrator is known."""
+    from swarm.records import fetch_orchestrator
+
+    try:
+        info = fetch_orchestrator(dht, dht_prefix)
+    except Exception as exc:
+        logger.debug("could not read the orchestrator record: %s", exc)
+        return None
+    if info is None:
+        return None
+    if info.peer_id == dht.peer_id.to_base58():
+        return 0.0
+    return measure_rtt(dht, info.peer_id, **options)
+
+
+class RttMonitor(threading.Thread):
+    """Re-measures the RTT to the orchestrator every ``period`` seconds (sooner while none is known)."""
+
+    def __init__(self, dht, dht_prefix: str, *, period: float = 30.0, retry_period: float = 2.0,
+                 on_change=None, **ping_options):
+        super().__init__(name="orchestrator-rtt", daemon=True)
+        self.dht, self.dht_prefix = dht, dht_prefix
+        self.period, self.retry_period = period, retry_period
+        self.on_change, self.ping_options = on_change, ping_options
+        self.rtt_s: Optional[float] = None
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            rtt = orchestrator_rtt(self.dht, self.dht_prefix, **self.ping_options)
+            if rtt is not None or self.rtt_s is not None:
+                changed = rtt != self.rtt_s
+                self.rtt_s = rtt
+                if changed and self.on_change is not None:
+                    self.on_change(rtt)
+            self.stop_event.wait(self.period if self.rtt_s is not None else self.retry_period)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+
+def _dtype(torch_dtype):
+    import torch
+
+    if isinstance(torch_dtype, torch.dtype):
+        return torch_dtype
+    value = getattr(torch, str(torch_dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown torch dtype {torch_dtype!r}")
+    return value
+
+
+def _dtype_name(torch_dtype) -> str:
+    return str(_dtype(torch_dtype)).replace("torch.", "")
+
+
+def _quant(quant_type):
+    from swarm.compat import petals  # noqa: F401
+    from petals.utils.convert_block import QuantType
+
+    if isinstance(quant_type, QuantType):
+        return quant_type
+    if quant_type is None:
+        return QuantType.NONE
+    try:
+        return QuantType[str(quant_type).upper()]
+    except KeyError:
+        raise ValueError(f"unknown quantisation {quant_type!r} (choose none, int8 or nf4)") from None
