@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("client.cli", "generate text through an orchestrator (HTTP), optionally streaming"),
     "make-model": ("swarm.commands.make_model", "write a random-weight Llama checkpoint and a BPE tokenizer"),
     "orchestrator": ("swarm.commands.orchestrator", "run the orchestrator: plan, assign blocks, dispatch sessions, HTTP API"),
+    "server": ("server.cli", "run a volunteer server node: profile, wait for the orchestrator's assignment, serve blocks"),
     "plan": ("swarm.commands.plan", "plan block placement (GBP-CR) and chains (GCA) for a swarm description"),
     "wan": ("swarm.commands.wan", "emulate WAN latency between loopback hosts: config, run, measure"),
 }

@@ -1,0 +1,161 @@
+"""``chainswarm server``: run a volunteer server node in the foreground.
+
+The node profiles itself, publishes the profile, waits for the orchestrator's assignment and serves those
+blocks (:class:`server.node.ChainswarmServer`). GPU-related flags go to petals' ``Server`` as petals' own
+``run_server`` passes them. SIGTERM and Ctrl-C shut petals down cleanly (handlers, DHT, p2pd).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("chainswarm.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="local model checkpoint directory")
+    parser.add_argument("--initial-peers", required=True, nargs="+", metavar="MADDR",
+                        help="multiaddrs of swarm peers to join (the orchestrator's, see GET /v1/swarm)")
+    parser.add_argument("--node-id", help="stable name of this server for the orchestrator "
+                        "(default: host name + peer id)")
+    parser.add_argument("--dht-prefix", help="DHT prefix of the model (default: derived from the directory name)")
+    parser.add_argument("--memory-gb", type=float, metavar="X",
+                        help="memory budget for blocks + KV cache (default: free GPU / available host memory)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--torch-dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"])
+    parser.add_argument("--quant-type", choices=["none", "int8", "nf4"],
+                        help="weight quantisation (default: petals' choice, nf4 on GPU, none on CPU)")
+    parser.add_argument("--tensor-parallel-devices", nargs="+", metavar="DEVICE",
+                        help="split each block across these devices (petals tensor parallelism)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any)")
+    parser.add_argument("--announce-host", help="address other peers reach this server at (NAT, proxy)")
+    parser.add_argument("--announce-port", type=int, help="port other peers reach this server at")
+    parser.add_argument("--identity-path", help="file with this peer's private key (a stable peer id)")
+    parser.add_argument("--num-handlers", type=int, help="connection handler processes (default: 2 on CPU, 8 on GPU)")
+    parser.add_argument("--update-period", type=float, default=10.0, metavar="S",
+                        help="heartbeat: profile and block announcements are renewed every S seconds")
+    parser.add_argument("--drain-timeout", type=float, default=300.0, metavar="S",
+                        help="longest wait for open sessions before moving to new blocks")
+    parser.add_argument("--cache-dir", metavar="DIR", help="where measured compute times are cached "
+                        "(default ~/.cache/chainswarm)")
+    parser.add_argument("--log-level", default=os.environ.get("CHAINSWARM_LOGLEVEL", "INFO"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+class _BadInput(ValueError):
+    pass
+
+
+def server_kwargs(args: argparse.Namespace) -> dict:
+    """Validate the command line and turn it into :class:`server.node.ChainswarmServer` kwargs."""
+    from swarm.checkpoint import dht_prefix_for
+
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        raise _BadInput(f"--model {args.model}: not a model directory (no config.json)")
+    try:
+        from multiaddr import Multiaddr
+
+        for maddr in args.initial_peers:
+            Multiaddr(maddr)
+    except Exception as exc:
+        raise _BadInput(f"--initial-peers: not a multiaddr: {exc}") from None
+    if args.memory_gb is not None and not (args.memory_gb > 0 and math.isfinite(args.memory_gb)):
+        raise _BadInput("--memory-gb must be a positive number")
+    for name in ("port", "announce_port"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < 65536:
+            raise _BadInput(f"--{name.replace('_', '-')} must be a TCP port number")
+    if args.num_handlers is not None and args.num_handlers < 1:
+        raise _BadInput("--num-handlers must be at least 1")
+    if not args.update_period > 0 or args.drain_timeout < 0:
+        raise _BadInput("--update-period must be positive and --drain-timeout non-negative")
+    if args.node_id is not None and (not args.node_id.strip() or len(args.node_id) > 128):
+        raise _BadInput("--node-id must be a non-empty name of at most 128 characters")
+    device = args.device
+    if device is not None and device.split(":")[0] not in ("cpu", "cuda", "mps"):
+        raise _BadInput(f"--device {device}: expected cpu, cuda[:N] or mps")
+    on_cpu = device == "cpu" or (device is None and not _cuda_available())
+    ip = "ip6" if ":" in args.host else "ip4"
+    kwargs = dict(
+        converted_model_name_or_path=str(model),
+        dht_prefix=args.dht_prefix or dht_prefix_for(model),
+        initial_peers=list(args.initial_peers),
+        node_id=args.node_id,
+        memory_gb=args.memory_gb,
+        profile_cache_dir=args.cache_dir,
+        drain_timeout=args.drain_timeout,
+        device=device,
+        torch_dtype=args.torch_dtype,
+        quant_type=args.quant_type,
+        host_maddrs=[f"/{ip}/{args.host}/tcp/{args.port}"],
+        num_handlers=args.num_handlers or (2 if on_cpu else 8),
+        update_period=args.update_period,
+        use_relay=False,
+        use_auto_relay=False,
+        reachable_via_relay=False,
+        skip_reachability_check=True,
+    )
+    if args.announce_host or args.announce_port:
+        if not args.announce_port and not args.port:
+            raise _BadInput("--announce-host needs --announce-port or a fixed --port")
+        host = args.announce_host or args.host
+        kwargs["announce_maddrs"] = [f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{args.announce_port or args.port}"]
+    if args.identity_path:
+        kwargs["identity_path"] = args.identity_path
+    if args.tensor_parallel_devices:
+        kwargs["tensor_parallel_devices"] = list(args.tensor_parallel_devices)
+    return kwargs
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        kwargs = server_kwargs(args)
+    except _BadInput as exc:
+        print(f"chainswarm server: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("server").setLevel(args.log_level)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit -> finally -> clean petals shutdown
+
+    from server.node import run_node
+
+    try:
+        run_node(kwargs)
+    except KeyboardInterrupt:
+        logger.info("interrupted, shutting down")
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"chainswarm server: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _reap_children()
+    return 0
+
+
+def _reap_children() -> None:
+    """Kill whatever petals left of this process's own children (a hung handler, a p2pd)."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+    except Exception:
+        pass
