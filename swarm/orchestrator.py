@@ -84,6 +84,7 @@ class SwarmView:
     plan_id: str | None = None
     plan_kept_ranges: bool = False
     plan_error: str | None = None
+    plan_inputs: dict | None = None  # the planner's input for this plan, in `chainswarm plan --swarm` format
     assignments: dict[str, records.Assignment] = field(default_factory=dict)
     chains: list[RoutableChain] = field(default_factory=list)
 
@@ -186,6 +187,7 @@ class Orchestrator:
             return
         plan_id = planning.new_plan_id()
         view.plan, view.plan_id, view.plan_kept_ranges, view.plan_error = new_plan, plan_id, kept, None
+        view.plan_inputs = planning.swarm_document(list(live.values()), self.config.num_blocks, self.config.expect)
         view.assignments = planning.assignments_for(new_plan, plan_id, self.config.expect.max_length)
         self._published_at = 0.0
         self._replans += 1
@@ -339,12 +341,13 @@ class Orchestrator:
     def status(self) -> dict[str, Any]:
         view = self.view
         active = self.scheduler.active_sessions()
-        queue = {str(c): n for c, n in self.scheduler.queue_lengths().items()}
+        queue = {str(c): n for c, n in self.scheduler.queue_lengths().items() if n}
         return {
             "dht_prefix": self.config.dht_prefix,
             "policy": self.config.policy,
             "plan": None if view.plan is None else {"plan_id": view.plan_id, "kept_ranges": view.plan_kept_ranges,
-                                                    "replans": self._replans, **view.plan.to_dict()},
+                                                    "replans": self._replans, "inputs": view.plan_inputs,
+                                                    **view.plan.to_dict()},
             "plan_error": view.plan_error,
             "servers": [
                 {**p.to_dict(), "suspect": node in self.suspects,

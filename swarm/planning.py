@@ -73,6 +73,19 @@ def planner_inputs(
     return model, servers
 
 
+def swarm_document(profiles: Sequence[ServerProfile], num_blocks: int, expect: Expectations) -> dict:
+    """The planner input for these profiles as a ``chainswarm plan --swarm`` JSON document."""
+    model, servers = planner_inputs(profiles, num_blocks, expect)
+    return {
+        "model": {"num_blocks": model.num_blocks, "block_size_gb": model.block_size_gb,
+                  "cache_slot_gb": model.cache_slot_gb},
+        "servers": [{"id": s.id, "memory_gb": s.memory_gb, "comm_time_s": s.comm_time_s,
+                     "compute_time_s": s.compute_time_s} for s in servers],
+        "arrival_rate": expect.arrival_rate,
+        "target_load": expect.target_load,
+    }
+
+
 def objective(p: Plan) -> float:
     """Lower is better: the Theorem 3.7 lower bound on mean response time, or 1/ν when overloaded."""
     if p.bounds is not None:

@@ -1,0 +1,233 @@
+"""The orchestrator's control logic on an in-memory DHT: planning, assignments, readiness, JFFC, fairness, leases.
+
+(The same orchestrator runs against real server processes in tests/test_runtime.py.)
+"""
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from planner.plan import plan as run_planner
+from swarm import planning, records
+from swarm.orchestrator import NoChainsError, Orchestrator, OrchestratorConfig, QueueTimeout, UnknownLeaseError
+from swarm.planning import Expectations
+from swarm.routing import NoRouteError
+
+MB = 10**6
+
+
+class MemoryDHT:
+    """Just enough of hivemind.DHT's get/store (subkeys, latest) for the orchestrator's records."""
+
+    def __init__(self):
+        self.data: dict[str, dict[str, object]] = {}
+        self.peer_id = SimpleNamespace(to_base58=lambda: "orchestrator-peer")
+
+    def store(self, key, value, expiration_time, subkey=None):
+        self.data.setdefault(key, {})[subkey] = value
+        return True
+
+    def get(self, key, latest=False):
+        if key not in self.data:
+            return None
+        return SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.data[key].items()})
+
+    def drop(self, key, subkey):
+        self.data[key].pop(subkey, None)
+
+
+def profile(node, memory_mb, *, state=records.WAITING, start=None, end=None, slots=0, rtt=0.001):
+    return records.ServerProfile(node_id=node, peer_id=f"peer-{node}", memory_bytes=int(memory_mb * MB),
+                                 block_bytes=200_000, cache_bytes_per_token=512, prefill_s=1e-5, decode_s=5e-4,
+                                 rtt_s=rtt, state=state, start=start, end=end, cache_slots=slots)
+
+
+EXPECT = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0)
+PREFIX = "tiny-cs"
+
+
+def make(policy="dlpm", **kw):
+    dht = MemoryDHT()
+    config = OrchestratorConfig(model_dir="unused", dht_prefix=PREFIX, num_blocks=4, expect=EXPECT, policy=policy,
+                                quantum=kw.pop("quantum", 8192.0), **kw)
+    return Orchestrator(config, dht), dht
+
+
+def publish(dht, *profiles):
+    for p in profiles:
+        records.publish_profile(dht, PREFIX, p, ttl=10)
+
+
+def serve_assignments(dht):
+    """Every server does what it was told (what server.node does for real)."""
+    assigned = records.fetch_assignments(dht, PREFIX)
+    for node, p in records.fetch_profiles(dht, PREFIX).items():
+        a = assigned[node]
+        state = records.SERVING if a.end > a.start else records.WAITING
+        publish(dht, profile(node, p.memory_bytes / MB, state=state, start=a.start if a.end > a.start else None,
+                             end=a.end if a.end > a.start else None, slots=a.cache_slots))
+
+
+SERVERS = [("a", 6), ("b", 3), ("c", 3), ("d", 2)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_plan_equals_planner_output_and_chains_become_ready_only_when_served():
+    async def scenario():
+        orch, dht = make()
+        publish(dht, *(profile(n, m) for n, m in SERVERS))
+        await orch.start()
+        status = orch.status()
+        model, servers = planning.planner_inputs([profile(n, m) for n, m in SERVERS], 4, EXPECT)
+        expected = run_planner(model, servers, EXPECT.arrival_rate, target_load=EXPECT.target_load)
+        published = {k: v for k, v in status["plan"].items() if k not in ("plan_id", "kept_ranges", "replans", "inputs")}
+        assert published == expected.to_dict()
+        assigned = records.fetch_assignments(dht, PREFIX)
+        assert {n: (a.start, a.end) for n, a in assigned.items() if a.end > a.start} == {
+            sp.id: sp.span for sp in expected.servers if sp.span}
+        assert records.fetch_orchestrator(dht, PREFIX).peer_id == "orchestrator-peer"
+        assert status["chains"] and not any(c["ready"] for c in status["chains"])
+        with pytest.raises(QueueTimeout):  # a plan but no served chain yet: the request waits
+            await orch.acquire("alice", 10, 10, timeout=0.2)
+        serve_assignments(dht)
+        await orch.refresh()
+        assert all(c["ready"] for c in orch.status()["chains"])
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_jffc_fills_the_fastest_chain_first_then_queues():
+    async def scenario():
+        orch, dht = make(policy="fcfs")
+        publish(dht, *(profile(n, m) for n, m in SERVERS))
+        await orch.start()
+        serve_assignments(dht)
+        await orch.refresh()
+        chains = orch.view.chains
+        total = sum(c.capacity for c in chains)
+        grants = [await orch.acquire(f"client{i}", 10, 10, timeout=1) for i in range(total)]
+        order = [orch.chain(g.chain_id).index for g in grants]
+        assert order == sorted(order), "JFFC must fill chains fastest first"
+        assert [order.count(c.index) for c in chains] == [c.capacity for c in chains]
+        waiting = asyncio.ensure_future(orch.acquire("late", 10, 10, timeout=5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and orch.status()["queue"] == {"late": 1}
+        freed = grants[-1]
+        orch.finish(freed.request_id, 10)
+        granted = await waiting
+        assert granted.chain_id == freed.chain_id
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_dlpm_keeps_serving_a_light_client_behind_a_flood():
+    async def scenario():
+        orch, dht = make(policy="dlpm", quantum=100.0)
+        publish(dht, profile("solo", 3))
+        await orch.start()
+        serve_assignments(dht)
+        await orch.refresh()
+        capacity = sum(c.capacity for c in orch.view.chains)
+        running = [await orch.acquire("flood", 50, 20, timeout=1) for _ in range(capacity)]
+        flood = [asyncio.ensure_future(orch.acquire("flood", 50, 20, timeout=30)) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        light = asyncio.ensure_future(orch.acquire("light", 50, 20, timeout=30))
+        await asyncio.sleep(0.05)
+        served = []
+        for _ in range(6):  # complete sessions one at a time; see who gets the freed slots
+            done = running.pop(0)
+            orch.tokens(done.request_id, 20)
+            orch.finish(done.request_id, 20)
+            await asyncio.sleep(0.01)
+            for fut, who in [(light, "light")] + [(f, "flood") for f in flood]:
+                if fut.done() and fut not in [s[0] for s in served]:
+                    served.append((fut, who))
+                    running.append(fut.result())
+        assert "light" in [who for _, who in served][:3], "the light client must not wait behind the flood"
+        for fut in flood:
+            fut.cancel()
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_leases_release_unknown_and_too_long():
+    async def scenario():
+        orch, dht = make()
+        publish(dht, *(profile(n, m) for n, m in SERVERS))
+        await orch.start()
+        serve_assignments(dht)
+        await orch.refresh()
+        record = await orch.grant_lease("alice", 10, 10, timeout=1)
+        chain = orch.chain(record.lease.chain_id)
+        assert record.lease.route == chain.route and chain.route[0][1] == 0 and chain.route[-1][2] == 4
+        assert orch.status()["chains"][chain.index]["active"] == 1
+        orch.release_lease(record.lease.lease_id, output_tokens=10)
+        assert orch.status()["chains"][chain.index]["active"] == 0
+        with pytest.raises(UnknownLeaseError):
+            orch.release_lease(record.lease.lease_id)
+        with pytest.raises(ValueError, match="exceeds"):
+            await orch.acquire("alice", 1000, 100, timeout=1)
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_failed_server_is_excluded_at_once_and_reroute_avoids_it():
+    async def scenario():
+        orch, dht = make()
+        publish(dht, *(profile(n, m) for n, m in SERVERS))
+        await orch.start()
+        serve_assignments(dht)
+        await orch.refresh()
+        first = orch.view.chains[0]
+        victim = first.route[0][0]
+        route = orch.reroute(first.chain_id, 0, 4, [victim])
+        assert victim not in [p for p, _, _ in route] and route[0][1] == 0 and route[-1][2] == 4
+        await orch.refresh()  # GCA rebuild without the failed server, before its record even expires
+        assert all(victim not in [p for p, _, _ in c.route] for c in orch.view.chains)
+        with pytest.raises(NoRouteError):
+            orch.reroute(first.chain_id, 0, 4, [p for c in orch.view.chains for p, _, _ in c.route])
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_a_joining_server_that_adds_little_does_not_move_blocks():
+    async def scenario():
+        orch, dht = make()
+        publish(dht, *(profile(n, m) for n, m in SERVERS))
+        await orch.start()
+        before = {n: (a.start, a.end) for n, a in orch.view.assignments.items()}
+        first_plan = orch.view.plan_id
+        publish(dht, profile("tiny", 0.3))  # room for one block and no cache: cannot improve the plan
+        await orch.refresh()
+        assert orch.view.plan_id != first_plan and orch.view.plan_kept_ranges
+        after = {n: (a.start, a.end) for n, a in orch.view.assignments.items()}
+        assert {n: after[n] for n in before} == before
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_no_servers_means_a_clear_error():
+    async def scenario():
+        orch, _ = make()
+        await orch.start()
+        with pytest.raises(NoChainsError, match="no servers"):
+            await orch.acquire("alice", 10, 10, timeout=1)
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_malformed_profile_records_are_skipped():
+    dht = MemoryDHT()
+    publish(dht, profile("good", 3))
+    dht.store(f"{PREFIX}.{records.PROFILES}", {"node_id": "bad", "memory_bytes": "lots"}, 0, subkey="bad")
+    assert set(records.fetch_profiles(dht, PREFIX)) == {"good"}
