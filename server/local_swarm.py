@@ -22,7 +22,7 @@ from typing import Any
 from swarm.checkpoint import dht_prefix_for
 from swarm.process import stop_process_group
 
-_PRELOAD = ["swarm.compat", "petals.server.server", "server.runner", "swarm.dht", "server.node"]
+_PRELOAD = ["swarm.compat", "petals.server.server", "server.runner", "swarm.dht", "server.node", "swarm.service"]
 
 # ChainswarmServer keyword arguments (the rest of add_node's options are petals Server kwargs).
 _NODE_OPTIONS = ("check_period", "assignment_poll", "drain_timeout", "profile_ttl_factor", "rtt_period",
@@ -81,6 +81,7 @@ class LocalSwarm:
         self.dht_prefix = dht_prefix or dht_prefix_for(model_dir)
         self.host = host
         self.dht: Peer | None = None
+        self.orchestrator: Peer | None = None
         self.servers: list[Peer] = []
         self._ctx = _context()
 
@@ -262,8 +263,32 @@ class LocalSwarm:
         """Stop a server gracefully (it announces OFFLINE), then reap its process group."""
         stop_process_group(peer.process, timeout)
 
+    # -- the orchestrator ------------------------------------------------------------------------------
+    def add_orchestrator(self, *, timeout: float = 120.0, **options: Any) -> Peer:
+        """Start an orchestrator (``swarm.service``) that joins this swarm's DHT; return its peer.
+
+        ``options`` are :class:`swarm.service.OrchestratorOptions` fields (``policy``, ``expected_rate``,
+        ``api_keys``, ``http_port`` ...). ``peer.info["url"]`` is its HTTP API. Start it before the nodes
+        or after: nodes wait for their assignments either way.
+        """
+        from swarm.service import OrchestratorOptions, orchestrator_process_main
+
+        options.setdefault("http_port", 0)
+        opts = OrchestratorOptions(model_dir=self.model_dir, initial_peers=self.initial_peers,
+                                   dht_prefix=self.dht_prefix, dht_host=self.host, http_host=self.host, **options)
+        receive, send = self._ctx.Pipe(duplex=False)
+        process = self._ctx.Process(target=orchestrator_process_main, args=(opts, os.getpid(), send),
+                                    name="orchestrator", daemon=False)
+        process.start()
+        peer = Peer("orchestrator", process, info={"options": opts})
+        _, peer.info["url"], _ = _await_report(peer, receive, timeout)
+        self.orchestrator = peer
+        return peer
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop every server, then the DHT. Safe to call twice."""
+        """Stop the orchestrator, every server, then the DHT. Safe to call twice."""
+        if self.orchestrator is not None and self.orchestrator.process.pid is not None:
+            stop_process_group(self.orchestrator.process, timeout)
         for peer in self.servers:
             if peer.process.pid is not None:
                 stop_process_group(peer.process, timeout)
