@@ -60,12 +60,15 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     if not (model / "config.json").is_file():
         raise _BadInput(f"--model {args.model}: not a model directory (no config.json)")
     try:
-        from multiaddr import Multiaddr
+        from hivemind.utils.multiaddr import Multiaddr
 
         for maddr in args.initial_peers:
             Multiaddr(maddr)
     except Exception as exc:
         raise _BadInput(f"--initial-peers: not a multiaddr: {exc}") from None
+    for maddr in args.initial_peers:
+        if "/p2p/" not in maddr:
+            raise _BadInput(f"--initial-peers {maddr}: the multiaddr lacks the peer id (/p2p/...)")
     if args.memory_gb is not None and not (args.memory_gb > 0 and math.isfinite(args.memory_gb)):
         raise _BadInput("--memory-gb must be a positive number")
     for name in ("port", "announce_port"):

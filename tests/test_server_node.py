@@ -1,0 +1,329 @@
+"""Orchestrated server nodes (server.node.ChainswarmServer) on loopback, with the test as orchestrator.
+
+One module-scoped swarm (bootstrap DHT + nodes "a" and "b") goes through a whole life: profile → waiting →
+assignment → serving → generation equal to transformers → malformed records ignored → a plan change that
+moves both ranges while a session is open (drain, then reload) → an empty assignment (back to waiting).
+The unit tests at the top need no processes.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from server import profiling
+from swarm import records
+from swarm.records import Assignment, OrchestratorInfo
+
+GIB = 1024**3
+
+
+# -- unit tests: profiling, push fix, CLI -----------------------------------------------------------------
+
+
+def _tiny_config(tiny_model):
+    from swarm.compat import petals  # noqa: F401
+    from petals.utils.auto_config import AutoDistributedConfig
+
+    return AutoDistributedConfig.from_pretrained(tiny_model)
+
+
+def test_memory_and_cache_sizes(tiny_model):
+    config = _tiny_config(tiny_model)
+    assert profiling.usable_memory_bytes("cpu", 1.5) == int(1.5 * GIB)
+    assert 0 < profiling.usable_memory_bytes("cpu") < __import__("psutil").virtual_memory().total
+    with pytest.raises(ValueError):
+        profiling.usable_memory_bytes("cpu", -1)
+    # K and V of one token on one block: 2 · hidden / groups · 4 bytes (float32); bf16 halves it
+    assert profiling.cache_bytes_per_token(config, "float32") == 2 * 64 * 4
+    assert profiling.cache_bytes_per_token(config, "bfloat16") == 2 * 64 * 2
+    params = sum(p.numel() for p in config.block_class(config).parameters())
+    assert params * 4 <= profiling.block_bytes(config, "float32", "none") <= params * 4 * 1.02
+    assert profiling.job_compute_time(0.01, 0.1, 10, 5, overhead_s=0.001) == pytest.approx(0.001 + 0.1 + 0.4)
+
+
+def test_compute_times_are_measured_once_and_cached(tiny_model, tmp_path):
+    config = _tiny_config(tiny_model)
+    first = profiling.compute_times(config, "cpu", "float32", "none", cache_dir=tmp_path)
+    assert not first.cached and first.prefill_s > 0 and first.decode_s > 0
+    assert first.measured_s < 2.0
+    again = profiling.compute_times(config, "cpu", "float32", "none", cache_dir=tmp_path)
+    assert again.cached and (again.prefill_s, again.decode_s) == (first.prefill_s, first.decode_s)
+    entries = json.loads((tmp_path / profiling.CACHE_FILE).read_text())
+    assert list(entries) == [profiling.compute_cache_key(config, "cpu", "float32", "none")]
+    # another dtype is another entry; the fingerprint ignores where the checkpoint lives
+    assert profiling.compute_cache_key(config, "cpu", "bfloat16", "none") not in entries
+    moved = config.__class__.from_dict({**config.to_dict(), "_name_or_path": "/elsewhere"})
+    assert profiling.config_fingerprint(moved) == profiling.config_fingerprint(config)
+    deeper = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 8})
+    assert profiling.config_fingerprint(deeper) != profiling.config_fingerprint(config)
+
+
+def test_push_fix_pushes_with_the_latest_step_metadata(monkeypatch):
+    import asyncio
+
+    from petals.server.handler import TransformerConnectionHandler as PetalsHandler
+
+    from server.handler import ChainswarmHandler
+
+    assert ChainswarmHandler.__name__ == "TransformerConnectionHandler"
+    steps = [({"session_id": "s"}), ({"session_id": "s", "step_id": 1, "next_servers": [["peer", "s2", 2, 4]]}),
+             ({"session_id": "s", "step_id": 2, "pushed": True, "next_servers": [["peer", "s2", 2, 4]]})]
+
+    async def fake_steps(self, first_request, requests, session_id, uids, context):
+        for metadata in steps:
+            yield object(), metadata
+
+    pushed_with = []
+
+    async def fake_push(self, request, outputs, metadata):
+        pushed_with.append(metadata)
+
+    monkeypatch.setattr(PetalsHandler, "_iterate_inference_steps", fake_steps)
+    monkeypatch.setattr(PetalsHandler, "_push_outputs", fake_push)
+    handler = ChainswarmHandler.__new__(ChainswarmHandler)
+    handler._latest_step_metadata, handler._pushes_received = {}, None
+
+    async def session():
+        async for _request, metadata in handler._iterate_inference_steps(None, None, "s", (), None):
+            await handler._push_outputs(None, None, steps[0])  # petals passes the *opening* metadata
+        return dict(handler._latest_step_metadata)
+
+    left = asyncio.run(session())
+    assert [m.get("step_id") for m in pushed_with] == [None, 1, 2]
+    assert pushed_with[1]["next_servers"] == [["peer", "s2", 2, 4]]
+    assert left == {}  # forgotten when the session ends
+
+
+def test_server_cli_help_and_bad_input(tiny_model, capsys):
+    from swarm.cli import main
+
+    with pytest.raises(SystemExit) as help_exit:
+        main(["server", "--help"])
+    assert help_exit.value.code == 0
+    assert "--initial-peers" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad_flag:
+        main(["server", "--model", tiny_model, "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--bogus"])
+    assert bad_flag.value.code == 2
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWJ7HxrxtCLSEUwGKxc5dXkjWyyEw7ZwdiaYUsbn4po79R"
+    assert main(["server", "--model", tiny_model + "-missing", "--initial-peers", peer]) == 2
+    assert main(["server", "--model", tiny_model, "--initial-peers", "not-a-multiaddr"]) == 2
+    assert main(["server", "--model", tiny_model, "--initial-peers", peer, "--memory-gb", "-2"]) == 2
+    assert main(["server", "--model", tiny_model, "--initial-peers", peer, "--device", "tpu"]) == 2
+    assert main(["server", "--model", tiny_model, "--initial-peers", "/ip4/127.0.0.1/tcp/1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("chainswarm server: error:") == 6 and all(len(l) < 200 for l in err.splitlines())
+
+
+# -- a live swarm of two nodes -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model, tmp_path_factory):
+    from server.local_swarm import LocalSwarm
+
+    profile_dir = tmp_path_factory.mktemp("profiles")
+    with LocalSwarm(tiny_model) as local:
+        started = time.monotonic()
+        options = dict(profile_cache_dir=str(profile_dir), update_period=1.0, wait=False, num_handlers=1)
+        nodes = [local.add_node(node_id="a", memory_gb=0.5, **options),
+                 local.add_node(node_id="b", memory_gb=0.25, **options)]
+        for node in nodes:
+            local.wait_profiled(node)
+        local.timings = {"profiled_s": time.monotonic() - started}
+        local.profile_dir = profile_dir
+        yield local
+
+
+@pytest.fixture(scope="module")
+def orchestrator_dht(swarm):
+    """The test's own DHT peer, acting as the orchestrator (created after the nodes started)."""
+    import hivemind
+
+    dht = hivemind.DHT(initial_peers=swarm.initial_peers, start=True)
+    yield dht
+    dht.shutdown()
+
+
+def _wait(predicate, timeout: float, what: str, period: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(period)
+
+
+def _profiles(dht, swarm):
+    return records.fetch_profiles(dht, swarm.dht_prefix)
+
+
+def _block_servers(dht, swarm):
+    """{block index: {peer_id: ServerInfo}} as petals announces it."""
+    from petals.utils.dht import get_remote_module_infos
+
+    uids = [f"{swarm.dht_prefix}.{i}" for i in range(4)]
+    infos = get_remote_module_infos(dht, uids, latest=True)
+    return {i: {peer.to_base58(): info for peer, info in module.servers.items()} for i, module in enumerate(infos)}
+
+
+def _assign(dht, swarm, node, assignment, ttl=120.0):
+    assert records.publish_assignment(dht, swarm.dht_prefix, node, assignment, ttl)
+
+
+def test_nodes_publish_their_profiles(swarm, orchestrator_dht):
+    a, b = swarm.nodes
+    found = _wait(lambda: (lambda p: p if {"a", "b"} <= set(p) else None)(_profiles(orchestrator_dht, swarm)),
+                  10, "both profiles")
+    for peer, budget in ((a, 0.5), (b, 0.25)):
+        profile = found[peer.name]
+        assert profile.peer_id == peer.peer_id and profile.state == records.WAITING
+        assert profile.memory_bytes == int(budget * GIB)
+        assert profile.prefill_s > 0 and profile.decode_s > 0 and profile.decode_s < 0.5
+        assert profile.block_bytes > 0 and profile.cache_bytes_per_token == 512
+        assert (profile.device, profile.torch_dtype, profile.quant_type) == ("cpu", "float32", "none")
+        assert profile.plan_id is None and profile.start is None and profile.rtt_s is None
+        assert peer.info["profile"] == profile.to_dict() | {"state": records.WAITING}
+    # both nodes share one cache entry for this model on this device
+    assert len(json.loads((swarm.profile_dir / profiling.CACHE_FILE).read_text())) == 1
+    # once an orchestrator is known, the nodes measure their RTT to it over the swarm
+    info = OrchestratorInfo(peer_id=orchestrator_dht.peer_id.to_base58(), http_url=None)
+    assert records.publish_orchestrator(orchestrator_dht, swarm.dht_prefix, info, ttl=300)
+    rtts = _wait(lambda: (lambda p: p if all(x.rtt_s is not None for x in p.values()) else None)(
+        _profiles(orchestrator_dht, swarm)), 15, "RTTs in the profiles")
+    assert all(0 < p.rtt_s < 1.0 for p in rtts.values())
+    print(f"\nnodes profiled {swarm.timings['profiled_s']:.1f} s after launch; RTTs "
+          f"{ {n: round(p.rtt_s * 1e3, 2) for n, p in rtts.items()} } ms")
+
+
+def test_assignment_is_served_with_cache_sized_to_the_slots(swarm, orchestrator_dht):
+    a, b = swarm.nodes
+    started = time.monotonic()
+    _assign(orchestrator_dht, swarm, "a", Assignment("p1", 0, 2, cache_slots=2, max_length=128))
+    _assign(orchestrator_dht, swarm, "b", Assignment("p1", 2, 4, cache_slots=3, max_length=128))
+    swarm.wait_serving(a, "p1", timeout=60)
+    swarm.wait_serving(b, "p1", timeout=60)
+    swarm.timings["assigned_to_serving_s"] = time.monotonic() - started
+    assert [(a.start, a.end), (b.start, b.end)] == [(0, 2), (2, 4)]
+    assert [s for s, *_ in a.info["history"]] == ["loading", "serving"]
+
+    from petals.data_structures import ServerState
+
+    blocks = _wait(lambda: (lambda s: s if all(len(s[i]) == 1 for i in range(4)) else None)(
+        _block_servers(orchestrator_dht, swarm)), 15, "petals announcements")
+    for index in range(4):
+        ((peer_id, info),) = blocks[index].items()
+        node, slots, span = (a, 2, (0, 2)) if index < 2 else (b, 3, (2, 4))
+        assert peer_id == node.peer_id and info.state == ServerState.ONLINE
+        assert (info.start_block, info.end_block) == span and info.public_name == node.name
+        # petals counts free cache in (token-slots · 2 · blocks): slots · max_length tokens on each block
+        assert info.cache_tokens_left == slots * 128 * 2 * 2
+    served = _wait(lambda: (lambda p: p if all(x.state == records.SERVING for x in p.values()) else None)(
+        _profiles(orchestrator_dht, swarm)), 10, "serving profiles")
+    assert (served["a"].plan_id, served["a"].start, served["a"].end, served["a"].cache_slots) == ("p1", 0, 2, 2)
+    assert (served["b"].plan_id, served["b"].start, served["b"].end, served["b"].cache_slots) == ("p1", 2, 4, 3)
+    print(f"\nassignment → serving in {swarm.timings['assigned_to_serving_s']:.2f} s")
+
+
+def test_two_nodes_generate_like_transformers_with_server_to_server_pushes(swarm, tiny_model, reference_generate):
+    from transformers import AutoTokenizer
+
+    from swarm.petals_client import open_distributed_model
+
+    a, b = swarm.nodes
+    input_ids = AutoTokenizer.from_pretrained(tiny_model)("A journey of a thousand miles", return_tensors="pt").input_ids
+    expected = reference_generate(input_ids, 32)
+    pushes_before = b.info["pushes"].value
+    with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                use_server_to_server=True) as model:
+        produced = model.generate(input_ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(produced, expected)
+    # with the push fix, a (blocks 0:2) pushes its outputs straight to b (blocks 2:4) at every decode step
+    assert b.info["pushes"].value - pushes_before >= 16
+    assert a.info["pushes"].value == 0  # nobody precedes the first span
+
+
+def test_malformed_assignments_are_ignored(swarm, orchestrator_dht):
+    a, _b = swarm.nodes
+    key = f"{swarm.dht_prefix}.{records.ASSIGNMENTS}"
+    from hivemind.utils.timed_storage import get_dht_time
+
+    bad_records = [
+        {"plan_id": "bad1", "start": "zero", "end": 2, "cache_slots": 1, "max_length": 64},  # mistyped
+        {"plan_id": "bad2", "start": 3, "end": 1, "cache_slots": 1, "max_length": 64},  # inverted range
+        {"plan_id": "bad3", "start": 0, "end": 9, "cache_slots": 1, "max_length": 64},  # past the last block
+        "not a mapping",
+    ]
+    for raw in bad_records:
+        assert orchestrator_dht.store(key, raw, expiration_time=get_dht_time() + 120, subkey="a")
+        time.sleep(1.5)  # > check_period: the node has looked at it
+    profile = _profiles(orchestrator_dht, swarm)["a"]
+    assert (profile.state, profile.plan_id, profile.start, profile.end) == (records.SERVING, "p1", 0, 2)
+    assert a.alive and [s for s, *_ in a.info["history"]] == ["loading", "serving"]
+    _assign(orchestrator_dht, swarm, "a", Assignment("p1", 0, 2, cache_slots=2, max_length=128))  # restore
+
+
+def test_same_layout_under_a_new_plan_id_is_adopted_without_reload(swarm, orchestrator_dht):
+    a, _b = swarm.nodes
+    _assign(orchestrator_dht, swarm, "a", Assignment("p1b", 0, 2, cache_slots=2, max_length=128))
+    swarm.wait_serving(a, "p1b", timeout=15)
+    assert [s for s, *_ in a.info["history"]] == ["loading", "serving", "serving"]
+
+
+def test_plan_change_drains_open_session_then_reloads(swarm, orchestrator_dht, tiny_model, reference_generate):
+    from petals.data_structures import ServerState
+    from transformers import AutoTokenizer
+
+    from swarm.petals_client import open_distributed_model
+
+    a, b = swarm.nodes
+    input_ids = AutoTokenizer.from_pretrained(tiny_model)("Every volunteer GPU", return_tensors="pt").input_ids
+    expected = reference_generate(input_ids, 32)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix) as model:
+        with model.inference_session(max_length=input_ids.shape[1] + 16) as session:
+            first = model.generate(input_ids, max_new_tokens=8, session=session, **kw)
+            _assign(orchestrator_dht, swarm, "a", Assignment("p2", 0, 3, cache_slots=1, max_length=96))
+            _assign(orchestrator_dht, swarm, "b", Assignment("p2", 3, 4, cache_slots=4, max_length=96))
+            swarm.wait_state(a, records.DRAINING, timeout=15)
+            swarm.wait_state(b, records.DRAINING, timeout=15)
+            # draining servers leave petals' routing (JOINING) but keep serving the open session
+            blocks = _wait(lambda: (lambda s: s if s[0] and all(i.state == ServerState.JOINING for i in s[0].values())
+                                    else None)(_block_servers(orchestrator_dht, swarm)), 10, "JOINING announcement")
+            assert set(blocks[0]) == {a.peer_id}
+            time.sleep(1.5)  # the nodes keep waiting for the session
+            assert (a.info["state"], b.info["state"]) == (records.DRAINING, records.DRAINING)
+            rest = model.generate(None, max_new_tokens=8, session=session, **kw)
+        closed = time.monotonic()
+        assert torch.equal(torch.cat([first, rest], dim=1), expected[:, : input_ids.shape[1] + 16])
+        swarm.wait_serving(a, "p2", timeout=60)
+        swarm.wait_serving(b, "p2", timeout=60)
+        swarm.timings["reload_s"] = time.monotonic() - closed
+    assert [(a.start, a.end), (b.start, b.end)] == [(0, 3), (3, 4)]
+    assert [s for s, *_ in a.info["history"]][-3:] == ["draining", "loading", "serving"]
+
+    servers = _wait(lambda: (lambda s: s if [set(s[i]) for i in range(4)] == [{a.peer_id}] * 3 + [{b.peer_id}]
+                             and all(x.state == ServerState.ONLINE for i in range(4) for x in s[i].values())
+                             else None)(_block_servers(orchestrator_dht, swarm)), 15, "the new layout in petals")
+    assert servers[0][a.peer_id].cache_tokens_left == 1 * 96 * 2 * 3
+    assert servers[3][b.peer_id].cache_tokens_left == 4 * 96 * 2 * 1
+    # the reloaded blocks compute the same model
+    with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix) as model:
+        produced = model.generate(input_ids, max_new_tokens=32, **kw)
+    assert torch.equal(produced, expected)
+    print(f"\nsession closed → both nodes serving the new plan in {swarm.timings['reload_s']:.2f} s")
+
+
+def test_empty_assignment_sends_a_node_back_to_waiting(swarm, orchestrator_dht):
+    _a, b = swarm.nodes
+    _assign(orchestrator_dht, swarm, "b", Assignment("p3", 0, 0, cache_slots=0, max_length=96))
+    swarm.wait_state(b, records.WAITING, plan_id="p3", timeout=30)
+    profile = _wait(lambda: (lambda p: p if p.state == records.WAITING else None)(
+        _profiles(orchestrator_dht, swarm)["b"]), 10, "waiting profile")
+    assert (profile.plan_id, profile.start, profile.end, profile.cache_slots) == ("p3", None, None, 0)
+    _wait(lambda: not _block_servers(orchestrator_dht, swarm)[3], 10, "block 3 unannounced")
+    assert b.alive
