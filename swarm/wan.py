@@ -31,6 +31,17 @@ host -> address map and a symmetric round-trip-time matrix in milliseconds. Two 
 The RTT matrix either comes straight from the caller (:meth:`WanConfig.from_matrix`) or is built from the
 RIPE Atlas EU dataset (:meth:`WanConfig.from_ripe_atlas`, chain-composition spec §13.3).
 
+Typical use by a swarm launcher (server k on 127.0.0.k; the client and bootstrap DHT on 127.0.0.1)::
+
+    config = WanConfig.from_ripe_atlas(num_servers=3, seed=0)   # or WanConfig.load("wan.json")
+    with WanEmulator(config) as emulator:                       # start it before the servers
+        for name, ep in emulator.endpoints.items():
+            start_server(host_maddrs=[ep.host_maddr],           # /ip4/127.0.0.k/tcp/<real port>
+                         announce_maddrs=[ep.announce_maddr])   # /ip4/127.0.0.k/tcp/<proxy port>
+        ...                                                     # run the experiment; stop servers first
+    # CLI: chainswarm wan config --ripe-atlas --servers 3 --seed 0 --out wan.json
+    #      chainswarm wan measure --config wan.json
+
 This module must start fast: it imports neither torch nor petals, only the standard library (and
 uvloop inside the proxy process when it is available).
 """
