@@ -1126,6 +1126,13 @@ class WanEmulator:
         """The proxy process id (userspace backend), for diagnostics."""
         return self._proc.proc.pid if self._proc is not None and self._proc.proc is not None else None
 
+    @property
+    def alive(self) -> bool:
+        """True while the emulation is in place (the proxy process runs, or the netem tree is installed)."""
+        if self._proc is not None:
+            return self._proc.alive
+        return self._netem is not None and self._netem.installed
+
     def stats(self) -> dict[str, Any]:
         """Per-link counters ``"src->dst"``: connections, active, failed, bytes_to_dst, bytes_to_src."""
         return self._proc.request_stats() if self._proc is not None else {}

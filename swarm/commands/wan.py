@@ -145,8 +145,8 @@ def _run(args: argparse.Namespace, wan, config) -> int:
                 print(f"{h:>8} {e.ip:>12} {e.real_port:>6} {e.port:>8} {config.rtt(config.client, h):>12.2f}")
             print("running; Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
-            if emulator.backend == "userspace" and emulator.pid is not None and not emulator._proc.alive:
-                return _error("the proxy process died")
+            if not emulator.alive:
+                return _error("the WAN emulator stopped unexpectedly (proxy process died)")
     finally:
         final = emulator.stop()
         for s, h in previous.items():
