@@ -287,42 +287,69 @@ def measure_rtt(dht, peer_id: str, *, pings: int = 3, timeout: float = 2.0) -> O
 
 
 def orchestrator_rtt(dht, dht_prefix: str, **options) -> Optional[float]:
-    """RTT to the orchestrator announced under ``dht_prefix``; None while no orchestrator is known."""
+    """RTT to the orchestrator announced under ``dht_prefix``; None while no orchestrator is known or it
+    does not answer."""
+    info = _orchestrator(dht, dht_prefix)
+    return None if info is None else _rtt_to(dht, info.peer_id, **options)
+
+
+def _orchestrator(dht, dht_prefix: str):
     from swarm.records import fetch_orchestrator
 
     try:
-        info = fetch_orchestrator(dht, dht_prefix)
+        return fetch_orchestrator(dht, dht_prefix)
     except Exception as exc:
         logger.debug("could not read the orchestrator record: %s", exc)
         return None
-    if info is None:
-        return None
-    if info.peer_id == dht.peer_id.to_base58():
+
+
+def _rtt_to(dht, peer_id: str, **options) -> Optional[float]:
+    if peer_id == dht.peer_id.to_base58():
         return 0.0
-    return measure_rtt(dht, info.peer_id, **options)
+    return measure_rtt(dht, peer_id, **options)
 
 
 class RttMonitor(threading.Thread):
-    """Re-measures the RTT to the orchestrator every ``period`` seconds (sooner while none is known)."""
+    """Keeps ``rtt_s``, the RTT to the orchestrator, up to date.
 
-    def __init__(self, dht, dht_prefix: str, *, period: float = 30.0, retry_period: float = 2.0,
-                 on_change=None, **ping_options):
+    The orchestrator record is read every ``check_period`` s; the orchestrator is pinged when it first
+    appears, when its peer changes and every ``period`` s. A failed ping keeps the last value (a lost
+    packet must not make the server look unplannable); ``rtt_s`` returns to None only after the record
+    has been missing ``forget_after`` times in a row.
+    """
+
+    def __init__(self, dht, dht_prefix: str, *, period: float = 30.0, check_period: float = 2.0,
+                 forget_after: int = 3, on_change=None, **ping_options):
         super().__init__(name="orchestrator-rtt", daemon=True)
         self.dht, self.dht_prefix = dht, dht_prefix
-        self.period, self.retry_period = period, retry_period
+        self.period, self.check_period, self.forget_after = period, check_period, forget_after
         self.on_change, self.ping_options = on_change, ping_options
         self.rtt_s: Optional[float] = None
+        self.orchestrator_peer: Optional[str] = None
         self.stop_event = threading.Event()
 
+    def _set(self, rtt: Optional[float]) -> None:
+        changed, self.rtt_s = rtt != self.rtt_s, rtt
+        if changed and self.on_change is not None:
+            self.on_change(rtt)
+
     def run(self) -> None:
+        misses, measured_at = 0, -math.inf
         while not self.stop_event.is_set():
-            rtt = orchestrator_rtt(self.dht, self.dht_prefix, **self.ping_options)
-            if rtt is not None or self.rtt_s is not None:
-                changed = rtt != self.rtt_s
-                self.rtt_s = rtt
-                if changed and self.on_change is not None:
-                    self.on_change(rtt)
-            self.stop_event.wait(self.period if self.rtt_s is not None else self.retry_period)
+            info = _orchestrator(self.dht, self.dht_prefix)
+            if info is None:
+                misses += 1
+                if misses >= self.forget_after and self.rtt_s is not None:
+                    self.orchestrator_peer = None
+                    self._set(None)
+            else:
+                misses = 0
+                if info.peer_id != self.orchestrator_peer or time.monotonic() - measured_at >= self.period:
+                    rtt = _rtt_to(self.dht, info.peer_id, **self.ping_options)
+                    if rtt is not None:
+                        self.orchestrator_peer, measured_at = info.peer_id, time.monotonic()
+                        self._set(rtt)
+            self.stop_event.wait(self.check_period)
 
     def stop(self) -> None:
         self.stop_event.set()

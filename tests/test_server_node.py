@@ -260,7 +260,7 @@ def test_malformed_assignments_are_ignored(swarm, orchestrator_dht):
     ]
     for raw in bad_records:
         assert orchestrator_dht.store(key, raw, expiration_time=get_dht_time() + 120, subkey="a")
-        time.sleep(1.5)  # > check_period: the node has looked at it
+        time.sleep(1.2)  # > check_period: the node has looked at it
     profile = _profiles(orchestrator_dht, swarm)["a"]
     assert (profile.state, profile.plan_id, profile.start, profile.end) == (records.SERVING, "p1", 0, 2)
     assert a.alive and [s for s, *_ in a.info["history"]] == ["loading", "serving"]
@@ -327,3 +327,37 @@ def test_empty_assignment_sends_a_node_back_to_waiting(swarm, orchestrator_dht):
     assert (profile.plan_id, profile.start, profile.end, profile.cache_slots) == ("p3", None, None, 0)
     _wait(lambda: not _block_servers(orchestrator_dht, swarm)[3], 10, "block 3 unannounced")
     assert b.alive
+
+
+def test_chainswarm_server_command_serves_its_assignment_and_stops_cleanly(swarm, orchestrator_dht, tiny_model):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    command = [sys.executable, "-m", "swarm.cli", "server", "--model", tiny_model, "--initial-peers",
+               *swarm.initial_peers, "--node-id", "c", "--memory-gb", "0.1", "--device", "cpu",
+               "--torch-dtype", "float32", "--quant-type", "none", "--host", "127.0.0.1", "--update-period", "1",
+               "--num-handlers", "1", "--cache-dir", str(swarm.profile_dir), "--log-level", "WARNING"]
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        profile = _wait(lambda: _profiles(orchestrator_dht, swarm).get("c"), 60, "the CLI node's profile", 0.3)
+        assert profile.state == records.WAITING and profile.memory_bytes == int(0.1 * GIB)
+        _assign(orchestrator_dht, swarm, "c", Assignment("p4", 3, 4, cache_slots=2, max_length=64))
+        _wait(lambda: (lambda p: p is not None and p.state == records.SERVING and p.plan_id == "p4")(
+            _profiles(orchestrator_dht, swarm).get("c")), 60, "the CLI node serving", 0.3)
+        assert set(_block_servers(orchestrator_dht, swarm)[3]) == {profile.peer_id}
+        family = psutil.Process(process.pid).children(recursive=True)
+        assert family  # DHT, p2pd, handler
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        gone, alive = psutil.wait_procs(family, timeout=5)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        output = process.stdout.read().decode(errors="replace")
+    assert "Traceback" not in output, output[-2000:]
