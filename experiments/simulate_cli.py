@@ -1,0 +1,83 @@
+"""``chainswarm simulate``: run the model-driven simulations and regenerate the paper figures and report.
+
+    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|all|fairness [--runs N] [--quick] [--out DIR]
+
+Each figure writes ``<out>/figN.json`` (every number), ``<out>/figN.png`` and ``<out>/sections/figN.md``,
+then ``<out>/REPORT.md`` is reassembled from all sections present. ``fairness`` is delegated to
+``experiments.fairness_sim.run_cli(args)`` (options it does not share with the figures pass through).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "all", "fairness")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", choices=TARGETS, help="which figure to regenerate ('all': fig3..fig8)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="Monte Carlo runs per point (default 20; 2 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sweeps and 2,000-job runs (under a minute; what the tests run)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes for the sweeps of fig7/fig8 (default: 2, 1 with --quick)")
+    parser.add_argument("--comm-model", choices=("per-token", "literal", "authors"), default="per-token",
+                        help="τc from RTT (spec §10.2): l̄_O·(RTT+18ms) (default), RTT+18ms, or the authors' MATLAB")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    # options of the fairness simulations, passed along untouched
+    parser.add_argument("--workload", default=None, help="(fairness only) workload name")
+    parser.add_argument("--policies", default=None, help="(fairness only) comma-separated schedulers")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.runs is not None and args.runs < 1:
+        print("chainswarm simulate: --runs must be >= 1", file=sys.stderr)
+        return 2
+    if args.workers is not None and args.workers < 1:
+        print("chainswarm simulate: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if args.target == "fairness":
+        return _fairness(args)
+    from experiments import report
+    from experiments.figures import FIGURES, Settings, write_figure
+
+    settings = Settings.make(runs=args.runs, quick=args.quick, workers=args.workers,
+                             progress=not args.no_progress and sys.stderr.isatty(), comm_model=args.comm_model)
+    names = FIGURES if args.target == "all" else (args.target,)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        data = write_figure(name, settings, out)
+        held = sum(c["holds"] for c in data["claims"])
+        print(f"{name}: {held}/{len(data['claims'])} claims hold, {time.perf_counter() - t0:.1f} s -> "
+              f"{out / (name + '.png')}", flush=True)
+        for c in data["claims"]:
+            print(f"  [{'ok' if c['holds'] else 'NO'}] {c['claim']}: {c['detail']}")
+    path = report.assemble(out)
+    print(f"report: {path} ({time.perf_counter() - t_all:.1f} s)")
+    return 0
+
+
+def _fairness(args: argparse.Namespace) -> int:
+    try:
+        module = importlib.import_module("experiments.fairness_sim")
+    except ModuleNotFoundError as exc:
+        if exc.name != "experiments.fairness_sim":
+            raise
+        print("chainswarm simulate fairness: not available yet (experiments.fairness_sim is not in this "
+              "checkout)", file=sys.stderr)
+        return 2
+    code = int(module.run_cli(args) or 0)
+    if code == 0:
+        from experiments import report
+
+        report.assemble(Path(args.out))
+    return code
