@@ -210,6 +210,8 @@ class LocalSwarm:
         if kind == "profiled":
             _, _node_id, peer.peer_id, peer.info["profile"] = message
             peer.info["state"] = peer.info["profile"]["state"]
+        elif kind == "timings":
+            peer.info["timings"] = message[1]
         elif kind == "state":
             _, state, plan_id, start, end, slots = message
             peer.info.update(state=state, plan_id=plan_id, cache_slots=slots)

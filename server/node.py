@@ -14,11 +14,13 @@
    looks for a new assignment. Same layout (range, slots, lengths) under a new plan id: adopted in place.
    Another layout: state ``draining`` (petals sees the server as JOINING, so its routing opens no new
    sessions here), wait until every open session has ended (bounded by ``drain_timeout``), then let petals
-   reload with the new range. Malformed or impossible assignments are logged and ignored.
+   reload with the new range. Malformed or impossible assignments are logged and ignored; an assignment
+   whose blocks fail to load sends the node back to ``waiting`` until the orchestrator assigns another.
 
 petals' own block selection and rebalancing never run. A launcher can follow a node through ``report``, a
 ``multiprocessing`` connection that receives ``("profiled", node_id, peer_id, profile_dict)`` once and
-``("state", state, plan_id, start, end, cache_slots)`` on every change.
+``("state", state, plan_id, start, end, cache_slots)`` on every change, preceded by ``("timings", {...})``
+(profiling, last wait, drain and load durations in seconds) whenever a load completes.
 """
 from __future__ import annotations
 
@@ -92,6 +94,8 @@ class ChainswarmServer(Server):
             server_kwargs.pop(key, None)
         if check_period <= 0 or assignment_poll <= 0 or drain_timeout < 0 or profile_ttl_factor < 1:
             raise ValueError("periods must be positive and the profile TTL at least one heartbeat")
+        if memory_gb is not None:
+            profiling.usable_memory_bytes("cpu", memory_gb)  # validates the budget before anything starts
         server_kwargs.setdefault("throughput", 1.0)  # petals' own benchmark is replaced by the profile
         server_kwargs.setdefault("update_period", 10.0)
         server_kwargs["attn_cache_tokens"] = 1  # placeholder, sized per assignment in _choose_blocks
@@ -110,14 +114,21 @@ class ChainswarmServer(Server):
         self.profile_ttl = profile_ttl_factor * self.heartbeat_period
         self.server_info.public_name = self.server_info.public_name or self.node_id
 
+        self.petals_init_s = time.perf_counter() - started  # config, DHT + p2pd start
+        started = time.perf_counter()
         # -- profile -----------------------------------------------------------------------------------
-        self.memory_bytes = profiling.usable_memory_bytes(self.device, memory_gb)
-        self.block_bytes = profiling.block_bytes(self.block_config, self.torch_dtype, self.quant_type)
-        self.cache_bytes_per_token = profiling.cache_bytes_per_token(self.block_config, self.torch_dtype)
-        self.compute = profiling.compute_times(
-            self.block_config, self.device, self.torch_dtype, self.quant_type,
-            cache_dir=profile_cache_dir, tensor_parallel_devices=self.tensor_parallel_devices,
-        )
+        try:
+            self.memory_bytes = profiling.usable_memory_bytes(self.device, memory_gb)
+            self.block_bytes = profiling.block_bytes(self.block_config, self.torch_dtype, self.quant_type,
+                                                     cache_dir=profile_cache_dir or profiling.default_cache_dir())
+            self.cache_bytes_per_token = profiling.cache_bytes_per_token(self.block_config, self.torch_dtype)
+            self.compute = profiling.compute_times(
+                self.block_config, self.device, self.torch_dtype, self.quant_type,
+                cache_dir=profile_cache_dir, tensor_parallel_devices=self.tensor_parallel_devices,
+            )
+        except BaseException:
+            self.dht.shutdown()  # do not leave the DHT process and its p2pd behind
+            raise
         self.server_info.inference_rps = 1.0 / self.compute.decode_s
         self.server_info.forward_rps = 1.0 / self.compute.prefill_s
         self.profiling_s = time.perf_counter() - started
@@ -128,10 +139,12 @@ class ChainswarmServer(Server):
         self._current: Optional[Assignment] = None  # the assignment loaded (or being loaded)
         self._next: Optional[Assignment] = None  # the assignment to load after a drain
         self._acked_plan: Optional[str] = None  # plan id of an empty assignment we are waiting under
+        self._failed: Optional[Assignment] = None  # the last assignment whose blocks failed to load
         self._ignored: set[str] = set()  # malformed records already logged
         self._wake = threading.Event()
         self._reports: "queue.Queue[tuple]" = queue.Queue()
-        self.timings: dict[str, float] = {"profiling_s": self.profiling_s}
+        self.timings: dict[str, float] = {"petals_init_s": self.petals_init_s, "profiling_s": self.profiling_s,
+                                          "compute_measured_s": self.compute.measured_s}
 
         self._rtt = profiling.RttMonitor(self.dht, self.dht_prefix, period=rtt_period,
                                          on_change=lambda _rtt: self._wake.set())
@@ -219,6 +232,7 @@ class ChainswarmServer(Server):
             container = self.module_container
             if self._state == LOADING and container is not None and container.ready.is_set():
                 self.timings["last_load_s"] = time.perf_counter() - self._load_started
+                self._reports.put(("timings", dict(self.timings)))
                 self._set_state(SERVING, keep_current=True)
 
     def _report_loop(self, report) -> None:
@@ -246,6 +260,8 @@ class ChainswarmServer(Server):
             try:
                 assignment = Assignment.from_dict(raw)
                 self._check_feasible(assignment)
+                if assignment == self._failed:
+                    return None  # failed to load before: wait for the orchestrator to change it
                 return assignment
             except (RecordError, TypeError, ValueError) as exc:
                 fingerprint = repr(raw)
@@ -276,10 +292,25 @@ class ChainswarmServer(Server):
 
     # -- petals hooks --------------------------------------------------------------------------------
     def run(self) -> None:
-        try:
-            super().run()
-        except _Stopped:
-            return
+        """petals' serve loop; a range that fails to load is reported (state ``waiting``) and skipped until
+        the orchestrator assigns something else, instead of ending the server."""
+        while not self.stop.is_set():
+            try:
+                super().run()
+                return
+            except _Stopped:
+                return
+            except Exception as exc:
+                failed = self._current
+                if failed is None or self._state != LOADING:
+                    raise
+                logger.error("node %s could not load blocks %d:%d of plan %s: %s: %s", self.node_id, failed.start,
+                             failed.end, failed.plan_id, type(exc).__name__, exc)
+                self._failed = failed
+                self._acked_plan = None
+                self._set_state(WAITING, None)
+                self.module_container = None
+                self._clean_memory_and_fds()
 
     def _choose_blocks(self) -> list[int]:
         """Wait for a non-empty assignment, size the KV cache for it and return its block range."""

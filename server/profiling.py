@@ -70,12 +70,23 @@ def usable_memory_bytes(
     return max(0, int(free * (1.0 - margin_fraction)) - int(margin_bytes))
 
 
-def block_bytes(config, torch_dtype, quant_type) -> int:
-    """Weights of one transformer block as this server will hold them (dtype and quantisation included)."""
+def block_bytes(config, torch_dtype, quant_type, *, cache_dir: Optional[str | os.PathLike] = None) -> int:
+    """Weights of one transformer block as this server will hold them (dtype and quantisation included),
+    by petals' ``get_block_size``. With ``cache_dir`` the result is cached next to the compute times (the
+    first call in a process builds a block on the meta device, which takes about a second)."""
     from swarm.compat import petals  # noqa: F401
     from petals.server.block_utils import get_block_size
 
-    return int(get_block_size(config, "memory", dtype=_dtype(torch_dtype), quant_type=_quant(quant_type)))
+    path = Path(cache_dir) / CACHE_FILE if cache_dir is not None else None
+    key = "|".join(("block_bytes", config_fingerprint(config), _dtype_name(torch_dtype), _quant(quant_type).name.lower()))
+    if path is not None:
+        cached = _read_cache(path).get(key)
+        if isinstance(cached, int) and cached > 0:
+            return cached
+    size = int(get_block_size(config, "memory", dtype=_dtype(torch_dtype), quant_type=_quant(quant_type)))
+    if path is not None:
+        _update_cache(path, key, size)
+    return size
 
 
 def cache_bytes_per_token(config, torch_dtype) -> int:
@@ -248,7 +259,7 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def _update_cache(path: Path, key: str, entry: dict) -> None:
+def _update_cache(path: Path, key: str, entry: Any) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:

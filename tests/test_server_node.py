@@ -30,7 +30,7 @@ def _tiny_config(tiny_model):
     return AutoDistributedConfig.from_pretrained(tiny_model)
 
 
-def test_memory_and_cache_sizes(tiny_model):
+def test_memory_and_cache_sizes(tiny_model, tmp_path):
     config = _tiny_config(tiny_model)
     assert profiling.usable_memory_bytes("cpu", 1.5) == int(1.5 * GIB)
     assert 0 < profiling.usable_memory_bytes("cpu") < __import__("psutil").virtual_memory().total
@@ -41,6 +41,10 @@ def test_memory_and_cache_sizes(tiny_model):
     assert profiling.cache_bytes_per_token(config, "bfloat16") == 2 * 64 * 2
     params = sum(p.numel() for p in config.block_class(config).parameters())
     assert params * 4 <= profiling.block_bytes(config, "float32", "none") <= params * 4 * 1.02
+    size = profiling.block_bytes(config, "float32", "none")
+    assert profiling.block_bytes(config, "float32", "none", cache_dir=tmp_path) == size  # measured, cached
+    assert profiling.block_bytes(config, "float32", "none", cache_dir=tmp_path) == size  # read back
+    assert len(json.loads((tmp_path / profiling.CACHE_FILE).read_text())) == 1
     assert profiling.job_compute_time(0.01, 0.1, 10, 5, overhead_s=0.001) == pytest.approx(0.001 + 0.1 + 0.4)
 
 
@@ -48,7 +52,7 @@ def test_compute_times_are_measured_once_and_cached(tiny_model, tmp_path):
     config = _tiny_config(tiny_model)
     first = profiling.compute_times(config, "cpu", "float32", "none", cache_dir=tmp_path)
     assert not first.cached and first.prefill_s > 0 and first.decode_s > 0
-    assert first.measured_s < 2.0
+    assert first.measured_s < 5.0  # ~0.02-0.05 s on an idle 2-core box; generous for a loaded one
     again = profiling.compute_times(config, "cpu", "float32", "none", cache_dir=tmp_path)
     assert again.cached and (again.prefill_s, again.decode_s) == (first.prefill_s, first.decode_s)
     entries = json.loads((tmp_path / profiling.CACHE_FILE).read_text())
@@ -188,8 +192,9 @@ def test_nodes_publish_their_profiles(swarm, orchestrator_dht):
         assert (profile.device, profile.torch_dtype, profile.quant_type) == ("cpu", "float32", "none")
         assert profile.plan_id is None and profile.start is None and profile.rtt_s is None
         assert peer.info["profile"] == profile.to_dict() | {"state": records.WAITING}
-    # both nodes share one cache entry for this model on this device
-    assert len(json.loads((swarm.profile_dir / profiling.CACHE_FILE).read_text())) == 1
+    # both nodes share one cache entry for this model on this device (plus the block size)
+    keys = sorted(json.loads((swarm.profile_dir / profiling.CACHE_FILE).read_text()))
+    assert len(keys) == 2 and keys[1].startswith("block_bytes|") and keys[0].endswith("|float32|none")
     # once an orchestrator is known, the nodes measure their RTT to it over the swarm
     info = OrchestratorInfo(peer_id=orchestrator_dht.peer_id.to_base58(), http_url=None)
     assert records.publish_orchestrator(orchestrator_dht, swarm.dht_prefix, info, ttl=300)
@@ -325,7 +330,10 @@ def test_empty_assignment_sends_a_node_back_to_waiting(swarm, orchestrator_dht):
     profile = _wait(lambda: (lambda p: p if p.state == records.WAITING else None)(
         _profiles(orchestrator_dht, swarm)["b"]), 10, "waiting profile")
     assert (profile.plan_id, profile.start, profile.end, profile.cache_slots) == ("p3", None, None, 0)
-    _wait(lambda: not _block_servers(orchestrator_dht, swarm)[3], 10, "block 3 unannounced")
+    from petals.data_structures import ServerState
+
+    _wait(lambda: all(info.state == ServerState.OFFLINE for info in _block_servers(orchestrator_dht, swarm)[3].values()),
+          15, "block 3 offline")
     assert b.alive
 
 
