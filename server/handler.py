@@ -43,17 +43,21 @@ class ChainswarmHandler(_PetalsHandler):
             ):
                 if session_id is not None:
                     self._latest_step_metadata[session_id] = metadata
-                if metadata.get("pushed") and self._pushes_received is not None:
-                    with self._pushes_received.get_lock():
-                        self._pushes_received.value += 1
                 yield request, metadata
         finally:
             if session_id is not None:
                 self._latest_step_metadata.pop(session_id, None)
 
+    def _put_into_session_queue(self, session_id: str, request) -> None:
+        # rpc_push hands every received push to this helper, whether it wins the race or arrives late
+        if self._pushes_received is not None:
+            with self._pushes_received.get_lock():
+                self._pushes_received.value += 1
+        super()._put_into_session_queue(session_id, request)
+
     def _log_request(self, method, uids, context, *, debug=None, warning=None) -> None:
-        # With pushes working, the client's own copy of a step often wins the race (always, on loopback);
-        # petals reports each such late push as a warning. It is expected here: log it at debug level.
+        # With pushes working, the client's own copy of a step often wins the race (on loopback, about half
+        # the time); petals reports each such late push as a warning. Expected here: log it at debug level.
         if method == "rpc_inference.push" and warning is not None and "arrived late" in warning:
             debug, warning = warning, None
         super()._log_request(method, uids, context, debug=debug, warning=warning)

@@ -142,7 +142,7 @@ class ChainswarmServer(Server):
         self._failed: Optional[Assignment] = None  # the last assignment whose blocks failed to load
         self._ignored: set[str] = set()  # malformed records already logged
         self._wake = threading.Event()
-        self._reports: "queue.Queue[tuple]" = queue.Queue()
+        self._reports: "Optional[queue.Queue[tuple]]" = queue.Queue() if report is not None else None
         self.timings: dict[str, float] = {"petals_init_s": self.petals_init_s, "profiling_s": self.profiling_s,
                                           "compute_measured_s": self.compute.measured_s}
 
@@ -158,7 +158,7 @@ class ChainswarmServer(Server):
         profile = self.profile()
         logger.info("node %s (peer %s) profile: %s", self.node_id, self.peer_id, profile)
         self._publish(profile)
-        self._reports.put(("profiled", self.node_id, self.peer_id, profile.to_dict()))
+        self._report(("profiled", self.node_id, self.peer_id, profile.to_dict()))
         for thread in self._threads:
             thread.start()
 
@@ -205,7 +205,7 @@ class ChainswarmServer(Server):
         if changed:
             logger.info("node %s: %s (plan %s, blocks %s:%s, %d cache slots)", self.node_id, state,
                         profile.plan_id, profile.start, profile.end, profile.cache_slots)
-        self._reports.put(("state", state, profile.plan_id, profile.start, profile.end, profile.cache_slots))
+        self._report(("state", state, profile.plan_id, profile.start, profile.end, profile.cache_slots))
         self._wake.set()
 
     def _publish(self, profile: Optional[ServerProfile] = None) -> None:
@@ -232,8 +232,12 @@ class ChainswarmServer(Server):
             container = self.module_container
             if self._state == LOADING and container is not None and container.ready.is_set():
                 self.timings["last_load_s"] = time.perf_counter() - self._load_started
-                self._reports.put(("timings", dict(self.timings)))
+                self._report(("timings", dict(self.timings)))
                 self._set_state(SERVING, keep_current=True)
+
+    def _report(self, message: tuple) -> None:
+        if self._reports is not None:
+            self._reports.put(message)
 
     def _report_loop(self, report) -> None:
         while True:
