@@ -7,11 +7,12 @@
    of ``profile_ttl_factor`` heartbeats, so a vanished server drops out of the orchestrator's view.
 2. ``_choose_blocks()`` — called by petals' ``run()`` loop — waits for the node's
    :class:`swarm.records.Assignment` (state ``waiting``; an assignment with ``start == end`` means "hold no
-   blocks" and keeps it waiting), sizes the KV cache to ``cache_slots`` sessions of ``max_length`` tokens
-   plus the prefix-cache budget (state ``loading``) and returns the range. Once the blocks answer requests
+   blocks" and keeps it waiting), sizes the KV cache to ``cache_slots`` block-slots of ``max_length`` tokens
+   (the planner's Σ_k c_k·m_ij) plus the prefix-cache budget (state ``loading``) and returns the range. Once the blocks answer requests
    the state becomes ``serving``.
 3. ``_should_choose_other_blocks()`` — polled every ``check_period`` s instead of petals' balance check —
-   looks for a new assignment. Same layout (range, slots, lengths) under a new plan id: adopted in place.
+   looks for a new assignment. Same range and lengths with no more slots than the loaded pool, under a new
+   plan id: adopted in place.
    Another layout: state ``draining`` (petals sees the server as JOINING, so its routing opens no new
    sessions here), wait until every open session has ended (bounded by ``drain_timeout``), then let petals
    reload with the new range. Malformed or impossible assignments are logged and ignored; an assignment
@@ -24,6 +25,7 @@ petals' own block selection and rebalancing never run. A launcher can follow a n
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -55,6 +57,20 @@ def _layout(assignment: Optional[Assignment]) -> Optional[tuple]:
         return None
     return (assignment.start, assignment.end, assignment.cache_slots, assignment.max_length,
             assignment.prefix_cache_tokens)
+
+
+def _served_in_place(new: Assignment, current: Optional[Assignment]) -> Optional[Assignment]:
+    """``new`` as this server can serve it without reloading, or None when a reload is needed.
+
+    Same blocks, session length and prefix budget, and no more KV slots than the loaded pool holds: the
+    node keeps its (larger) pool, so the returned assignment carries the loaded slot count.
+    """
+    if current is None or (new.start, new.end, new.max_length, new.prefix_cache_tokens) != (
+            current.start, current.end, current.max_length, current.prefix_cache_tokens):
+        return None
+    if new.cache_slots > current.cache_slots:
+        return None
+    return dataclasses.replace(new, cache_slots=current.cache_slots)
 
 
 class ChainswarmServer(Server):
@@ -287,9 +303,11 @@ class ChainswarmServer(Server):
                            assignment, need / profiling.GIB, self.memory_bytes / profiling.GIB)
 
     def cache_bytes_for(self, assignment: Assignment) -> int:
-        """KV cache for the assignment on all its blocks: slots · max_length + prefix tokens per block."""
-        tokens = assignment.cache_slots * assignment.max_length + assignment.prefix_cache_tokens
-        return self.cache_bytes_per_token * tokens * assignment.num_blocks
+        """KV cache pool for the assignment: ``cache_slots`` block-slots of ``max_length`` tokens (one slot
+        holds one session's KV for one block; petals shares the pool across the server's blocks) plus the
+        prefix budget on every block."""
+        tokens = assignment.cache_slots * assignment.max_length + assignment.prefix_cache_tokens * assignment.num_blocks
+        return self.cache_bytes_per_token * tokens
 
     def memory_needed(self, assignment: Assignment) -> int:
         return self.block_bytes * assignment.num_blocks + self.cache_bytes_for(assignment)
@@ -352,9 +370,11 @@ class ChainswarmServer(Server):
         new = self.fetch_assignment()
         if new is None or new == self._current:
             return False
-        if _layout(new) == _layout(self._current):
-            logger.info("node %s adopts plan %s (same blocks and slots)", self.node_id, new.plan_id)
-            self._set_state(self._state, new)
+        in_place = _served_in_place(new, self._current)
+        if in_place is not None:
+            logger.info("node %s adopts plan %s (same blocks, %d of its %d KV slots)", self.node_id, new.plan_id,
+                        new.cache_slots, in_place.cache_slots)
+            self._set_state(self._state, in_place)
             return False
         target = self._drain(new)
         if target is None:

@@ -55,7 +55,7 @@ class GenerationEngine:
     """Generates through the swarm on leased chains. Thread-safe; ``generate`` blocks."""
 
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
-                 max_retries: int = 3):
+                 max_retries: int = 3, request_timeout: float = 30.0):
         from transformers import AutoTokenizer
 
         from swarm.compat import petals
@@ -63,7 +63,7 @@ class GenerationEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             model_dir, initial_peers=list(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries,
-            show_route=False, torch_dtype=torch.float32,
+            show_route=False, torch_dtype=torch.float32, request_timeout=request_timeout,
         )
         self.model.eval()
         self.manager = install(self.model)

@@ -129,17 +129,15 @@ def new_plan_id() -> str:
 def assignments_for(p: Plan, plan_id: str, max_length: int) -> dict[str, Assignment]:
     """One Assignment per server of the plan (servers without blocks get an empty range).
 
-    ``cache_slots`` is in sessions of ``max_length`` tokens over the server's whole span: the planner
-    counts block-slots (Σ_k c_k·m_ij), petals sizes one pool for all of a server's blocks, so the pool gets
-    ⌈block-slots / blocks⌉ sessions.
+    ``cache_slots`` is the planner's block-slot count Σ_k c_k·m_ij: petals keeps one KV pool per server,
+    shared by its blocks, so exactly that many slots of ``max_length`` tokens serve every chain through it.
     """
     result = {}
     for sp in p.servers:
         if sp.span is None:
             result[sp.id] = Assignment(plan_id, 0, 0, 0, max_length)
         else:
-            blocks = sp.span[1] - sp.span[0]
-            result[sp.id] = Assignment(plan_id, sp.span[0], sp.span[1], -(-sp.slots_allocated // blocks), max_length)
+            result[sp.id] = Assignment(plan_id, sp.span[0], sp.span[1], sp.slots_allocated, max_length)
     return result
 
 

@@ -96,8 +96,10 @@ class ServerProfile:
 
 @dataclass(frozen=True)
 class Assignment:
-    """The orchestrator's instruction to one server: load blocks ``[start, end)`` with ``cache_slots``
-    concurrent sessions of up to ``max_length`` tokens. ``start == end`` means: hold no blocks."""
+    """The orchestrator's instruction to one server: load blocks ``[start, end)`` with a KV pool of
+    ``cache_slots`` block-slots of ``max_length`` tokens — the planner's Σ_k c_k·m_ij, where a session of
+    chain k holds one slot on each of the m_ij blocks it runs on this server — plus
+    ``prefix_cache_tokens`` on every block for prompt-prefix reuse. ``start == end``: hold no blocks."""
 
     plan_id: str
     start: int

@@ -38,6 +38,9 @@ class OrchestratorOptions:
     replan_tolerance: float = 0.05
     refresh_s: float = 1.0
     queue_timeout_s: float = 600.0
+    # A server that vanishes without closing its connections (killed machine, network partition) is noticed
+    # by a session only when a step times out; then the session fails over to another chain.
+    request_timeout_s: float = 30.0
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> client id
     proxy: bool = True  # load the client-side model and serve /v1/completions
 
@@ -88,7 +91,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             from swarm.engine import GenerationEngine
 
             engine = await asyncio.to_thread(GenerationEngine, options.model_dir, initial_peers=initial_peers,
-                                             dht_prefix=config.dht_prefix)
+                                             dht_prefix=config.dht_prefix, request_timeout=options.request_timeout_s)
         app = create_app(orchestrator, engine, initial_peers=initial_peers, model_name=Path(options.model_dir).name,
                          api_keys=options.api_keys)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

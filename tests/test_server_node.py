@@ -226,8 +226,8 @@ def test_assignment_is_served_with_cache_sized_to_the_slots(swarm, orchestrator_
         node, slots, span = (a, 2, (0, 2)) if index < 2 else (b, 3, (2, 4))
         assert peer_id == node.peer_id and info.state == ServerState.ONLINE
         assert (info.start_block, info.end_block) == span and info.public_name == node.name
-        # petals counts free cache in (token-slots · 2 · blocks): slots · max_length tokens on each block
-        assert info.cache_tokens_left == slots * 128 * 2 * 2
+        # petals counts free cache in (token-slots · 2 · blocks); the pool holds slots·max_length block-tokens
+        assert info.cache_tokens_left == slots * 128 * 2
     served = _wait(lambda: (lambda p: p if all(x.state == records.SERVING for x in p.values()) else None)(
         _profiles(orchestrator_dht, swarm)), 10, "serving profiles")
     assert (served["a"].plan_id, served["a"].start, served["a"].end, served["a"].cache_slots) == ("p1", 0, 2, 2)
@@ -293,7 +293,7 @@ def test_plan_change_drains_open_session_then_reloads(swarm, orchestrator_dht, t
     with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix) as model:
         with model.inference_session(max_length=input_ids.shape[1] + 16) as session:
             first = model.generate(input_ids, max_new_tokens=8, session=session, **kw)
-            _assign(orchestrator_dht, swarm, "a", Assignment("p2", 0, 3, cache_slots=1, max_length=96))
+            _assign(orchestrator_dht, swarm, "a", Assignment("p2", 0, 3, cache_slots=3, max_length=96))
             _assign(orchestrator_dht, swarm, "b", Assignment("p2", 3, 4, cache_slots=4, max_length=96))
             swarm.wait_state(a, records.DRAINING, timeout=15)
             swarm.wait_state(b, records.DRAINING, timeout=15)
@@ -315,8 +315,8 @@ def test_plan_change_drains_open_session_then_reloads(swarm, orchestrator_dht, t
     servers = _wait(lambda: (lambda s: s if [set(s[i]) for i in range(4)] == [{a.peer_id}] * 3 + [{b.peer_id}]
                              and all(x.state == ServerState.ONLINE for i in range(4) for x in s[i].values())
                              else None)(_block_servers(orchestrator_dht, swarm)), 15, "the new layout in petals")
-    assert servers[0][a.peer_id].cache_tokens_left == 1 * 96 * 2 * 3
-    assert servers[3][b.peer_id].cache_tokens_left == 4 * 96 * 2 * 1
+    assert servers[0][a.peer_id].cache_tokens_left == 3 * 96 * 2  # 3 block-slots: one session on 3 blocks
+    assert servers[3][b.peer_id].cache_tokens_left == 4 * 96 * 2
     # the reloaded blocks compute the same model
     with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix) as model:
         produced = model.generate(input_ids, max_new_tokens=32, **kw)
@@ -370,11 +370,11 @@ def test_chainswarm_server_command_serves_its_assignment_and_stops_cleanly(swarm
             try:
                 model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, session=session, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
-                _assign(orchestrator_dht, swarm, "c", Assignment("p5", 3, 4, cache_slots=1, max_length=64))
+                _assign(orchestrator_dht, swarm, "c", Assignment("p5", 3, 4, cache_slots=3, max_length=64))  # a bigger pool
                 reloaded = _wait(lambda: (lambda p: p is not None and p.state == records.SERVING
                                           and p.plan_id == "p5" and p)(_profiles(orchestrator_dht, swarm).get("c")),
                                  30, "reload after the drain timeout", 0.3)
-                assert reloaded.cache_slots == 1
+                assert reloaded.cache_slots == 3
             finally:
                 with contextlib.suppress(Exception):  # c dropped this session when it reloaded
                     opened.__exit__(None, None, None)
@@ -390,3 +390,15 @@ def test_chainswarm_server_command_serves_its_assignment_and_stops_cleanly(swarm
             process.wait(10)
         output = process.stdout.read().decode(errors="replace")
     assert "Traceback" not in output, output[-2000:]
+
+
+def test_fewer_slots_on_the_same_blocks_are_served_in_place_more_need_a_reload():
+    from server.node import _served_in_place
+
+    loaded = Assignment("p1", 0, 2, cache_slots=4, max_length=128)
+    fewer = _served_in_place(Assignment("p2", 0, 2, cache_slots=3, max_length=128), loaded)
+    assert fewer == Assignment("p2", 0, 2, cache_slots=4, max_length=128)  # keeps the bigger pool it has
+    assert _served_in_place(Assignment("p2", 0, 2, cache_slots=5, max_length=128), loaded) is None
+    assert _served_in_place(Assignment("p2", 0, 3, cache_slots=1, max_length=128), loaded) is None
+    assert _served_in_place(Assignment("p2", 0, 2, cache_slots=1, max_length=256), loaded) is None
+    assert _served_in_place(Assignment("p2", 0, 2, cache_slots=1, max_length=128), None) is None

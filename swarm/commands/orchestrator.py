@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accept this API key as this client (repeatable); without keys, clients are anonymous "
                         "or name themselves with X-Client-Id")
     parser.add_argument("--api-keys-file", default=None, help='JSON file {"key": "client", ...}')
+    parser.add_argument("--request-timeout", type=float, default=30.0,
+                        help="seconds a session step may take before its server counts as failed (default 30)")
     parser.add_argument("--no-proxy", action="store_true", help="leases only: do not serve /v1/completions")
     parser.add_argument("--log-level", default="INFO")
 
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         target_load=args.target_load, expected_rate=args.expected_rate,
         expected_input_tokens=args.expected_input_tokens, expected_output_tokens=args.expected_output_tokens,
         max_length=args.max_length, placement=args.placement, tuning=args.tuning, c=args.c, api_keys=keys,
+        request_timeout_s=args.request_timeout,
         proxy=not args.no_proxy,
     )
     try:

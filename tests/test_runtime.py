@@ -1,0 +1,248 @@
+"""The runtime end to end on loopback: orchestrator + planner-driven server nodes + clients.
+
+One swarm for the module: a DHT, an orchestrator (API keys configured, DLPM) and three nodes whose memory
+budgets make the planner compose two chains of different speeds: node "big" holds the whole model (one
+hop, fast) and "left" → "right" split it (two hops, slower). The failure test kills "big" last.
+"""
+import concurrent.futures as cf
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from planner.model import ModelSpec, Placement, Server
+from planner.plan import plan as run_planner, plan_for_placement
+from server.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm
+
+KEYS = {"key-alice": "alice", "key-bob": "bob", "key-flood": "flood", "key-light": "light"}
+MAX_LENGTH = 256
+
+
+def wait_for(predicate, timeout=90.0, period=0.25, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(period)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("profiles"))
+    with LocalSwarm(tiny_model) as local:
+        local.add_orchestrator(policy="dlpm", quantum=200.0, expected_rate=4.0, max_length=MAX_LENGTH,
+                               expected_input_tokens=128, expected_output_tokens=28, refresh_s=0.5,
+                               api_keys=KEYS, request_timeout_s=8.0)
+        nodes = {name: local.add_node(node_id=name, memory_gb=mb, wait=False, profile_cache_dir=cache)
+                 for name, mb in (("big", 0.0024), ("left", 0.0012), ("right", 0.0012))}
+        for peer in nodes.values():
+            local.wait_profiled(peer)
+        url = local.orchestrator.info["url"]
+
+        def ready():
+            status = httpx.get(f"{url}/v1/swarm").json()
+            planned = status["plan"] and {s["id"] for s in status["plan"]["servers"]} == set(nodes)
+            return status if planned and status["chains"] and all(c["ready"] for c in status["chains"]) else None
+
+        local.status = wait_for(ready, 120, what="all chains ready")
+        local.url, local.nodes_by_name = url, nodes
+        yield local
+
+
+def client(url, key="key-alice", **kw):
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
+
+
+def reference(tiny_model, prompt, max_new_tokens):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    return ids, out, tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_published_plan_is_the_planners_output_for_the_measured_profiles(swarm):
+    status = swarm.status
+    plan = status["plan"]
+    inputs = plan["inputs"]
+    profiles = {s["node_id"]: s for s in status["servers"]}
+    for server in inputs["servers"]:  # the planner's inputs are the servers' own measurements
+        assert server["memory_gb"] == profiles[server["id"]]["memory_bytes"] / 1e9
+    model = ModelSpec(**inputs["model"])
+    servers = [Server(**s) for s in inputs["servers"]]
+    if plan["kept_ranges"]:
+        layout = Placement(tuple(None if s["start"] is None else (s["start"], s["end"]) for s in plan["servers"]))
+        expected = plan_for_placement(model, servers, layout, inputs["arrival_rate"], target_load=inputs["target_load"])
+    else:
+        expected = run_planner(model, servers, inputs["arrival_rate"], target_load=inputs["target_load"])
+    published = {k: v for k, v in plan.items() if k not in ("plan_id", "kept_ranges", "replans", "inputs")}
+    assert published == expected.to_dict()
+    # every server serves exactly what the plan assigned it
+    for s in plan["servers"]:
+        if s["start"] is not None:
+            assert (profiles[s["id"]]["start"], profiles[s["id"]]["end"]) == (s["start"], s["end"])
+    chains = status["chains"]
+    assert len(chains) >= 2 and [c["service_time"] for c in chains] == sorted(c["service_time"] for c in chains)
+    assert chains[0]["servers"] == ["big"]
+
+
+def test_completion_and_stream_equal_local_transformers(swarm, tiny_model):
+    prompt = "Once upon a time, in a small village by the sea"
+    _, _, expected_text = reference(tiny_model, prompt, 24)
+    with client(swarm.url) as http:
+        response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+        assert response.status_code == 200, response.text
+        doc = response.json()
+        assert doc["choices"][0]["text"] == expected_text
+        assert doc["usage"]["completion_tokens"] == 24 or doc["choices"][0]["finish_reason"] == "stop"
+        assert doc["chainswarm"]["chain_id"] == swarm.status["chains"][0]["id"]  # JFFC: the fastest chain
+    from client import SwarmClient
+
+    with SwarmClient(swarm.url, "key-bob") as sc:
+        streamed = "".join(sc.stream(prompt, 24, temperature=0))
+        assert streamed == expected_text
+        assert sc.generate(prompt, 24, temperature=0).text == expected_text
+
+
+def test_direct_swarm_model_routes_by_lease_and_matches_transformers(swarm, tiny_model):
+    from client.direct import DirectSwarmModel
+
+    ids, expected, _ = reference(tiny_model, "The weather today is mild", 20)
+    with DirectSwarmModel.from_pretrained(tiny_model, orchestrator=swarm.url, api_key="key-alice") as model:
+        out = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=2)
+    assert torch.equal(out, expected)
+    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    assert status["leases"] == 0 and all(c["active"] == 0 for c in status["chains"])
+    assert status["clients"]["alice"]["service"] > 0
+
+
+def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
+    with client(swarm.url) as http:
+        bad = [
+            (http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 422),
+            (http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "colour": "red"}), 422),
+            (http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}), 422),
+            (http.post("/v1/completions", json={"prompt": "hi " * 400, "max_tokens": 8}), 400),
+            (http.post("/v1/completions", json={"max_tokens": 8}), 422),
+            (http.delete("/v1/leases/no-such-lease"), 404),
+        ]
+        for response, status in bad:
+            assert response.status_code == status, response.text
+            assert response.json()["error"]["message"]
+        assert "exceeds" in bad[3][0].json()["error"]["message"]
+        assert "colour" in bad[1][0].json()["error"]["message"]
+    with client(swarm.url, key="wrong") as http:
+        response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert response.status_code == 401 and "unknown API key" in response.json()["error"]["message"]
+    response = httpx.post(f"{swarm.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    assert response.status_code == 401
+    with client(swarm.url) as http:  # still serving
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).status_code == 200
+        assert http.get("/metrics").status_code == 200 and "chainswarm_chain_capacity" in http.get("/metrics").text
+        assert "Chainswarm orchestrator" in http.get("/").text
+
+
+def test_overload_queues_and_jffc_fills_fastest_chains_first(swarm):
+    chains = swarm.status["chains"]
+    capacity = sum(c["capacity"] for c in chains)
+    samples = []
+    stop = threading.Event()
+
+    def sample():
+        with httpx.Client(base_url=swarm.url, timeout=30) as http:
+            while not stop.is_set():
+                samples.append(http.get("/v1/swarm").json())
+                time.sleep(0.05)
+
+    def one(i):
+        with client(swarm.url, key="key-bob") as http:
+            r = http.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": 24, "temperature": 0})
+            return r.status_code, r.json()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    n = 2 * capacity + 2
+    with cf.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
+    stop.set()
+    sampler.join()
+    assert all(code == 200 for code, _ in results), results
+    queued = [s for s in samples if sum(s["queue"].values()) > 0]
+    assert queued, "with more requests than chain capacity some must wait in the queue"
+    for s in queued:  # while requests wait, every chain is full
+        assert all(c["active"] == c["capacity"] for c in s["chains"]), s["chains"]
+    fastest = chains[0]["id"]
+    per_chain = {c["id"]: sum(1 for _, d in results if d["chainswarm"]["chain_id"] == c["id"]) for c in chains}
+    assert per_chain[fastest] >= max(per_chain.values()) * 0.8  # the fastest chain serves the most
+    assert max(d["chainswarm"]["waiting_s"] for _, d in results) > 0.1
+
+
+def test_dlpm_does_not_starve_a_light_client_behind_a_flood(swarm):
+    capacity = sum(c["capacity"] for c in swarm.status["chains"])
+    results = {"flood": [], "light": []}
+
+    def call(key, who):
+        with client(swarm.url, key=key) as http:
+            t0 = time.monotonic()
+            r = http.post("/v1/completions", json={"prompt": "tell me a story", "max_tokens": 16, "temperature": 0})
+            results[who].append((r.status_code, time.monotonic() - t0))
+
+    flood = [threading.Thread(target=call, args=("key-flood", "flood")) for _ in range(4 * capacity)]
+    for t in flood:
+        t.start()
+    time.sleep(0.5)  # the flood is queued before the light client arrives
+    light = [threading.Thread(target=call, args=("key-light", "light")) for _ in range(2)]
+    for t in light:
+        t.start()
+    for t in flood + light:
+        t.join(300)
+    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    assert all(code == 200 for code, _ in results["flood"] + results["light"])
+    light_latency = max(t for _, t in results["light"])
+    flood_latency = sorted(t for _, t in results["flood"])
+    # the light client is served long before the flood drains: faster than the flood's median request
+    assert light_latency < flood_latency[len(flood_latency) // 2], (light_latency, flood_latency)
+    served = {c: v["service"] for c, v in status["clients"].items()}
+    assert served["light"] > 0 and served["flood"] > served["light"]
+
+
+def test_killed_server_sessions_complete_elsewhere_with_identical_text(swarm, tiny_model):
+    prompt = "Hello, world! How are you? I am fine"
+    _, _, expected_text = reference(tiny_model, prompt, 96)
+    big = swarm.nodes_by_name["big"]
+    outcome = {}
+
+    def run():
+        with client(swarm.url) as http:
+            outcome["response"] = http.post("/v1/completions",
+                                            json={"prompt": prompt, "max_tokens": 96, "temperature": 0})
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)  # the session is under way on the fastest chain (big)
+    swarm.kill(big)
+    thread.join(180)
+    response = outcome["response"]
+    assert response.status_code == 200, response.text
+    doc = response.json()
+    assert doc["choices"][0]["text"] == expected_text
+    status = wait_for(lambda: (lambda s: s if all("big" not in c["servers"] for c in s["chains"]) else None)(
+        httpx.get(f"{swarm.url}/v1/swarm").json()), 60, what="chains rebuilt without the killed server")
+    # noticed by the failed step (server_failed) or by the expired heartbeat (a plan without it)
+    assert any(e["event"] == "server_failed" or (e["event"] == "plan" and "big" not in e["servers"])
+               for e in status["events"])
+    with client(swarm.url) as http:  # and the swarm keeps serving on what is left
+        again = wait_for(lambda: (lambda r: r if r.status_code == 200 else None)(
+            http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})), 90,
+            what="service on the remaining servers")
+        assert again.json()["choices"][0]["text"] == reference(tiny_model, prompt, 8)[2]
