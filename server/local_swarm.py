@@ -8,6 +8,13 @@ group with a watchdog on the launcher, so nothing outlives the swarm, even when 
 
 Environment variables that should reach the servers must be set before the first swarm starts (the
 forkserver keeps the environment it was started with).
+
+With ``wan=`` (a :class:`swarm.wan.WanConfig`) the swarm runs behind the WAN emulator: the emulator starts
+with the DHT, every server or node takes the next server host of the config (``127.0.0.k``; or the one named
+by ``wan_host=``), listens on its real port and announces the emulator's proxy port, and the orchestrator's
+DHT peer sits on the client host (127.0.0.1) behind a proxy of its own, so that every path — orchestrator
+or client → server, server → server and server → orchestrator (the nodes' RTT probes) — pays the
+configured RTT. The bootstrap DHT and the HTTP API stay undelayed on 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -76,7 +83,8 @@ class LocalSwarm:
     ...     peers = swarm.initial_peers   # give these to clients
     """
 
-    def __init__(self, model_dir: str | Path, *, dht_prefix: str | None = None, host: str = "127.0.0.1"):
+    def __init__(self, model_dir: str | Path, *, dht_prefix: str | None = None, host: str = "127.0.0.1",
+                 wan: Any = None, wan_backend: str = "userspace"):
         self.model_dir = str(model_dir)
         self.dht_prefix = dht_prefix or dht_prefix_for(model_dir)
         self.host = host
@@ -84,6 +92,12 @@ class LocalSwarm:
         self.orchestrator: Peer | None = None
         self.servers: list[Peer] = []
         self._ctx = _context()
+        self.wan = wan  # swarm.wan.WanConfig or None
+        self.wan_backend = wan_backend
+        self.emulator = None  # swarm.wan.WanEmulator while running
+        self._wan_taken: set[str] = set()
+        if wan is not None and wan.ip(wan.client) != host:
+            raise ValueError(f"the WAN config's client host is {wan.ip(wan.client)}, the swarm's host {host}")
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def __enter__(self) -> "LocalSwarm":
@@ -99,6 +113,13 @@ class LocalSwarm:
 
         if self.dht is not None:
             return self.initial_peers
+        if self.wan is not None and self.emulator is None:
+            from swarm.wan import WanEmulator
+
+            # the client host gets a proxy too: the orchestrator's DHT peer announces it (see the module doc)
+            self.emulator = WanEmulator(self.wan, backend=self.wan_backend,
+                                        hosts=self.wan.servers + [self.wan.client])
+            self.emulator.start()
         receive, send = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
             target=bootstrap_dht_main, args=(self.host, port, os.getpid(), send), name="dht", daemon=False
@@ -115,6 +136,34 @@ class LocalSwarm:
             raise RuntimeError("the swarm's DHT is not started")
         return list(self.dht.info["maddrs"])
 
+    # -- WAN emulation ---------------------------------------------------------------------------------
+    @property
+    def wan_endpoints(self) -> dict:
+        """``{host: swarm.wan.Endpoint}`` of the running emulator (empty without ``wan``)."""
+        return dict(self.emulator.endpoints) if self.emulator is not None else {}
+
+    def _network_options(self, wan_host: str | None, options: dict) -> tuple[dict, str | None]:
+        """``host``/``port``/``announce_port`` for the next server (its WAN host's endpoint)."""
+        if self.wan is None:
+            if wan_host is not None:
+                raise ValueError("wan_host needs a LocalSwarm(wan=...)")
+            return {"host": options.pop("host", self.host)}, None
+        if self.emulator is None:
+            raise RuntimeError("start the DHT (and with it the WAN emulator) before adding servers")
+        if wan_host is None:
+            free = [h for h in self.wan.servers if h not in self._wan_taken]
+            if not free:
+                raise ValueError(f"all {len(self.wan.servers)} server hosts of the WAN config are taken")
+            wan_host = free[0]
+        elif wan_host not in self.wan.servers:
+            raise ValueError(f"{wan_host!r} is not a server host of the WAN config ({self.wan.servers})")
+        for key in ("host", "port", "announce_port"):
+            if key in options:
+                raise ValueError(f"{key} is set by the WAN emulator; do not pass it with wan=")
+        self._wan_taken.add(wan_host)
+        ep = self.emulator.endpoints[wan_host]
+        return {"host": ep.ip, "port": ep.real_port, "announce_port": ep.port}, wan_host
+
     def add_server(
         self,
         blocks: tuple[int, int] | None = None,
@@ -123,19 +172,22 @@ class LocalSwarm:
         name: str | None = None,
         timeout: float = 120.0,
         wait: bool = True,
+        wan_host: str | None = None,
         **options: Any,
     ) -> Peer:
         """Start a petals server serving ``blocks = (start, end)`` (or ``num_blocks`` chosen by petals).
 
         ``options`` go to :func:`server.runner.offline_server_kwargs` (``cache_tokens``, ``max_length``,
         ``port``, ``announce_port``, any petals ``Server`` kwarg ...). With ``wait`` (the default) this
-        returns once the server's blocks answer requests.
+        returns once the server's blocks answer requests. With a WAN config the server takes host
+        ``wan_host`` (default: the next free server host of the config).
         """
         from server.runner import offline_server_kwargs, server_process_main
 
+        network, wan_host = self._network_options(wan_host, options)
         kwargs = offline_server_kwargs(
             self.model_dir, dht_prefix=self.dht_prefix, initial_peers=self.initial_peers,
-            block_indices=blocks, num_blocks=num_blocks, host=self.host, **options,
+            block_indices=blocks, num_blocks=num_blocks, **network, **options,
         )
         name = name or f"server{len(self.servers)}"
         receive, send = self._ctx.Pipe(duplex=False)
@@ -143,7 +195,8 @@ class LocalSwarm:
             target=server_process_main, args=(kwargs, os.getpid(), send), name=name, daemon=False
         )
         process.start()
-        peer = Peer(name, process, info={"kwargs": kwargs, "report": receive})
+        peer = Peer(name, process, info={"kwargs": kwargs, "report": receive, "wan_host": wan_host,
+                                         "ip": network["host"]})
         self.servers.append(peer)
         if wait:
             self.wait_ready(peer, timeout)
@@ -164,6 +217,7 @@ class LocalSwarm:
         wait: bool = True,
         timeout: float = 120.0,
         update_period: float = 2.0,
+        wan_host: str | None = None,
         **options: Any,
     ) -> Peer:
         """Start an orchestrated server node that profiles itself and waits for its assignment.
@@ -178,9 +232,10 @@ class LocalSwarm:
         from server.runner import offline_server_kwargs
 
         node_options = {key: options.pop(key) for key in _NODE_OPTIONS if key in options}
+        network, wan_host = self._network_options(wan_host, options)
         kwargs = offline_server_kwargs(
             self.model_dir, dht_prefix=self.dht_prefix, initial_peers=self.initial_peers,
-            block_indices=(0, 1), host=self.host, update_period=update_period, **options,
+            block_indices=(0, 1), update_period=update_period, **network, **options,
         )
         del kwargs["block_indices"]  # the orchestrator's assignment decides
         node_id = node_id or f"node{sum(1 for s in self.servers if 'node_id' in s.info)}"
@@ -192,7 +247,8 @@ class LocalSwarm:
         )
         process.start()
         peer = Peer(node_id, process, info={"kwargs": kwargs, "report": receive, "node_id": node_id,
-                                            "pushes": pushes, "state": None, "plan_id": None})
+                                            "pushes": pushes, "state": None, "plan_id": None,
+                                            "wan_host": wan_host, "ip": network["host"]})
         self.servers.append(peer)
         if wait:
             self.wait_profiled(peer, timeout)
@@ -276,6 +332,9 @@ class LocalSwarm:
         from swarm.service import OrchestratorOptions, orchestrator_process_main
 
         options.setdefault("http_port", 0)
+        if self.emulator is not None:  # the orchestrator's DHT peer behind the client host's proxy
+            ep = self.emulator.endpoints[self.wan.client]
+            options.update(dht_port=ep.real_port, dht_announce_port=ep.port)
         opts = OrchestratorOptions(model_dir=self.model_dir, initial_peers=self.initial_peers,
                                    dht_prefix=self.dht_prefix, dht_host=self.host, http_host=self.host, **options)
         receive, send = self._ctx.Pipe(duplex=False)
@@ -296,3 +355,6 @@ class LocalSwarm:
                 stop_process_group(peer.process, timeout)
         if self.dht is not None:
             stop_process_group(self.dht.process, timeout)
+        if self.emulator is not None:  # after the servers (spec: start it before them, stop it after)
+            self.emulator.stop()
+            self.emulator = None

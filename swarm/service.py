@@ -22,6 +22,7 @@ class OrchestratorOptions:
     initial_peers: list[str] = field(default_factory=list)  # empty: this orchestrator starts the DHT
     dht_host: str = "127.0.0.1"
     dht_port: int = 0
+    dht_announce_port: int | None = None  # announce another port than dht_port (a WAN-emulation proxy)
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     dht_prefix: str | None = None
@@ -43,6 +44,9 @@ class OrchestratorOptions:
     request_timeout_s: float = 30.0
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> client id
     proxy: bool = True  # load the client-side model and serve /v1/completions
+    # The proxy's petals client: None keeps petals' default (server-to-server push on); False relays every
+    # hop's activations through the orchestrator (the paper's model).
+    use_server_to_server: bool | None = None
 
 
 def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
@@ -76,8 +80,10 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     from swarm.http_api import create_app
 
     config = build_config(options)
+    announce = (None if options.dht_announce_port is None
+                else [f"/ip4/{options.dht_host}/tcp/{options.dht_announce_port}"])
     dht = hivemind.DHT(start=True, initial_peers=list(options.initial_peers),
-                       host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"])
+                       host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce)
     maddrs = [str(a) for a in dht.get_visible_maddrs()]
     initial_peers = list(options.initial_peers) or maddrs
     engine = None
@@ -92,6 +98,9 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
 
             engine = await asyncio.to_thread(GenerationEngine, options.model_dir, initial_peers=initial_peers,
                                              dht_prefix=config.dht_prefix, request_timeout=options.request_timeout_s)
+            if options.use_server_to_server is not None:
+                for client_config in (engine.model.config, engine.manager.config):
+                    client_config.use_server_to_server = options.use_server_to_server
         app = create_app(orchestrator, engine, initial_peers=initial_peers, model_name=Path(options.model_dir).name,
                          api_keys=options.api_keys)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

@@ -1,0 +1,116 @@
+"""The WAN emulator applied to a live orchestrated swarm (LocalSwarm(wan=...)).
+
+One swarm for the module: the orchestrator on 127.0.0.1 (relay: no server-to-server push) and two nodes on
+127.0.0.2 / 127.0.0.3 whose memory budgets make the planner split the model over both (one chain a → b).
+Configured RTTs: orchestrator–a 40 ms, orchestrator–b 70 ms, a–b 20 ms. Checks that
+
+* a ping from the orchestrator's host to each server takes the configured RTT (small tolerance),
+* the servers' own RTT probes (profiles' ``rtt_s``, the planner's communication input) see it too,
+* the delay applies to inference traffic: the per-token step time of a relayed two-hop session is the sum
+  of the two RTTs plus petals' per-step overhead.
+"""
+import statistics
+import time
+from functools import partial
+
+import httpx
+import pytest
+
+from server.local_swarm import LocalSwarm
+from swarm.wan import WanConfig
+
+pytestmark = pytest.mark.swarm
+
+RTT_A, RTT_B, RTT_AB = 40.0, 70.0, 20.0
+MAX_LENGTH = 256
+
+
+def wait_for(predicate, timeout=90.0, period=0.25, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(period)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def wan_swarm(tiny_model, tmp_path_factory):
+    config = WanConfig.from_matrix(
+        [[0, RTT_A, RTT_B], [RTT_A, 0, RTT_AB], [RTT_B, RTT_AB, 0]], ["client", "a", "b"])
+    cache = str(tmp_path_factory.mktemp("profiles"))
+    with LocalSwarm(tiny_model, wan=config) as local:
+        local.add_orchestrator(policy="fcfs", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=32,
+                               expected_output_tokens=16, refresh_s=0.5, use_server_to_server=False)
+        nodes = [local.add_node(node_id=name, memory_gb=0.0012, wait=False, profile_cache_dir=cache, rtt_period=5.0)
+                 for name in ("a", "b")]
+        for peer in nodes:
+            local.wait_profiled(peer)
+        url = local.orchestrator.info["url"]
+
+        def ready():
+            status = httpx.get(f"{url}/v1/swarm").json()
+            servers = {s["node_id"]: s for s in status["servers"]}
+            rtts_known = len(servers) == 2 and all(s["rtt_s"] for s in servers.values())
+            return status if rtts_known and status["chains"] and all(c["ready"] for c in status["chains"]) else None
+
+        local.status = wait_for(ready, 120, what="a ready chain and both servers' RTTs")
+        local.url, local.config = url, config
+        yield local
+
+
+def test_nodes_live_on_their_own_loopback_addresses(wan_swarm):
+    by_name = {p.name: p for p in wan_swarm.nodes}
+    assert by_name["a"].info["ip"] == "127.0.0.2" and by_name["b"].info["ip"] == "127.0.0.3"
+    eps = wan_swarm.wan_endpoints
+    for name, peer in by_name.items():  # listens on the real port, announces the proxy port
+        assert peer.info["kwargs"]["host_maddrs"] == [eps[name].host_maddr]
+        assert peer.info["kwargs"]["announce_maddrs"] == [eps[name].announce_maddr]
+    assert wan_swarm.orchestrator.info["options"].dht_announce_port == eps["client"].port
+
+
+def test_achieved_rtt_from_the_orchestrator_host_matches_the_configuration(wan_swarm):
+    import hivemind
+    from hivemind.p2p import PeerID
+    from petals.utils.ping import ping
+
+    from swarm.compat import petals  # noqa: F401
+
+    dht = hivemind.DHT(start=True, client_mode=True, initial_peers=wan_swarm.initial_peers)
+    try:
+        for peer in wan_swarm.nodes:
+            target = PeerID.from_base58(peer.peer_id)
+            samples = [dht.run_coroutine(partial(ping, target, wait_timeout=5)) * 1e3 for _ in range(8)][2:]
+            achieved = statistics.median(samples)
+            configured = wan_swarm.config.rtt("client", peer.name)
+            assert configured - 1.0 <= achieved <= configured + 8.0, (peer.name, configured, samples)
+    finally:
+        dht.shutdown()
+
+
+def test_profiles_rtt_reflects_the_emulated_wan(wan_swarm):
+    status = httpx.get(f"{wan_swarm.url}/v1/swarm").json()
+    rtts = {s["node_id"]: s["rtt_s"] * 1e3 for s in status["servers"]}
+    for name, configured in (("a", RTT_A), ("b", RTT_B)):
+        assert configured - 1.0 <= rtts[name] <= configured + 10.0, rtts
+    # ... and the planner's communication time is built from them
+    comm = {s["id"]: s["comm_time_s"] for s in status["plan"]["inputs"]["servers"]}
+    assert comm["b"] > comm["a"]
+
+
+def test_inference_steps_pay_the_configured_rtts(wan_swarm):
+    chain = wan_swarm.status["chains"][0]
+    assert chain["servers"] == ["a", "b"]
+    prompt = "The weather today is mild and"
+    service = {}
+    with httpx.Client(base_url=wan_swarm.url, timeout=120) as http:
+        for max_tokens in (4, 4, 24):
+            doc = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                     "temperature": 0}).json()
+            service[max_tokens] = (doc["chainswarm"]["service_s"], doc["usage"]["completion_tokens"])
+    (s1, n1), (s2, n2) = service[4], service[24]
+    assert n2 > n1
+    per_token_ms = (s2 - s1) / (n2 - n1) * 1e3
+    # relay: orchestrator → a → orchestrator → b → orchestrator per token; petals adds ~10-30 ms per step
+    assert RTT_A + RTT_B <= per_token_ms <= RTT_A + RTT_B + 45.0, per_token_ms
