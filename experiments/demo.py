@@ -1,22 +1,33 @@
-"""``chainswarm demo``: start a swarm on this machine, generate text through it, shut it down.
+"""``chainswarm demo``: an orchestrated swarm on this machine, end to end.
 
-Uses a local checkpoint (``--model DIR``), or builds a tiny random Llama once under ``runs/demo-model``.
-Prints the generated text, the time per token, and whether the swarm's tokens equal the same model run
-locally in transformers.
+1. builds a tiny random Llama once under ``runs/demo-model`` (or uses ``--model DIR``);
+2. starts a DHT, the orchestrator and four server nodes with unequal memory budgets, so the planner
+   (GBP-CR + GCA) composes chains of different speeds, and prints the plan;
+3. generates through the client library (a completion and a stream) and checks the text against the same
+   model run locally in transformers;
+4. sends a burst of concurrent requests from two clients to show JFFC filling the fastest chain first,
+   the central queue and per-client fairness;
+5. shuts everything down.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import time
 from pathlib import Path
 
 DEFAULT_PROMPT = "The orchestrator collects what every server can offer"
+# Memory budgets as multiples of "the whole model plus one session's KV cache": one server can host the
+# whole model with a few sessions, two can only host it together, one is too small to matter much.
+BUDGET_FACTORS = (1.85, 0.92, 0.92, 0.69)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local checkpoint directory (default: a tiny random Llama)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=256, help="tokens per session (default 256)")
+    parser.add_argument("--burst", type=int, default=10, help="concurrent requests in the burst (default 10)")
     parser.add_argument("--workdir", default="runs", help="where the demo keeps its model (default runs/)")
 
 
@@ -32,36 +43,102 @@ def _ensure_model(args) -> str:
     return str(path)
 
 
-def run(args: argparse.Namespace) -> int:
+def _budgets_gb(model_dir: str, max_length: int) -> list[float]:
+    from swarm.compat import petals
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from petals.server.block_utils import get_block_size
 
-    from swarm.petals_client import open_distributed_model
+    from server.profiling import cache_bytes_per_token
+
+    config = petals.AutoDistributedConfig.from_pretrained(model_dir)
+    block = get_block_size(config, "memory", dtype=torch.float32)
+    per_token = cache_bytes_per_token(config, torch.float32)
+    whole = config.num_hidden_layers * (block + per_token * max_length)
+    return [round(factor * whole / 1e9, 6) for factor in BUDGET_FACTORS]
+
+
+def _print_plan(status: dict) -> None:
+    plan = status["plan"]
+    print(f"[demo] plan {plan['plan_id']}: c = {plan['c']} ({plan['tuning']}), total capacity "
+          f"{plan['total_capacity']} sessions, Theorem 3.7 bounds {plan['bounds']}")
+    for s in plan["servers"]:
+        blocks = "no blocks" if s["start"] is None else f"blocks [{s['start']}, {s['end']})"
+        print(f"[demo]   server {s['id']:<6} {blocks:<16} KV slots allocated {s['slots_allocated']}")
+    for i, c in enumerate(status["chains"]):
+        hops = " -> ".join(f"{n}[{a},{b})" for n, (a, b) in zip(c["servers"], c["spans"]))
+        print(f"[demo]   chain {i}: {hops:<32} capacity {c['capacity']}  mean service time "
+              f"{c['service_time']:.3f} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from client import SwarmClient
     from server.local_swarm import LocalSwarm
 
     model_dir = _ensure_model(args)
-    num_blocks = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    split = max(1, num_blocks // 2)
+    budgets = _budgets_gb(model_dir, args.max_length)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = reference_model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    reference = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
     started = time.perf_counter()
     with LocalSwarm(model_dir) as swarm:
-        print(f"[demo] DHT up at {swarm.initial_peers[0]}")
-        for span in ((0, split), (split, num_blocks)):
-            peer = swarm.add_server(span)
-            print(f"[demo] {peer.name} ({peer.peer_id[-8:]}) serves blocks [{peer.start}, {peer.end})")
-        print(f"[demo] swarm ready in {time.perf_counter() - started:.1f} s; generating {args.max_new_tokens} tokens")
-        with open_distributed_model(model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix) as model:
+        orchestrator = swarm.add_orchestrator(policy="dlpm", expected_rate=4.0, max_length=args.max_length,
+                                              expected_input_tokens=args.max_length / 2, expected_output_tokens=28,
+                                              refresh_s=0.5)
+        url = orchestrator.info["url"]
+        print(f"[demo] orchestrator at {url} (status page {url}/, API docs {url}/docs)")
+        nodes = [swarm.add_node(node_id=f"node{i}", memory_gb=gb, wait=False) for i, gb in enumerate(budgets)]
+        for node, gb in zip(nodes, budgets):
+            swarm.wait_profiled(node)
+            print(f"[demo] {node.name} joined with a {gb * 1e3:.2f} MB memory budget")
+        deadline = time.monotonic() + 180
+        while True:
+            status = httpx.get(f"{url}/v1/swarm").json()
+            planned = status["plan"] and len(status["plan"]["servers"]) == len(nodes)
+            if planned and status["chains"] and all(c["ready"] for c in status["chains"]):
+                break
+            if time.monotonic() > deadline:
+                print(f"[demo] the swarm did not become ready: {status.get('plan_error')}")
+                return 1
+            time.sleep(0.5)
+        print(f"[demo] swarm ready in {time.perf_counter() - started:.1f} s")
+        _print_plan(status)
+
+        with SwarmClient(url, client_id="demo") as client:
             t0 = time.perf_counter()
-            output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
+            result = client.generate(args.prompt, args.max_new_tokens, temperature=0)
             elapsed = time.perf_counter() - t0
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).generate(
-        input_ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    new_tokens = output[0, input_ids.shape[1]:]
-    print("[demo] prompt:    " + args.prompt)
-    print("[demo] generated: " + tokenizer.decode(new_tokens))
-    print(f"[demo] {len(new_tokens)} tokens in {elapsed:.2f} s ({1000 * elapsed / len(new_tokens):.1f} ms/token)")
-    same = torch.equal(output, reference)
-    print(f"[demo] swarm output equals local transformers output: {'yes' if same else 'NO'}")
+            print(f"[demo] prompt:    {args.prompt}")
+            print(f"[demo] generated: {result.text}")
+            print(f"[demo] {result.completion_tokens} tokens in {elapsed:.2f} s "
+                  f"({1000 * elapsed / max(1, result.completion_tokens):.1f} ms/token) on chain {result.chain_id}")
+            streamed = "".join(client.stream(args.prompt, args.max_new_tokens, temperature=0))
+        same = result.text == reference and streamed == reference
+        print(f"[demo] completion and stream equal local transformers output: {'yes' if same else 'NO'}")
+
+        def one(i: int):
+            who = "heavy" if i % 3 else "light"
+            with SwarmClient(url, client_id=who) as c:
+                r = c.generate(f"request {i}: {args.prompt}", 16, temperature=0)
+            return who, r
+
+        print(f"[demo] burst of {args.burst} concurrent requests from clients 'heavy' and 'light':")
+        with cf.ThreadPoolExecutor(args.burst) as pool:
+            results = list(pool.map(one, range(args.burst)))
+        chain_index = {c["id"]: i for i, c in enumerate(status["chains"])}
+        for who, r in sorted(results, key=lambda x: x[1].waiting_s):
+            print(f"[demo]   {who:<5} chain {chain_index.get(r.chain_id, '?')}  waited {r.waiting_s:5.2f} s  "
+                  f"served in {r.service_s:5.2f} s")
+        final = httpx.get(f"{url}/v1/swarm").json()
+        service = {c: round(v["service"]) for c, v in final["clients"].items()}
+        print(f"[demo] service received per client (cost units: input + 2 x output tokens): {service}")
+    print("[demo] swarm stopped")
     return 0 if same else 1
