@@ -241,7 +241,25 @@ class ChainswarmServer(Server):
             self._check_loaded()
             if woken or time.monotonic() >= next_beat:
                 self._publish()
+                self._publish_prefix_report()
                 next_beat = time.monotonic() + self.heartbeat_period
+
+    @staticmethod
+    def _prefix_store():
+        from server.prefix_cache import STORE
+
+        return STORE
+
+    def _publish_prefix_report(self) -> None:
+        """The prefix store's eviction report (``swarm.prefix``), renewed every heartbeat."""
+        from swarm.prefix import publish_report
+
+        store = self._prefix_store()
+        store.changed.clear()
+        try:
+            publish_report(self.dht, self.dht_prefix, self.node_id, store.report(), self.profile_ttl)
+        except Exception as exc:
+            logger.warning("node %s could not publish its prefix report: %s", self.node_id, exc)
 
     def _check_loaded(self) -> None:
         with self._lock:
@@ -309,6 +327,14 @@ class ChainswarmServer(Server):
         tokens = assignment.cache_slots * assignment.max_length + assignment.prefix_cache_tokens * assignment.num_blocks
         return self.cache_bytes_per_token * tokens
 
+    def session_cache_bytes_for(self, assignment: Assignment) -> int:
+        """The part of :meth:`cache_bytes_for` that petals' session pool gets (the rest is the prefix store's,
+        kept apart so that cached prefixes never take a planned session slot)."""
+        return self.cache_bytes_per_token * assignment.cache_slots * assignment.max_length
+
+    def prefix_cache_bytes_for(self, assignment: Assignment) -> int:
+        return self.cache_bytes_per_token * assignment.prefix_cache_tokens * assignment.num_blocks
+
     def memory_needed(self, assignment: Assignment) -> int:
         return self.block_bytes * assignment.num_blocks + self.cache_bytes_for(assignment)
 
@@ -353,14 +379,15 @@ class ChainswarmServer(Server):
             assignment = None
         self.timings["last_wait_s"] = time.perf_counter() - waited_since
         self._load_started = time.perf_counter()
-        self.attn_cache_bytes = self.cache_bytes_for(assignment)
+        self.attn_cache_bytes = self.session_cache_bytes_for(assignment)
+        self._prefix_store().configure(self.prefix_cache_bytes_for(assignment))
         self.inference_max_length = assignment.max_length
         self.num_blocks = assignment.num_blocks
         self.server_info.throughput = self.server_info.forward_rps / ((assignment.num_blocks + 1) / 2)
         logger.info("node %s loads blocks %d:%d for plan %s: %d cache slots × %d tokens (+%d prefix tokens), "
                     "%.1f MiB of KV cache", self.node_id, assignment.start, assignment.end, assignment.plan_id,
                     assignment.cache_slots, assignment.max_length, assignment.prefix_cache_tokens,
-                    self.attn_cache_bytes / 2**20)
+                    self.cache_bytes_for(assignment) / 2**20)
         self._set_state(LOADING, assignment)
         return list(range(assignment.start, assignment.end))
 
@@ -432,9 +459,9 @@ class ChainswarmServer(Server):
 
 def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
     """Build a :class:`ChainswarmServer` with the push-fixed handler and run it until SIGTERM/SystemExit."""
-    from server.handler import install
+    from server.prefix_cache import install_prefix_cache
 
-    install(push_counter=push_counter)
+    install_prefix_cache(push_counter=push_counter)
     server = ChainswarmServer(report=report, **server_kwargs)
     try:
         server.run()

@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from swarm.routing import Lease, LeaseProvider, install, use_lease
+from swarm.prefix import PAGE_TOKENS, reusable_pages
+from swarm.routing import Lease, LeaseProvider, PrefixPlan, PrefixSessionFailed, install, probe_route, use_lease
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class SamplingParams:
 class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    reused_tokens: int = 0  # prompt positions whose KV came from the servers' prefix stores
+    prefill_tokens: int = 0  # prompt positions actually computed (summed over restarts)
+    restarts: int = 0  # prefix-reuse sessions restarted from the full tokens after a failure
 
 
 class _TokenSink:
@@ -78,8 +82,16 @@ class GenerationEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def generate(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], params: SamplingParams,
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
-        """Run one session on ``lease``'s chain (blocking). ``provider`` handles mid-session failover."""
+                 on_token: Callable[[int], None] | None = None, *, page_hashes: list[bytes] | None = None,
+                 on_prefix: Callable[[int], None] | None = None) -> GenerationResult:
+        """Run one session on ``lease``'s chain (blocking). ``provider`` handles mid-session failover.
+
+        With ``page_hashes`` (the prompt's full-page hashes, :mod:`swarm.prefix`) the chain's servers are
+        probed first; the pages all of them hold are reused (``on_prefix(reused_tokens)`` is called before
+        the prefill) and the new pages are stored after it. If a server fails during a session that reused a
+        prefix, the session restarts on a route without it from the prompt plus the tokens generated so far,
+        with no reuse — the answer is the one a session without reuse gives.
+        """
         if self._closed.is_set():
             raise RuntimeError("the generation engine is closed")
         produced: list[int] = []
@@ -89,18 +101,44 @@ class GenerationEngine:
             if on_token is not None:
                 on_token(token)
 
+        plan = None
+        if page_hashes:
+            held = probe_route(self.manager, lease.route, page_hashes, page_tokens=PAGE_TOKENS)
+            plan = PrefixPlan(list(page_hashes), reusable_pages(held, len(input_ids)), PAGE_TOKENS)
+        reused = plan.reused_tokens if plan is not None else 0
+        if on_prefix is not None:
+            on_prefix(reused)
+        restarts = 0
+        prefill = len(input_ids) - reused
+        try:
+            self._run(lease, provider, input_ids, params.max_new_tokens, params, sink, plan)
+        except PrefixSessionFailed as exc:
+            restarts = 1
+            logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
+            if not exc.missing and exc.peer_id is not None and provider is not None:
+                lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
+            remaining = params.max_new_tokens - len(produced)
+            stopped = bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
+            if remaining > 0 and not stopped:
+                prompt = list(input_ids) + produced
+                prefill += len(prompt)
+                self._run(lease, provider, prompt, remaining, params, sink, None)
+        stopped = bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
+        return GenerationResult(produced, "stop" if stopped else "length", reused, prefill, restarts)
+
+    def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, params: SamplingParams,
+             sink: Callable[[int], None], plan: PrefixPlan | None) -> None:
         ids = torch.tensor([input_ids], dtype=torch.long)
         sampling = dict(do_sample=False)
         if params.temperature > 0:
             sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p)
-        with use_lease(lease, provider), torch.inference_mode():
+        with use_lease(lease, provider) as context, torch.inference_mode():
+            context.prefix = plan
             self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                 eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id if self.eos_token_id is not None else 0,
                 streamer=_TokenSink(sink), **sampling,
             )
-        stopped = bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
-        return GenerationResult(produced, "stop" if stopped else "length")
 
     def close(self) -> None:
         from swarm.petals_client import close_distributed_model

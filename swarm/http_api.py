@@ -92,9 +92,11 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             raise ApiError(503, "unavailable", "this orchestrator does not proxy completions (no engine)")
         return engine
 
-    async def admit(client: str, input_tokens: int, max_new_tokens: int, timeout: float | None = None):
+    async def admit(client: str, input_tokens: int, max_new_tokens: int, timeout: float | None = None,
+                    page_hashes=()):
         try:
-            return await orchestrator.acquire(client, input_tokens, max_new_tokens, timeout=timeout)
+            return await orchestrator.acquire(client, input_tokens, max_new_tokens, timeout=timeout,
+                                              page_hashes=page_hashes)
         except ValueError as exc:  # too long for the swarm's sessions
             raise ApiError(400, "invalid_request", str(exc)) from None
         except (NoChainsError, QueueTimeout) as exc:
@@ -103,13 +105,16 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
     # -- completions -----------------------------------------------------------------------------------
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={400: {}, 401: {}, 422: {}, 503: {}})
-    async def completions(body: CompletionRequest, authorization: str | None = Header(None),
+    async def completions(body: CompletionRequest, response: Response, authorization: str | None = Header(None),
                           x_client_id: str | None = Header(None)):
         eng = require_engine()
         client = client_of(authorization, x_client_id or body.user)
         input_ids = eng.encode(body.prompt)
+        # prefix pages are hashed here, from the token ids this orchestrator tokenized, in its secret
+        # namespace: what a client sends can never name a cached page (swarm.prefix)
+        page_hashes = orchestrator.prompt_hashes(input_ids)
         submitted = time.monotonic()
-        grant = await admit(client, len(input_ids), body.max_tokens)
+        grant = await admit(client, len(input_ids), body.max_tokens, page_hashes=page_hashes)
         started = time.monotonic()
         chain = orchestrator.chain(grant.chain_id)
         lease = Lease(grant.request_id, grant.chain_id, chain.route, orchestrator.config.expect.max_length)
@@ -127,8 +132,18 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
 
         # token callbacks are queued on the loop before the executor future resolves, so once the task is
         # done every token is already in the queue
-        task = asyncio.ensure_future(
-            loop.run_in_executor(eng.executor, eng.generate, lease, provider, input_ids, params, on_token))
+        prefix: dict[str, Any] = {"expected": grant.matched_tokens}
+
+        def on_prefix(reused: int) -> None:  # session thread, after the probe and before the prefill
+            prefix["reused"] = reused
+            loop.call_soon_threadsafe(orchestrator.prefilled, grant.request_id, reused, len(input_ids),
+                                      grant.matched_tokens)
+
+        def generate():
+            return eng.generate(lease, provider, input_ids, params, on_token,
+                                page_hashes=page_hashes or None, on_prefix=on_prefix if page_hashes else None)
+
+        task = asyncio.ensure_future(loop.run_in_executor(eng.executor, generate))
         meta = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
 
         def finished(result) -> None:
@@ -156,6 +171,9 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             except Exception as exc:
                 raise failed(exc) from None
             finished(result)
+            response.headers["x-chainswarm-prefix"] = (
+                f"expected={prefix['expected']};reused={result.reused_tokens};prefill={result.prefill_tokens};"
+                f"restarts={result.restarts}")
             return CompletionResponse(
                 **meta, choices=[{"text": eng.decode(result.token_ids), "finish_reason": result.finish_reason}],
                 usage={"prompt_tokens": len(input_ids), "completion_tokens": len(result.token_ids),

@@ -37,6 +37,20 @@ class _SwarmCollector:
             service.add_metric([client], info["service"])
         yield queue
         yield service
+        prefix = status.get("prefix") or {}
+        yield GaugeMetricFamily("chainswarm_prefix_hit_rate", "share of requests that reused a cached prompt prefix",
+                                value=prefix.get("hit_rate", 0.0))
+        yield GaugeMetricFamily("chainswarm_prefix_token_hit_rate", "share of prompt tokens reused from prefix caches",
+                                value=prefix.get("token_hit_rate", 0.0))
+        yield GaugeMetricFamily("chainswarm_prefix_tokens_saved", "prompt tokens not recomputed thanks to reuse",
+                                value=prefix.get("tokens_saved", 0))
+        yield GaugeMetricFamily("chainswarm_prefix_requests", "requests probed for prefix reuse",
+                                value=prefix.get("requests", 0))
+        cached = GaugeMetricFamily("chainswarm_chain_cached_prefix_tokens",
+                                   "prompt tokens cached on every server of the chain (radix index)", labels=["chain"])
+        for c in status["chains"]:
+            cached.add_metric([c["id"]], c.get("cached_prefix_tokens", 0))
+        yield cached
         plan = status["plan"] or {}
         yield GaugeMetricFamily("chainswarm_plan_capacity", "total chain capacity of the plan",
                                 value=plan.get("total_capacity") or 0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -28,10 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from planner.fairness import ChainSpec, make_scheduler
+from planner.prefix_index import ChainPrefixMatcher, PrefixIndex
 from planner.fairness.types import FairnessError, Grant
 from planner.plan import Plan
 from planner.tuning import InfeasibleError
-from swarm import planning, records
+from swarm import planning, prefix as prefix_protocol, records
 from swarm.planning import Expectations, RoutableChain
 from swarm.routing import Lease, NoRouteError, RouteSpan, clip_route
 
@@ -64,6 +66,9 @@ class OrchestratorConfig:
     suspect_s: float = 60.0  # how long a server reported failed stays excluded unless its record expires
     queue_timeout_s: float = 600.0
     lease_timeout_s: float = 1800.0
+    # Prompt-prefix reuse (swarm.prefix): the per-block prefix-store budget in tokens (0 = off; the planner
+    # reserves it in expect.prefix_cache_tokens) and the secret that roots this orchestrator's hash namespace.
+    prefix_secret: bytes = field(default_factory=lambda: os.urandom(32))
 
 
 @dataclass
@@ -98,6 +103,13 @@ class Orchestrator:
         self.dht = dht
         self.http_url = http_url
         self.view = SwarmView()
+        self.prefix_enabled = config.expect.prefix_cache_tokens > 0
+        self.prefix_index = PrefixIndex(prefix_protocol.PAGE_TOKENS)
+        self.prefix_matcher = ChainPrefixMatcher(self.prefix_index, {})
+        self.prefix_root = prefix_protocol.namespace_root(config.prefix_secret, config.dht_prefix)
+        self.prefix_stats = dict(requests=0, hits=0, prompt_tokens=0, reused_tokens=0, expected_tokens=0,
+                                 stale=0, evictions_applied=0, resets=0)
+        self._report_state: dict[str, tuple[str, int]] = {}  # node -> (store epoch, last eviction seq applied)
         self.scheduler = self._make_scheduler()
         self.suspects: dict[str, float] = {}
         self.leases: dict[str, LeaseRecord] = {}
@@ -117,6 +129,8 @@ class Orchestrator:
             options["quantum"] = self.config.quantum
         if self.config.policy in ("swarm", "bfio") and self.config.chain_quantum is not None:
             options["chain_quantum"] = self.config.chain_quantum
+        if self.prefix_enabled:
+            options["prefix_match"] = self.prefix_matcher
         return make_scheduler(self.config.policy, **options)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -166,6 +180,9 @@ class Orchestrator:
             self._replan(live)
         if now - self._published_at > self.config.assignment_ttl_s / 3:
             await self._publish_assignments()
+        if self.prefix_enabled:
+            reports = await asyncio.to_thread(prefix_protocol.fetch_reports, self.dht, self.config.dht_prefix)
+            self.apply_prefix_reports(reports, live=set(profiles))
         self._update_chains()
         self.expire_leases()
 
@@ -188,7 +205,8 @@ class Orchestrator:
         plan_id = planning.new_plan_id()
         view.plan, view.plan_id, view.plan_kept_ranges, view.plan_error = new_plan, plan_id, kept, None
         view.plan_inputs = planning.swarm_document(list(live.values()), self.config.num_blocks, self.config.expect)
-        view.assignments = planning.assignments_for(new_plan, plan_id, self.config.expect.max_length)
+        view.assignments = planning.assignments_for(new_plan, plan_id, self.config.expect.max_length,
+                                                    self.config.expect.prefix_cache_tokens)
         self._published_at = 0.0
         self._replans += 1
         self._event("plan", plan_id=plan_id, kept_ranges=kept, c=new_plan.c, servers=sorted(live),
@@ -214,6 +232,12 @@ class Orchestrator:
         else:
             view.chains = planning.routable_chains(view.plan, view.plan_id, view.profiles, view.assignments)
         ready = [c for c in view.chains if c.ready]
+        self.prefix_matcher.chain_servers = {c.chain_id: tuple(c.servers) for c in ready}
+        if self.prefix_enabled:
+            pages = self.config.expect.prefix_cache_tokens // prefix_protocol.PAGE_TOKENS
+            for node in {n for c in ready for n in c.servers}:
+                if self.prefix_index.budget(node) != pages:
+                    self.prefix_index.set_budget(node, pages)
         self.scheduler.set_chains([
             ChainSpec(chain_id=c.chain_id, capacity=c.capacity, mean_service_time=c.service_time,
                       max_length=self.config.expect.max_length, servers=c.servers,
@@ -237,6 +261,7 @@ class Orchestrator:
         for grant in self.scheduler.dispatch(now):
             future = self._waiters.pop(grant.request_id, None)
             if future is not None and not future.done():
+                self._insert_pending(grant, now)
                 future.set_result(grant)
             else:  # the waiter is gone (timed out / disconnected): give the slot back
                 with contextlib.suppress(FairnessError):
@@ -306,6 +331,106 @@ class Orchestrator:
                 return tuple(clip_route(c.route, start, end))
         raise NoRouteError(f"no ready chain covers blocks [{start}, {end}) without {sorted(bad)}")
 
+    # -- prefix reuse ------------------------------------------------------------------------------------
+    def prompt_hashes(self, token_ids) -> list[bytes]:
+        """Page hashes of a prompt this orchestrator tokenized, in its secret namespace ([] when off)."""
+        if not self.prefix_enabled:
+            return []
+        return prefix_protocol.prompt_hashes(token_ids, self.prefix_root)
+
+    def _insert_pending(self, grant: Grant, now: float) -> None:
+        """Optimistic insert at dispatch (§14.4): every server of the chain will hold the prompt's pages
+        once the session's prefill is done (the servers' eviction reports correct it later)."""
+        if not self.prefix_enabled:
+            return
+        with contextlib.suppress(FairnessError):
+            hashes = self.scheduler.request(grant.request_id).page_hashes
+            if hashes:
+                for node in self.prefix_matcher.chain_servers.get(grant.chain_id, ()):
+                    self.prefix_index.insert(node, list(hashes), now)
+
+    def prefilled(self, request_id: str, reused_tokens: int, prompt_tokens: int, expected_tokens: int = 0) -> None:
+        """The session's probe found ``reused_tokens`` on every server of its chain: reconcile the
+        client's charge to the extend actually computed (§14.5) and count the hit."""
+        stats = self.prefix_stats
+        stats["requests"] += 1
+        stats["hits"] += reused_tokens > 0
+        stats["prompt_tokens"] += prompt_tokens
+        stats["reused_tokens"] += reused_tokens
+        stats["expected_tokens"] += expected_tokens
+        stats["stale"] += reused_tokens < expected_tokens
+        with contextlib.suppress(FairnessError):
+            self.scheduler.on_prefill(request_id, reused_tokens, time.monotonic())
+
+    def apply_prefix_reports(self, reports: dict[str, dict], live: set[str] | None = None) -> None:
+        """Follow the servers' eviction reports (``swarm.prefix``): drop evicted pages from the radix index;
+        a new store epoch (reload) or a gap in the eviction sequence drops everything the node held."""
+        index = self.prefix_index
+        for node, report in reports.items():
+            epoch, seq = report["epoch"], report["seq"]
+            last = self._report_state.get(node)
+            if last is not None and last[0] == epoch and seq <= last[1]:
+                continue
+            entries = [e for e in report.get("evicted", ())
+                       if isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int)]
+            if last is None or last[0] != epoch:
+                if last is not None:
+                    self._reset_holder(node)  # the server's store restarted (reload): what it held is gone
+                base = 0
+            else:
+                base = last[1]
+            fresh = [e for e in entries if e[0] > base]
+            if seq > base and (not fresh or min(e[0] for e in fresh) != base + 1):
+                self._reset_holder(node)  # reports were lost: forget what we believed about this node
+            else:
+                hashes = []
+                for _, h in fresh:
+                    with contextlib.suppress(ValueError, TypeError):
+                        hashes.append(bytes.fromhex(h))
+                self.prefix_stats["evictions_applied"] += index.remove(node, hashes)
+            self._report_state[node] = (epoch, seq)
+        if live is not None:
+            for node in [n for n in index.holders() if n not in live]:
+                self._reset_holder(node)
+                self._report_state.pop(node, None)
+
+    def _reset_holder(self, node: str) -> None:
+        budget = self.prefix_index.budget(node)
+        self.prefix_index.remove_holder(node)
+        self.prefix_index.set_budget(node, budget)
+        self.prefix_stats["resets"] += 1
+
+    def prefix_status(self) -> dict[str, Any]:
+        stats = dict(self.prefix_stats)
+        page = prefix_protocol.PAGE_TOKENS
+        requests, prompt = stats["requests"], stats["prompt_tokens"]
+        return {
+            "enabled": self.prefix_enabled, "page_tokens": page,
+            "cache_tokens_per_block": self.config.expect.prefix_cache_tokens,
+            "hit_rate": stats["hits"] / requests if requests else 0.0,
+            "token_hit_rate": stats["reused_tokens"] / prompt if prompt else 0.0,
+            "tokens_saved": stats["reused_tokens"], **stats,
+            "servers": {str(n): self.prefix_index.pages_held(n) * page for n in self.prefix_index.holders()},
+        }
+
+    def chain_cached_tokens(self, chain: RoutableChain) -> int:
+        """Prompt tokens cached on every server of the chain, per the radix index (what a request could reuse
+        there): the sum over the index's leaves of the pages all the chain's servers hold."""
+        if not self.prefix_enabled or not chain.servers:
+            return 0
+        return self._chain_volume(chain.servers) * prefix_protocol.PAGE_TOKENS
+
+    def _chain_volume(self, servers) -> int:
+        total = 0
+        stack = [self.prefix_index._root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                if all(s in child.holders for s in servers):
+                    total += len(child.pages)
+                    stack.append(child)
+        return total
+
     # -- leases (clients that drive petals themselves) --------------------------------------------------
     async def grant_lease(self, client_id: str, input_tokens: int, max_new_tokens: int, *,
                           timeout: float | None = None) -> LeaseRecord:
@@ -357,9 +482,10 @@ class Orchestrator:
             "chains": [
                 {"id": c.chain_id, "servers": list(c.servers), "spans": [list(s) for s in c.spans],
                  "route": [list(r) for r in c.route], "capacity": c.capacity, "active": active.get(c.chain_id, 0),
-                 "ready": c.ready, "service_time": c.service_time}
+                 "ready": c.ready, "service_time": c.service_time, "cached_prefix_tokens": self.chain_cached_tokens(c)}
                 for c in view.chains
             ],
+            "prefix": self.prefix_status(),
             "queue": queue,
             "clients": {str(c): {"service": self.scheduler.service(c), "waiting": queue.get(str(c), 0)}
                         for c in self.scheduler.clients()},

@@ -41,6 +41,7 @@ class Expectations:
     tuning: str = "lower-bound"
     c: int | None = None
     replan_tolerance: float = 0.05  # keep current ranges unless a fresh plan is this much better
+    prefix_cache_tokens: int = 0  # prefix-store budget per served block (tokens), reserved before KV slots
 
     def __post_init__(self) -> None:
         if self.max_length < 2 or self.input_tokens < 1 or self.output_tokens < 1:
@@ -49,6 +50,8 @@ class Expectations:
             raise ValueError("expected input + output tokens exceed max_length")
         if self.arrival_rate <= 0:
             raise ValueError("the expected arrival rate must be > 0")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError("prefix_cache_tokens must be >= 0")
 
 
 def planner_inputs(
@@ -57,7 +60,9 @@ def planner_inputs(
     """The planner's model and servers for these profiles (servers sorted by node id, deterministic)."""
     if not profiles:
         raise InfeasibleError("no servers have joined the swarm yet")
-    block_bytes = max(p.block_bytes for p in profiles)
+    # The prefix store takes prefix_cache_tokens of KV on every block a server holds: charging it to the block
+    # size makes the planner count session slots only in the memory that is left, so sessions keep them.
+    block_bytes = max(p.block_bytes + p.cache_bytes_per_token * expect.prefix_cache_tokens for p in profiles)
     slot_bytes = max(p.cache_bytes_per_token for p in profiles) * expect.max_length
     model = ModelSpec(num_blocks, block_bytes / BYTES_PER_GB, slot_bytes / BYTES_PER_GB)
     servers = []
@@ -126,18 +131,20 @@ def new_plan_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def assignments_for(p: Plan, plan_id: str, max_length: int) -> dict[str, Assignment]:
+def assignments_for(p: Plan, plan_id: str, max_length: int, prefix_cache_tokens: int = 0) -> dict[str, Assignment]:
     """One Assignment per server of the plan (servers without blocks get an empty range).
 
     ``cache_slots`` is the planner's block-slot count Σ_k c_k·m_ij: petals keeps one KV pool per server,
     shared by its blocks, so exactly that many slots of ``max_length`` tokens serve every chain through it.
+    ``prefix_cache_tokens`` (per block) is the prefix store's budget, already reserved by :func:`planner_inputs`.
     """
     result = {}
     for sp in p.servers:
         if sp.span is None:
             result[sp.id] = Assignment(plan_id, 0, 0, 0, max_length)
         else:
-            result[sp.id] = Assignment(plan_id, sp.span[0], sp.span[1], sp.slots_allocated, max_length)
+            result[sp.id] = Assignment(plan_id, sp.span[0], sp.span[1], sp.slots_allocated, max_length,
+                                       prefix_cache_tokens)
     return result
 
 

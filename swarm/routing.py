@@ -17,18 +17,23 @@ Who provides leases is a :class:`LeaseProvider`: the orchestrator in-process, or
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import sys
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 from swarm.compat import petals  # noqa: F401  (shim first)
+import torch  # noqa: E402
 import petals.client.remote_sequential as remote_sequential_module  # noqa: E402
 from hivemind import PeerID  # noqa: E402
 from petals.client.inference_session import InferenceSession  # noqa: E402
 from petals.client.routing.sequence_manager import RemoteSequenceManager  # noqa: E402
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState  # noqa: E402
+
+from swarm.prefix import META_KEY as PREFIX_META_KEY, MISSING_MESSAGE as PREFIX_MISSING, PROBE_RPC as PREFIX_PROBE_RPC  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +67,43 @@ class LeaseProvider(Protocol):
 
 
 @dataclass
+class PrefixPlan:
+    """Prompt-prefix reuse for the session opened in this context (protocol: :mod:`swarm.prefix`).
+
+    ``hashes`` are the prompt's full-page hashes (every server stores the new pages after the prefill);
+    ``load_pages`` the pages every server of the route holds (the chain minimum from the probe): each server
+    loads them, and the first step sends hidden states only for the positions after them.
+    """
+
+    hashes: list[bytes]
+    load_pages: int = 0
+    page_tokens: int = 16
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.load_pages * self.page_tokens
+
+    def metadata(self) -> dict:
+        return {"page": self.page_tokens, "hashes": list(self.hashes), "load": self.load_pages}
+
+
+class PrefixSessionFailed(RuntimeError):
+    """A server failed during a session that reused a prefix: petals' history replay cannot rebuild the
+    reused positions on a replacement, so the session must restart from the full tokens (spec §6.2.3 item 5).
+    ``missing`` is True when the server only reported that the pinned pages were gone (not a server fault)."""
+
+    def __init__(self, peer_id: str | None, missing: bool, cause: BaseException | None):
+        super().__init__(f"prefix-reuse session failed on {peer_id}: {cause!r}")
+        self.peer_id, self.missing = peer_id, missing
+
+
+@dataclass
 class LeaseContext:
     lease: Lease
     provider: LeaseProvider | None  # None: the lease is managed by whoever set the context
     owned: bool  # acquired by the sequence manager itself -> released when the session closes
     failed_peers: list[str] = field(default_factory=list)
+    prefix: PrefixPlan | None = None
 
 
 _current: ContextVar[LeaseContext | None] = ContextVar("chainswarm_lease", default=None)
@@ -125,11 +162,24 @@ class OrchestratedSequenceManager(RemoteSequenceManager):
         return [RemoteSpanInfo(PeerID.from_base58(peer), s, e, ServerInfo(ServerState.ONLINE, 1.0))
                 for peer, s, e in spans]
 
+    def get_request_metadata(self, protocol: str, *args, **kwargs):
+        metadata = super().get_request_metadata(protocol, *args, **kwargs)
+        context = _current.get()
+        if protocol == "rpc_inference" and context is not None and context.prefix is not None:
+            metadata = dict(metadata or {})
+            metadata[PREFIX_META_KEY] = context.prefix.metadata()
+        return metadata
+
     def on_request_failure(self, peer_id: PeerID | None) -> None:
         context = _current.get()
+        super().on_request_failure(peer_id)
+        if context is not None and context.prefix is not None and context.prefix.load_pages > 0:
+            # called inside petals' retry loop while the step's exception is being handled
+            cause = sys.exc_info()[1]
+            missing = cause is not None and PREFIX_MISSING in str(cause)
+            raise PrefixSessionFailed(peer_id.to_base58() if peer_id is not None else None, missing, cause)
         if context is not None and peer_id is not None:
             context.failed_peers.append(peer_id.to_base58())
-        super().on_request_failure(peer_id)
 
 
 def _splice(route: Sequence[RouteSpan], replacement: Sequence[RouteSpan]) -> tuple[RouteSpan, ...]:
@@ -141,7 +191,24 @@ def _splice(route: Sequence[RouteSpan], replacement: Sequence[RouteSpan]) -> tup
 
 
 class ChainswarmInferenceSession(InferenceSession):
-    """petals' inference session with the failover fix and lease release on close."""
+    """petals' inference session with the failover fix, prefix reuse and lease release on close.
+
+    With a :class:`PrefixPlan` that loads pages, the first step sends only the positions after the reused
+    prefix; its output is padded back to the full length (the reused positions' outputs are zeros — only
+    the last position's logits matter for generation), and the position counts the reused tokens.
+    """
+
+    def step(self, inputs, prompts=None, hypo_ids=None):
+        context = _current.get()
+        skip = context.prefix.reused_tokens if context is not None and context.prefix is not None else 0
+        if self._position > 0 or skip <= 0:
+            return super().step(inputs, prompts, hypo_ids)
+        if inputs.shape[1] <= skip or (prompts is not None and prompts.numel() > 0):
+            raise ValueError("prefix reuse needs a first step longer than the reused prefix and no deep prompts")
+        outputs = super().step(inputs[:, skip:], prompts, hypo_ids)
+        self._position += skip
+        pad = torch.zeros(outputs.shape[0], skip, outputs.shape[2], dtype=outputs.dtype, device=outputs.device)
+        return torch.cat([pad, outputs], dim=1)
 
     def _update_sequence(self, server_idx: int, block_idx: int, attempt_no: int) -> int:
         failed = self._server_sessions[server_idx] if server_idx < len(self._server_sessions) else None
@@ -160,6 +227,37 @@ class ChainswarmInferenceSession(InferenceSession):
             _current.set(None)
             with contextlib.suppress(Exception):
                 context.provider.release(context.lease, processed_tokens=self._position)
+
+
+def probe_route(manager: RemoteSequenceManager, route: Sequence[RouteSpan], hashes: Sequence[bytes], *,
+                page_tokens: int = 16, pin_s: float = 10.0, timeout: float = 5.0) -> list[int]:
+    """Ask every server of ``route`` (in parallel) how many leading pages of ``hashes`` it holds for its
+    span's blocks; a server that does not answer (or has no prefix store) counts as holding none."""
+    from hivemind import MSGPackSerializer
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+    from hivemind.proto import runtime_pb2
+    from petals.data_structures import CHAIN_DELIMITER
+
+    metadata = MSGPackSerializer.dumps({"page": page_tokens, "hashes": list(hashes), "pin_s": pin_s})
+    p2p = manager.state.p2p
+
+    async def one(peer: str, start: int, end: int) -> int:
+        request = runtime_pb2.ExpertRequest(uid=CHAIN_DELIMITER.join(manager.block_uids[start:end]),
+                                            metadata=metadata)
+        try:
+            response = await asyncio.wait_for(p2p.call_protobuf_handler(
+                PeerID.from_base58(peer), PREFIX_PROBE_RPC, request, runtime_pb2.ExpertResponse), timeout)
+            answer = MSGPackSerializer.loads(response.metadata) if response.metadata else {}
+        except Exception as exc:
+            logger.debug("prefix probe of %s failed: %r", peer, exc)
+            return 0
+        pages = answer.get("pages", 0)
+        return pages if answer.get("page") == page_tokens and isinstance(pages, int) and pages >= 0 else 0
+
+    async def all_spans() -> list[int]:
+        return list(await asyncio.gather(*(one(peer, s, e) for peer, s, e in route)))
+
+    return RemoteExpertWorker.run_coroutine(all_spans())
 
 
 def install(model, lease_provider: LeaseProvider | None = None) -> OrchestratedSequenceManager:

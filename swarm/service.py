@@ -47,6 +47,10 @@ class OrchestratorOptions:
     # The proxy's petals client: None keeps petals' default (server-to-server push on); False relays every
     # hop's activations through the orchestrator (the paper's model).
     use_server_to_server: bool | None = None
+    # Prompt-prefix reuse: per-block prefix-store budget in tokens on every server (0 = off), reserved by the
+    # planner; chain_quantum = per-client per-chain stickiness Q^w of the ``swarm`` policy (None = its default).
+    prefix_cache_tokens: int = 0
+    chain_quantum: float | None = None
 
 
 def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
@@ -63,11 +67,12 @@ def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
         max_length=max_length, input_tokens=input_tokens, output_tokens=output_tokens,
         arrival_rate=options.expected_rate, target_load=options.target_load, placement=options.placement,
         tuning=options.tuning, c=options.c, replan_tolerance=options.replan_tolerance,
+        prefix_cache_tokens=options.prefix_cache_tokens,
     )
     return OrchestratorConfig(
         model_dir=options.model_dir, dht_prefix=options.dht_prefix or dht_prefix_for(options.model_dir),
         num_blocks=model_config.num_hidden_layers, expect=expect, policy=options.policy, quantum=options.quantum,
-        refresh_s=options.refresh_s, queue_timeout_s=options.queue_timeout_s,
+        refresh_s=options.refresh_s, queue_timeout_s=options.queue_timeout_s, chain_quantum=options.chain_quantum,
     )
 
 

@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", default=None, help='JSON file {"key": "client", ...}')
     parser.add_argument("--request-timeout", type=float, default=30.0,
                         help="seconds a session step may take before its server counts as failed (default 30)")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=0,
+                        help="prompt-prefix KV budget per served block, in tokens, reserved on every server "
+                        "(default 0 = no prefix reuse); pair with --policy swarm for locality-aware chains")
+    parser.add_argument("--chain-quantum", type=float, default=None,
+                        help="swarm policy: per-client per-chain stickiness quantum Q^w (default 16384)")
     parser.add_argument("--no-proxy", action="store_true", help="leases only: do not serve /v1/completions")
     parser.add_argument("--log-level", default="INFO")
 
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         target_load=args.target_load, expected_rate=args.expected_rate,
         expected_input_tokens=args.expected_input_tokens, expected_output_tokens=args.expected_output_tokens,
         max_length=args.max_length, placement=args.placement, tuning=args.tuning, c=args.c, api_keys=keys,
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=args.request_timeout, prefix_cache_tokens=args.prefix_cache_tokens,
+        chain_quantum=args.chain_quantum,
         proxy=not args.no_proxy,
     )
     try:

@@ -1,0 +1,193 @@
+"""Prompt-prefix reuse end to end on loopback (issue 7): servers' prefix KV stores, the probe/load/save
+protocol, the orchestrator's radix index and locality-aware ``swarm`` policy.
+
+One swarm for the module: a DHT, an orchestrator (``swarm`` policy, 128 prefix tokens per block) and three
+nodes: "big" holds the whole model (fast chain), "left" → "right" split it (slow chain). Besides HTTP
+completions, the test process runs its own petals client (``GenerationEngine``) on explicit routes, hashing
+prompts in a namespace of its own — which also plays the client whose hashes do not match its tokens.
+"""
+import os
+import time
+
+import httpx
+import pytest
+import torch
+
+from server.local_swarm import LocalSwarm
+from swarm import prefix as protocol
+
+pytestmark = pytest.mark.swarm
+
+MAX_LENGTH = 256
+PREFIX_TOKENS = 128  # per block: 8 pages of 16 tokens
+KEYS = {"key-heavy": "heavy", "key-light": "light", "key-a": "a"}
+SHARED = ("You are a careful assistant. Answer briefly and cite the document. The document says that the "
+          "harbour of the old town was rebuilt twice, first after the storm and then after the fire, and that "
+          "the lighthouse keeper kept a diary of every ship. ")
+
+
+def wait_for(predicate, timeout=60.0, period=0.25, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(period)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("profiles"))
+    with LocalSwarm(tiny_model) as local:
+        local.add_orchestrator(policy="swarm", quantum=400.0, expected_rate=4.0, max_length=MAX_LENGTH,
+                               expected_input_tokens=128, expected_output_tokens=16, refresh_s=0.5,
+                               api_keys=KEYS, request_timeout_s=8.0, prefix_cache_tokens=PREFIX_TOKENS)
+        nodes = {name: local.add_node(node_id=name, memory_gb=mb, wait=False, profile_cache_dir=cache,
+                                      update_period=4.0)
+                 for name, mb in (("big", 0.0026), ("left", 0.0013), ("right", 0.0013))}
+        for peer in nodes.values():
+            local.wait_profiled(peer)
+        url = local.orchestrator.info["url"]
+
+        def ready():
+            status = httpx.get(f"{url}/v1/swarm").json()
+            planned = status["plan"] and {s["id"] for s in status["plan"]["servers"]} == set(nodes)
+            ok = planned and len(status["chains"]) >= 2 and all(c["ready"] for c in status["chains"])
+            return status if ok else None
+
+        local.status = wait_for(ready, 120, what="all chains ready")
+        local.url, local.nodes_by_name = url, nodes
+        yield local
+
+
+@pytest.fixture(scope="module")
+def engine(swarm, tiny_model):
+    """A petals client in the test process that runs sessions on routes the test chooses."""
+    from swarm.engine import GenerationEngine
+
+    eng = GenerationEngine(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                           max_retries=2, request_timeout=8.0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+
+    def run(prompt_or_ids, max_new_tokens):
+        ids = prompt_or_ids if not isinstance(prompt_or_ids, str) else tokenizer(prompt_or_ids).input_ids
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        return out[0, len(ids):].tolist(), tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+    return run
+
+
+def complete(swarm, prompt, max_tokens=12, key="key-a"):
+    with httpx.Client(base_url=swarm.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
+        response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert response.status_code == 200, response.text
+    prefix = dict(kv.split("=") for kv in response.headers["x-chainswarm-prefix"].split(";"))
+    return response.json(), {k: int(v) for k, v in prefix.items()}
+
+
+def route_of(swarm, *names):
+    """A route over the named nodes' live ranges, e.g. ("left", "big") = left's blocks, then big's for the rest."""
+    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    servers = {s["node_id"]: s for s in status["servers"]}
+    route, block = [], 0
+    for name in names:
+        s = servers[name]
+        assert s["start"] <= block < s["end"]
+        route.append((s["peer_id"], block, s["end"]))
+        block = s["end"]
+    assert block == 4
+    return route
+
+
+def run_direct(engine, route, ids, hashes, max_new_tokens=10):
+    from swarm.engine import SamplingParams
+    from swarm.routing import Lease
+
+    lease = Lease(os.urandom(4).hex(), "test", tuple(route), MAX_LENGTH)
+    return engine.generate(lease, None, ids, SamplingParams(max_new_tokens, temperature=0), page_hashes=hashes)
+
+
+def test_reuse_gives_the_same_tokens_as_no_reuse_and_transformers(swarm, reference):
+    first, head1 = complete(swarm, SHARED + "Question: who kept the diary?")
+    assert head1["reused"] == 0 and head1["prefill"] > 0
+    for question in ("Question: what happened after the storm?", "Question: how often was it rebuilt?"):
+        doc, head = complete(swarm, SHARED + question)
+        assert doc["choices"][0]["text"] == reference(SHARED + question, 12)[1]
+        assert head["reused"] >= 32 and head["prefill"] + head["reused"] == doc["usage"]["prompt_tokens"]
+    assert first["choices"][0]["text"] == reference(SHARED + "Question: who kept the diary?", 12)[1]
+    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    assert status["prefix"]["hits"] >= 2 and status["prefix"]["tokens_saved"] >= 64
+    assert max(c["cached_prefix_tokens"] for c in status["chains"]) >= 64
+    metrics = httpx.get(f"{swarm.url}/metrics").text
+    assert "chainswarm_prefix_hit_rate" in metrics and "chainswarm_chain_cached_prefix_tokens" in metrics
+    hit_rate = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("chainswarm_prefix_hit_rate"))
+    assert hit_rate > 0
+
+
+def test_chain_where_only_some_servers_hold_the_prefix_recomputes(swarm, engine, reference):
+    root = protocol.namespace_root(b"test-namespace-1", swarm.dht_prefix)
+    ids = engine.encode(SHARED + "Only left holds this one. Question: where is the lighthouse?")
+    hashes = protocol.prompt_hashes(ids, root)
+    expected = reference(ids, 10)[0]
+    warm = run_direct(engine, route_of(swarm, "left", "big"), ids, hashes)  # left (0:2) and big (2:4) store it
+    assert warm.token_ids == expected and warm.reused_tokens == 0
+    partial = run_direct(engine, route_of(swarm, "left", "right"), ids, hashes)  # right holds nothing
+    assert partial.token_ids == expected and partial.reused_tokens == 0
+    big_alone = run_direct(engine, route_of(swarm, "big"), ids, hashes)  # big holds blocks 2:4 only
+    assert big_alone.token_ids == expected and big_alone.reused_tokens == 0
+    full = run_direct(engine, route_of(swarm, "left", "right"), ids, hashes)  # both hold it now
+    assert full.token_ids == expected and full.reused_tokens == (len(ids) - 1) // 16 * 16
+
+
+def test_hashes_that_do_not_match_the_tokens_cannot_change_an_answer(swarm, engine, reference):
+    prompt_a = SHARED + "Question: who rebuilt the harbour?"
+    complete(swarm, prompt_a)  # cached in the orchestrator's (secret) namespace
+    ids_a = engine.encode(prompt_a)
+    ids_b = engine.encode("A different prompt entirely, about mountains and rivers and the snow on them. " * 2)
+    expected_b = reference(ids_b, 10)[0]
+    for route in (route_of(swarm, "big"), route_of(swarm, "left", "right")):
+        # a client claims prompt A's pages (public namespace, or random bytes) while sending prompt B's tokens
+        forged = protocol.prompt_hashes(ids_a, protocol.namespace_root(b"", swarm.dht_prefix))
+        for hashes in (forged[: len(ids_b) // 16], [os.urandom(16) for _ in range(len(ids_b) // 16)]):
+            result = run_direct(engine, route, ids_b, hashes)
+            assert result.token_ids == expected_b and result.reused_tokens == 0
+    # and the pages those sessions stored under the forged keys did not poison the orchestrator's sessions
+    doc, head = complete(swarm, prompt_a)
+    assert doc["choices"][0]["text"] == reference(prompt_a, 12)[1] and head["reused"] > 0
+
+
+def test_prefix_evicted_between_dispatch_and_prefill_is_recomputed(swarm, engine, reference):
+    for attempt in range(3):
+        prompt = SHARED + f"Attempt {attempt}. Question: what did the keeper write down?"
+        doc, head = complete(swarm, prompt)
+        chain = next(c for c in httpx.get(f"{swarm.url}/v1/swarm").json()["chains"]
+                     if c["id"] == doc["chainswarm"]["chain_id"])
+        names = chain["servers"]
+        # another namespace's sessions fill that chain's stores: the prompt's pages are evicted (LRU), and
+        # the orchestrator hears of it only with the servers' next report
+        root = protocol.namespace_root(os.urandom(8), swarm.dht_prefix)
+        for i in range(2):
+            filler = engine.encode(f"Filler {attempt}.{i}: " + "the quick brown fox jumps over the lazy dog. " * 12)
+            run_direct(engine, route_of(swarm, *names), filler, protocol.prompt_hashes(filler, root), 1)
+        again, head = complete(swarm, prompt, max_tokens=12)
+        assert again["choices"][0]["text"] == reference(prompt, 12)[1]
+        if again["chainswarm"]["chain_id"] == chain["id"] and head["expected"] > head["reused"]:
+            break  # the orchestrator expected a hit that the servers no longer had: recomputed correctly
+    else:
+        pytest.fail("never caught the orchestrator with a stale index")
+    # the eviction reports reach the orchestrator's radix index
+    wait_for(lambda: httpx.get(f"{swarm.url}/v1/swarm").json()["prefix"]["evictions_applied"] > 0, 30,
+             what="eviction reports applied")
