@@ -216,6 +216,23 @@ def test_dlpm_does_not_starve_a_light_client_behind_a_flood(swarm):
     assert served["light"] > 0 and served["flood"] > served["light"]
 
 
+def test_generate_cli_prints_the_swarms_text(swarm, tiny_model):
+    import subprocess
+    import sys
+
+    prompt = "Researchers measure the round trip time"
+    expected = reference(tiny_model, prompt, 12)[2]
+    base = [sys.executable, "-m", "swarm.cli", "generate", prompt, "--orchestrator", swarm.url,
+            "--api-key", "key-alice", "--max-new-tokens", "12", "--temperature", "0"]
+    plain = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == expected + "\n" and "tokens on chain" in plain.stderr
+    streamed = subprocess.run(base + ["--stream"], capture_output=True, text=True, timeout=120)
+    assert streamed.returncode == 0 and streamed.stdout == expected + "\n"
+    refused = subprocess.run(base[:-4] + ["--api-key", "nope"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "unknown API key" in refused.stderr
+
+
 def test_killed_server_sessions_complete_elsewhere_with_identical_text(swarm, tiny_model):
     prompt = "Hello, world! How are you? I am fine"
     _, _, expected_text = reference(tiny_model, prompt, 96)
