@@ -87,7 +87,10 @@ class ChainswarmServer(Server):
     * ``drain_timeout`` — longest wait (s) for open sessions before a reload (default 300);
     * ``profile_ttl_factor`` — profile TTL in heartbeats (default 2.5); the heartbeat is ``update_period``;
     * ``rtt_period`` — how often (s) the RTT to the orchestrator is re-measured (default 30);
-    * ``report`` — optional ``multiprocessing`` connection for launcher reports (see the module doc).
+    * ``report`` — optional ``multiprocessing`` connection for launcher reports (see the module doc);
+    * ``declared_profile`` — ``{"prefill_s", "decode_s", "rtt_s"}`` (any subset) to report instead of what
+      is measured: emulated hardware in experiments (a "slow GPU" on a CPU box) and reproducible plans in
+      tests. Real volunteers leave it unset; the RTT is still reported only once an orchestrator exists.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class ChainswarmServer(Server):
         profile_ttl_factor: float = 2.5,
         rtt_period: float = 30.0,
         report: Any = None,
+        declared_profile: Optional[dict] = None,
         **server_kwargs: Any,
     ):
         for key in ("num_blocks", "block_indices"):
@@ -138,10 +142,18 @@ class ChainswarmServer(Server):
             self.block_bytes = profiling.block_bytes(self.block_config, self.torch_dtype, self.quant_type,
                                                      cache_dir=profile_cache_dir or profiling.default_cache_dir())
             self.cache_bytes_per_token = profiling.cache_bytes_per_token(self.block_config, self.torch_dtype)
-            self.compute = profiling.compute_times(
-                self.block_config, self.device, self.torch_dtype, self.quant_type,
-                cache_dir=profile_cache_dir, tensor_parallel_devices=self.tensor_parallel_devices,
-            )
+            self.declared = dict(declared_profile or {})
+            unknown = set(self.declared) - {"prefill_s", "decode_s", "rtt_s"}
+            if unknown:
+                raise ValueError(f"declared_profile accepts prefill_s, decode_s and rtt_s, not {sorted(unknown)}")
+            if "prefill_s" in self.declared and "decode_s" in self.declared:
+                self.compute = profiling.ComputeTimes(float(self.declared["prefill_s"]),
+                                                      float(self.declared["decode_s"]))
+            else:
+                self.compute = profiling.compute_times(
+                    self.block_config, self.device, self.torch_dtype, self.quant_type,
+                    cache_dir=profile_cache_dir, tensor_parallel_devices=self.tensor_parallel_devices,
+                )
         except BaseException:
             self.dht.shutdown()  # do not leave the DHT process and its p2pd behind
             raise
@@ -199,7 +211,7 @@ class ChainswarmServer(Server):
                 cache_bytes_per_token=self.cache_bytes_per_token,
                 prefill_s=self.compute.prefill_s,
                 decode_s=self.compute.decode_s,
-                rtt_s=self._rtt.rtt_s,
+                rtt_s=self._rtt.rtt_s if self._rtt.rtt_s is None else self.declared.get("rtt_s", self._rtt.rtt_s),
                 device=str(self.device),
                 torch_dtype=str(self.torch_dtype).replace("torch.", ""),
                 quant_type=self.quant_type.name.lower(),

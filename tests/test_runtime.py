@@ -39,7 +39,11 @@ def swarm(tiny_model, tmp_path_factory):
         local.add_orchestrator(policy="dlpm", quantum=200.0, expected_rate=4.0, max_length=MAX_LENGTH,
                                expected_input_tokens=128, expected_output_tokens=28, refresh_s=0.5,
                                api_keys=KEYS, request_timeout_s=8.0)
-        nodes = {name: local.add_node(node_id=name, memory_gb=mb, wait=False, profile_cache_dir=cache)
+        # Declared compute times and RTT (identical on every node) make the plan independent of how loaded
+        # the machine is while profiling; memory budgets then decide it: big alone, and left + right.
+        declared = {"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002}
+        nodes = {name: local.add_node(node_id=name, memory_gb=mb, wait=False, profile_cache_dir=cache,
+                                      declared_profile=declared)
                  for name, mb in (("big", 0.0024), ("left", 0.0012), ("right", 0.0012))}
         for peer in nodes.values():
             local.wait_profiled(peer)
@@ -76,8 +80,9 @@ def test_published_plan_is_the_planners_output_for_the_measured_profiles(swarm):
     plan = status["plan"]
     inputs = plan["inputs"]
     profiles = {s["node_id"]: s for s in status["servers"]}
-    for server in inputs["servers"]:  # the planner's inputs are the servers' own measurements
+    for server in inputs["servers"]:  # the planner's inputs are what the servers published
         assert server["memory_gb"] == profiles[server["id"]]["memory_bytes"] / 1e9
+        assert profiles[server["id"]]["decode_s"] == 3e-4 and profiles[server["id"]]["rtt_s"] == 0.002
     model = ModelSpec(**inputs["model"])
     servers = [Server(**s) for s in inputs["servers"]]
     if plan["kept_ranges"]:

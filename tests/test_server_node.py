@@ -402,3 +402,14 @@ def test_fewer_slots_on_the_same_blocks_are_served_in_place_more_need_a_reload()
     assert _served_in_place(Assignment("p2", 0, 3, cache_slots=1, max_length=128), loaded) is None
     assert _served_in_place(Assignment("p2", 0, 2, cache_slots=1, max_length=256), loaded) is None
     assert _served_in_place(Assignment("p2", 0, 2, cache_slots=1, max_length=128), None) is None
+
+
+def test_declared_profile_replaces_measurements_and_rejects_unknown_keys(tiny_model, tmp_path):
+    from server.node import ChainswarmServer
+
+    with pytest.raises(ValueError, match="declared_profile accepts"):
+        ChainswarmServer(converted_model_name_or_path=tiny_model, dht_prefix="declared", initial_peers=[],
+                         device="cpu", torch_dtype="float32", throughput=1.0, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                         use_relay=False, use_auto_relay=False, reachable_via_relay=False, skip_reachability_check=True,
+                         num_handlers=1, memory_gb=0.01, profile_cache_dir=str(tmp_path),
+                         declared_profile={"decode_ms": 3})
