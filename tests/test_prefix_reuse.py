@@ -191,3 +191,89 @@ def test_prefix_evicted_between_dispatch_and_prefill_is_recomputed(swarm, engine
     # the eviction reports reach the orchestrator's radix index
     wait_for(lambda: httpx.get(f"{swarm.url}/v1/swarm").json()["prefix"]["evictions_applied"] > 0, 30,
              what="eviction reports applied")
+
+
+# -- the orchestrator's radix index and locality on an in-memory DHT (no processes) ------------------------
+
+
+class _MemoryDHT:
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.data, self._ns = {}, SimpleNamespace
+        self.peer_id = SimpleNamespace(to_base58=lambda: "orchestrator-peer")
+
+    def store(self, key, value, expiration_time, subkey=None):
+        self.data.setdefault(key, {})[subkey] = value
+        return True
+
+    def get(self, key, latest=False):
+        if key not in self.data:
+            return None
+        return self._ns(value={k: self._ns(value=v) for k, v in self.data[key].items()})
+
+
+def test_orchestrator_index_follows_dispatch_and_eviction_reports():
+    import asyncio
+
+    from swarm import planning, records
+    from swarm.orchestrator import Orchestrator, OrchestratorConfig
+
+    expect = planning.Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0,
+                                   prefix_cache_tokens=256)
+    dht, prefix = _MemoryDHT(), "tiny-cs"
+
+    def profile(node, mb, **kw):
+        return records.ServerProfile(node_id=node, peer_id=f"peer-{node}", memory_bytes=int(mb * 1e6),
+                                     block_bytes=200_000, cache_bytes_per_token=512, prefill_s=1e-5, decode_s=5e-4,
+                                     rtt_s=0.001, **kw)
+
+    sizes = {"a": 6, "b": 3, "c": 3}
+    for node, mb in sizes.items():
+        records.publish_profile(dht, prefix, profile(node, mb), ttl=10)
+    orch = Orchestrator(OrchestratorConfig(model_dir="unused", dht_prefix=prefix, num_blocks=4, expect=expect,
+                                           policy="swarm"), dht)
+
+    async def scenario():
+        await orch.start()
+        assigned = records.fetch_assignments(dht, prefix)
+        assert all(a.prefix_cache_tokens == 256 for a in assigned.values() if a.end > a.start)
+        # the planner saw block + prefix reservation: its model's block size includes 256 tokens of KV
+        model, _ = planning.planner_inputs(list(records.fetch_profiles(dht, prefix).values()), 4, expect)
+        assert model.block_size_gb * 1e9 == 200_000 + 512 * 256
+        for node, a in assigned.items():
+            served = dict(state=records.SERVING, start=a.start, end=a.end, cache_slots=a.cache_slots) \
+                if a.end > a.start else {}
+            records.publish_profile(dht, prefix, profile(node, sizes[node], **served), ttl=10)
+        await orch.refresh()
+        chains = [c for c in orch.view.chains if c.ready]
+        assert chains
+        ids = list(range(100, 180))  # 5 pages
+        hashes = orch.prompt_hashes(ids)
+        assert len(hashes) == 5 and hashes != protocol.prompt_hashes(ids, protocol.namespace_root(b""))
+        first = await orch.acquire("x", len(ids), 8, page_hashes=hashes)
+        assert first.matched_tokens == 0
+        chain = orch.chain(first.chain_id)
+        assert orch.chain_cached_tokens(chain) == 80  # optimistic insert at dispatch, on every server
+        orch.prefilled(first.request_id, 0, len(ids))
+        second = await orch.acquire("x", len(ids) + 8, 8, page_hashes=hashes)
+        assert second.chain_id == first.chain_id and second.matched_tokens == 80  # locality: the hit chain
+        orch.prefilled(second.request_id, 48, len(ids) + 8, second.matched_tokens)  # servers had less
+        assert orch.prefix_status()["stale"] == 1 and orch.prefix_status()["tokens_saved"] == 48
+        orch.finish(first.request_id, 8)
+        orch.finish(second.request_id, 8)
+        # an eviction report from one server of the chain: pages 3.. are gone there, so the chain holds 3
+        node = chain.servers[-1]
+        report = {"epoch": "e1", "seq": 2, "evicted": [[1, hashes[4].hex()], [2, hashes[3].hex()]]}
+        dht.store(f"{prefix}.{protocol.REPORTS}", report, 0, subkey=node)
+        await orch.refresh()
+        assert orch.chain_cached_tokens(chain) == 48 and orch.prefix_index.longest_match(node, hashes) == 3
+        # a gap in the sequence (lost reports) forgets what the node held
+        dht.store(f"{prefix}.{protocol.REPORTS}", {"epoch": "e1", "seq": 9, "evicted": [[9, "00" * 16]]}, 0,
+                  subkey=node)
+        await orch.refresh()
+        assert orch.prefix_index.longest_match(node, hashes) == 0 and orch.chain_cached_tokens(chain) == 0
+        assert orch.status()["prefix"]["resets"] >= 1
+        await orch.stop()
+
+    asyncio.run(scenario())
