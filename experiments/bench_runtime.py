@@ -71,14 +71,7 @@ def main(argv=None) -> int:
         nodes = [swarm.add_node(node_id=f"n{i}", memory_gb=0.0012, wait=False, num_handlers=1) for i in range(2)]
         for node in nodes:
             swarm.wait_profiled(node)
-        deadline = time.monotonic() + 120
-        while True:
-            status = httpx.get(f"{url}/v1/swarm").json()
-            if status["chains"] and all(c["ready"] for c in status["chains"]) and len(status["plan"]["servers"]) == 2:
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"swarm not ready: {status.get('plan_error')}")
-            time.sleep(0.5)
+        status = swarm.wait_chains_ready()
         chain = [c["spans"] for c in status["chains"]]
         body = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0}
         with httpx.Client(base_url=url, timeout=120) as http:

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from client import SwarmClient
-    from server.local_swarm import LocalSwarm
+    from server.local_swarm import LocalSwarm, SwarmStartError
 
     model_dir = _ensure_model(args)
     budgets = _budgets_gb(model_dir, args.max_length)
@@ -99,16 +99,11 @@ def run(args: argparse.Namespace) -> int:
         for node, gb in zip(nodes, budgets):
             swarm.wait_profiled(node)
             print(f"[demo] {node.name} joined with a {gb * 1e3:.2f} MB memory budget")
-        deadline = time.monotonic() + 180
-        while True:
-            status = httpx.get(f"{url}/v1/swarm").json()
-            planned = status["plan"] and len(status["plan"]["servers"]) == len(nodes)
-            if planned and status["chains"] and all(c["ready"] for c in status["chains"]):
-                break
-            if time.monotonic() > deadline:
-                print(f"[demo] the swarm did not become ready: {status.get('plan_error')}")
-                return 1
-            time.sleep(0.5)
+        try:
+            status = swarm.wait_chains_ready(timeout=180)
+        except SwarmStartError as exc:
+            print(f"[demo] the swarm did not become ready: {exc}")
+            return 1
         print(f"[demo] swarm ready in {time.perf_counter() - started:.1f} s")
         _print_plan(status)
 

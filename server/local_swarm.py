@@ -346,6 +346,27 @@ class LocalSwarm:
         self.orchestrator = peer
         return peer
 
+    def wait_chains_ready(self, nodes: list[str] | None = None, timeout: float = 120.0) -> dict:
+        """Block until the orchestrator's plan covers ``nodes`` (default: every node started) and every chain
+        of it is served; return the orchestrator's ``/v1/swarm`` status at that moment."""
+        import httpx
+
+        if self.orchestrator is None:
+            raise RuntimeError("the swarm has no orchestrator")
+        wanted = set(nodes if nodes is not None else (p.info["node_id"] for p in self.nodes))
+        url = self.orchestrator.info["url"]
+        deadline = time.monotonic() + timeout
+        status: dict = {}
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+            planned = status["plan"] and {s["id"] for s in status["plan"]["servers"]} >= wanted
+            if planned and status["chains"] and all(c["ready"] for c in status["chains"]):
+                return status
+            if not self.orchestrator.process.is_alive():
+                raise SwarmStartError("the orchestrator exited")
+            time.sleep(0.25)
+        raise SwarmStartError(f"chains not ready after {timeout:.0f} s: {status.get('plan_error') or status.get('chains')}")
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the orchestrator, every server, then the DHT. Safe to call twice."""
         if self.orchestrator is not None and self.orchestrator.process.pid is not None:

