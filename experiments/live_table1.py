@@ -1,0 +1,425 @@
+"""Table 1 on the live swarm: the Azure code trace replayed against PETALS, BPRR, JFFC only and Proposed.
+
+Every run starts a fresh swarm of the same 9 servers (3 "fast", 6 "slow", by memory budget) on their own
+loopback addresses behind the WAN emulator (RIPE Atlas EU RTTs, chain-composition spec §13.3), replays the
+same scaled trace from 127.0.0.1, and stops the swarm. Methods:
+
+* **PETALS** — vanilla petals servers; each chooses ``num_blocks`` with petals' own formula (blocks plus a
+  fixed cache of 2 sessions per block, petals' default ``attn_cache_tokens`` = 2 × the session length) and
+  its blocks with petals' ``choose_best_blocks`` (servers join one by one, in a seeded random order;
+  rebalancing off, as the authors did). The client is petals' own: min-latency routing, one concurrent
+  inference session per request, cache-allocation failures retried with petals' back-off. There is no
+  queue: a request waits only through petals' retries.
+* **BPRR** — orchestrated nodes, ``placement="bprr"`` (CG-BP with the §12.2 R heuristic); chains by GCA over
+  that placement and JFFC dispatch (the live orchestrator has no WS-RR router; see the report section).
+* **JFFC only** — ``placement="whole-model"``: the whole model on every server that fits it, JFFC.
+* **Proposed** — ``placement="gbp-cr"`` (c tuned by the Theorem 3.7 lower bound), GCA, JFFC.
+
+Two data-path configurations, the same for every method of a run: ``relay`` (no server-to-server push:
+each hop's activations go back to the orchestrator / petals client — the paper's model) and ``push``
+(petals' server-to-server push with Chainswarm's push fix; the client still waits for each hop).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from experiments import live_common as lc
+
+METHODS = ("petals", "bprr", "jffc", "proposed")
+LABEL = {"petals": "PETALS", "bprr": "BPRR", "jffc": "JFFC only", "proposed": "Proposed"}
+PLACEMENT = {"bprr": "bprr", "jffc": "whole-model", "proposed": "gbp-cr"}
+CONFIGS = ("relay", "push")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+# Memory budgets as multiples of the model's weights (L blocks): the paper's 40 GB / 20 GB MIG slices hold
+# LLaMA-2-7B (13 GB in fp16) 3.1 / 1.55 times (chain-composition spec §11.1).
+FAST_MODEL_MULTIPLE = 3.1
+SLOW_MODEL_MULTIPLE = 1.55
+NUM_SERVERS = 9
+ETA = 1 / 3  # 3 fast servers of 9
+
+
+def settings(quick: bool) -> dict:
+    if quick:
+        return {"num_servers": 3, "scaling": lc.Scaling(time_scale=2.0, num_requests=12, max_output=12),
+                "seed": 0}
+    return {"num_servers": NUM_SERVERS, "scaling": lc.Scaling(), "seed": 0}
+
+
+def wan_config(num_servers: int, seed: int):
+    from swarm.wan import WanConfig
+
+    return WanConfig.from_ripe_atlas(num_servers=num_servers, seed=seed, eta=ETA if num_servers >= 3 else None)
+
+
+def budgets(config, sizes: dict) -> dict[str, float]:
+    """Memory budget (bytes) of every server host: fast ones (``meta["high_performance"]``) get more."""
+    model = sizes["block_bytes"] * sizes["num_blocks"]
+    fast = set(config.meta.get("high_performance", []))
+    return {h: (FAST_MODEL_MULTIPLE if h in fast else SLOW_MODEL_MULTIPLE) * model for h in config.servers}
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: dict, trace: dict,
+                     prompts: lc.Prompts, profile_dir: str, log) -> dict:
+    import httpx
+
+    from server.local_swarm import LocalSwarm
+
+    rate = len(trace["arrivals"]) / max(trace["arrivals"][-1], 1e-9)
+    records = _records(trace)
+    with LocalSwarm(model_dir, wan=config) as swarm:
+        swarm.add_orchestrator(
+            policy="fcfs", placement=PLACEMENT[method], expected_rate=rate, max_length=lc.SESSION_TOKENS,
+            expected_input_tokens=float(np.mean(trace["input_tokens"])),
+            expected_output_tokens=float(np.mean(trace["output_tokens"])), refresh_s=1.0,
+            use_server_to_server=push, request_timeout_s=60.0, queue_timeout_s=1800.0)
+        peers = [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory[h] / 2**30, wait=False,
+                                profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
+                 for h in config.servers]
+        for peer in peers:
+            swarm.wait_profiled(peer, timeout=180)
+        url = swarm.orchestrator.info["url"]
+
+        def ready():
+            status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+            plan = status.get("plan")
+            ok = (plan and {s["id"] for s in plan["servers"]} == set(config.servers) and status["chains"]
+                  and all(c["ready"] for c in status["chains"])
+                  and all(s["rtt_s"] for s in status["servers"]))
+            return status if ok else None
+
+        status = _wait(ready, 300, f"{method}: every chain ready")
+        log(f"  {method}: {len(status['chains'])} chains, c={status['plan'].get('c')}; "
+            + "; ".join(f"{'→'.join(c['servers'])} cap {c['capacity']}" for c in status["chains"]))
+        driver = lc.OrchestratorDriver(url, prompts)
+        try:
+            _warm_up(driver, prompts)
+            t0 = time.monotonic()
+            lc.replay(records, driver)
+            elapsed = time.monotonic() - t0
+        finally:
+            driver.close()
+        final = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+    plan = status["plan"]
+    return {
+        "records": records, "elapsed_s": elapsed,
+        "plan": {"c": plan.get("c"), "placement": plan.get("placement_method"),
+                 "servers": [{"id": s["id"], "start": s["start"], "end": s["end"]} for s in plan["servers"]],
+                 "chains": [{"servers": c["servers"], "spans": c["spans"], "capacity": c["capacity"],
+                             "service_time": c["service_time"]} for c in status["chains"]],
+                 "inputs": plan.get("inputs")},
+        "rtt_ms": {s["node_id"]: s["rtt_s"] * 1e3 for s in final["servers"] if s.get("rtt_s")},
+        "profiles": {s["node_id"]: {k: s.get(k) for k in ("prefill_s", "decode_s", "rtt_s", "start", "end")}
+                     for s in final["servers"]},
+        "chain_ids": {c["id"]: c["servers"] for c in status["chains"]},
+    }
+
+
+def run_petals(push: bool, model_dir: str, config, memory: dict, sizes: dict, trace: dict, prompts: lc.Prompts,
+               seed: int, log) -> dict:
+    from server.local_swarm import LocalSwarm
+
+    records = _records(trace)
+    cache_tokens = 2 * lc.SESSION_TOKENS  # petals' default: 4096-token cache for 2048-token sessions
+    order = list(config.servers)
+    random.Random(seed).shuffle(order)  # servers join in a random order (spec §12.1)
+    with LocalSwarm(model_dir, wan=config) as swarm:
+        spans = {}
+        for h in order:
+            k = lc.petals_num_blocks(memory[h], sizes["block_bytes"], sizes["cache_bytes_per_token"], cache_tokens,
+                                     sizes["num_blocks"])
+            peer = swarm.add_server(num_blocks=k, wan_host=h, name=h, cache_tokens=cache_tokens,
+                                    max_length=lc.SESSION_TOKENS, num_handlers=1, mean_balance_check_period=1e6,
+                                    update_period=2.0, timeout=180)
+            spans[h] = (peer.start, peer.end)
+            time.sleep(2.5)  # one announcement period, so the next server's block choice sees this one
+        log("  petals: " + "; ".join(f"{h} [{a},{b})" for h, (a, b) in spans.items()))
+        driver = lc.PetalsDriver(model_dir, swarm.initial_peers, swarm.dht_prefix, prompts, use_server_to_server=push)
+        try:
+            driver.wait_ready()
+            time.sleep(3.0)
+            driver.sequence_manager.update(wait=True)  # fresh pings after the first update
+            _warm_up(driver, prompts)
+            t0 = time.monotonic()
+            lc.replay(records, driver)
+            elapsed = time.monotonic() - t0
+        finally:
+            driver.close()
+    return {"records": records, "elapsed_s": elapsed,
+            "plan": {"servers": [{"id": h, "start": a, "end": b} for h, (a, b) in spans.items()],
+                     "cache_tokens_per_block": cache_tokens}}
+
+
+def _records(trace: dict) -> list[lc.Record]:
+    return [lc.Record(i, "trace", float(a), int(n_in), int(n_out)) for i, (a, n_in, n_out) in
+            enumerate(zip(trace["arrivals"], trace["input_tokens"], trace["output_tokens"]))]
+
+
+def _warm_up(driver, prompts) -> None:
+    """Two short requests before the clock starts (connections, first-use allocations)."""
+    for i in range(2):
+        r = lc.Record(-1 - i, "warmup", 0.0, 16, 4)
+        r.submitted = 0.0
+        driver(r, time.monotonic())
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def improvement(ours: float, petals: float) -> float:
+    return 1.0 - ours / petals if petals and math.isfinite(petals) and math.isfinite(ours) else math.nan
+
+
+def write_outputs(data: dict, out: Path, name: str = "live_table1") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sections").mkdir(exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+    _plot(data, out / f"{name}.png")
+    (out / "sections" / f"{name}.md").write_text(section(data, name))
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    raise TypeError(type(o))
+
+
+def _plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = [c for c in CONFIGS if c in data["runs"]]
+    fig, axes = plt.subplots(2, len(configs), figsize=(6.5 * len(configs), 8), squeeze=False)
+    for col, cfg in enumerate(configs):
+        runs = data["runs"][cfg]
+        methods = [m for m in METHODS if m in runs]
+        ax = axes[0][col]
+        metrics = [("response", "mean"), ("response", "p95"), ("waiting", "mean"), ("service", "mean")]
+        width = 0.8 / max(1, len(methods))
+        x = np.arange(len(metrics))
+        for i, m in enumerate(methods):
+            vals = [runs[m]["stats"][a][b] for a, b in metrics]
+            ax.bar(x + i * width, vals, width, label=LABEL[m])
+        ax.set_xticks(x + width * (len(methods) - 1) / 2)
+        ax.set_xticklabels([f"{a} {b}" for a, b in metrics])
+        ax.set_ylabel("seconds")
+        ax.set_title(f"Table 1 live replay — {cfg}")
+        ax.legend()
+        ax = axes[1][col]
+        for m in methods:
+            resp = sorted(r["completed"] - r["submitted"] for r in runs[m]["records"]
+                          if r["error"] is None and r["completed"] is not None)
+            if resp:
+                ax.plot(resp, np.arange(1, len(resp) + 1) / len(resp), label=LABEL[m])
+        ax.set_xscale("log")
+        ax.set_xlabel("response time (s)")
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+ROWS = [("Response mean", "response", "mean"), ("Response median", "response", "median"),
+        ("Response P95", "response", "p95"), ("Response P99", "response", "p99"),
+        ("Waiting mean", "waiting", "mean"), ("Waiting median", "waiting", "median"),
+        ("Waiting P95", "waiting", "p95"), ("Waiting max", "waiting", "max"),
+        ("Service mean", "service", "mean"), ("Service median", "service", "median"),
+        ("Service P95", "service", "p95")]
+
+
+def table_markdown(runs: dict) -> str:
+    methods = [m for m in METHODS if m in runs]
+    lines = ["| Metric | " + " | ".join(LABEL[m] for m in methods) + " |",
+             "|---|" + "---|" * len(methods)]
+    for label, a, b in ROWS:
+        lines.append(f"| {label} | " + " | ".join(lc.fmt(runs[m]["stats"][a][b]) for m in methods) + " |")
+    lines.append("| Service min / max | " + " | ".join(
+        f"{lc.fmt(runs[m]['stats']['service']['min'])} / {lc.fmt(runs[m]['stats']['service']['max'])}"
+        for m in methods) + " |")
+    if "petals" in runs:
+        p = runs["petals"]["stats"]
+        for label, a, b in (("mean response", "response", "mean"), ("mean waiting", "waiting", "mean"),
+                            ("P95 response", "response", "p95")):
+            cells = ["–" if m == "petals" else f"{100 * improvement(runs[m]['stats'][a][b], p[a][b]):.1f}%"
+                     for m in methods]
+            lines.append(f"| Improvement vs PETALS, {label} | " + " | ".join(cells) + " |")
+    lines.append("| Completed / failed | " + " | ".join(
+        f"{runs[m]['stats']['completed']} / {runs[m]['stats']['failed']}" for m in methods) + " |")
+    return "\n".join(lines)
+
+
+def section(data: dict, name: str) -> str:
+    s = data["settings"]
+    parts = [f"## Live swarm — Table 1 trace replay{' (quick)' if s.get('quick') else ''}\n",
+             f"`{data['command']}` — {data['machine']}, total {data['elapsed_s'] / 60:.1f} min.\n",
+             "**Setup.** " + s["description"] + "\n"]
+    for cfg, runs in data["runs"].items():
+        parts.append(f"### {cfg} ({'server-to-server push' if cfg == 'push' else 'relay through the orchestrator / client'})\n")
+        parts.append("Seconds; improvement = 1 − method/PETALS.\n")
+        parts.append(table_markdown(runs) + "\n")
+        for m in METHODS:
+            if m in runs and "plan" in runs[m]:
+                parts.append(f"* {LABEL[m]}: " + _plan_line(runs[m]["plan"]))
+        parts.append("")
+    if data.get("rtt"):
+        parts.append("**Achieved RTTs** (servers' own probes of the orchestrator, `rtt_s`, vs configured, ms): "
+                     + ", ".join(f"{h} {v['configured']:.1f}/{v['achieved']:.1f}" for h, v in data["rtt"].items()) + "\n")
+    if data.get("findings"):
+        parts.append("**Findings.**\n")
+        parts.extend(f"* {f}" for f in data["findings"])
+        parts.append("")
+    parts.append(f"![live Table 1]({name}.png)\n")
+    return "\n".join(parts) + "\n"
+
+
+def _plan_line(plan: dict) -> str:
+    spans = ", ".join(f"{s['id']}[{s['start']},{s['end']})" for s in plan["servers"] if s["start"] is not None
+                      and s["start"] != s["end"])
+    if "chains" in plan:
+        chains = "; ".join(f"{'→'.join(c['servers'])}×{c['capacity']}" for c in plan["chains"])
+        return f"c={plan.get('c')}, blocks {spans}; chains (servers×capacity) {chains}"
+    return f"blocks {spans}; {plan.get('cache_tokens_per_block')} cache tokens per block"
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="3 servers, 12 requests (the smoke test)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--requests", type=int, default=None, help="trace rows to replay (default 300)")
+    parser.add_argument("--time-scale", type=float, default=None, help="arrival-rate multiplier (default 2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    methods = [m for m in args.methods.split(",") if m]
+    configs = [c for c in args.configs.split(",") if c]
+    if set(methods) - set(METHODS) or set(configs) - set(CONFIGS) or not methods or not configs:
+        print(f"methods from {METHODS}, configs from {CONFIGS}", file=sys.stderr)
+        return 2
+    st = settings(args.quick)
+    scaling = st["scaling"]
+    if args.requests:
+        scaling = lc.Scaling(**{**asdict(scaling), "num_requests": args.requests})
+    if args.time_scale:
+        scaling = lc.Scaling(**{**asdict(scaling), "time_scale": args.time_scale})
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="chainswarm-live-"))
+    try:
+        return _run(args, st, scaling, work, started)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int:
+    methods = [m for m in args.methods.split(",") if m]
+    configs = [c for c in args.configs.split(",") if c]
+    model_dir = lc.experiment_model(work)
+    sizes = lc.model_sizes(model_dir)
+    config = wan_config(st["num_servers"], st["seed"])
+    memory = budgets(config, sizes)
+    trace = lc.scaled_trace(scaling)
+    prompts = lc.Prompts(model_dir)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    desc = (f"{st['num_servers']} servers on 127.0.0.2–{st['num_servers'] + 1} behind the user-space WAN emulator, RTTs "
+            f"from RIPE Atlas EU (seed {st['seed']}, orchestrator/client anchor drawn at random; §13.3 model); "
+            f"fast = {', '.join(config.meta.get('high_performance', []))} with {FAST_MODEL_MULTIPLE}× the model's "
+            f"weights of memory, the others {SLOW_MODEL_MULTIPLE}× (the 40/20 GB MIG slices against LLaMA-2-7B); "
+            f"all servers have the same CPU compute (one handler each, shared 2 cores). Model: random Llama, "
+            f"{sizes['num_blocks']} blocks, hidden {lc.MODEL_HIDDEN}, fp32; session length {lc.SESSION_TOKENS} tokens "
+            f"(one KV slot). Trace: Azure code 2023-11-16, rows {scaling.offset}–{scaling.offset + scaling.num_requests - 1}, "
+            f"arrivals compressed ×{scaling.time_scale:g} ({len(trace['arrivals']) / trace['arrivals'][-1]:.2f} req/s), "
+            f"prompt = ⌈ContextTokens/{scaling.input_scale:g}⌉ ≤ {scaling.max_input} "
+            f"(mean {np.mean(trace['input_tokens']):.1f}), output = min(GeneratedTokens, {scaling.max_output}) "
+            f"(mean {np.mean(trace['output_tokens']):.1f}); greedy decoding, identical prompts for every method. "
+            f"PETALS: petals' own num_blocks (2-session cache per block), block choice, min-latency routing and "
+            f"retries, one concurrent session per request; the others: orchestrated nodes, FCFS queue, JFFC.")
+    data = {"command": "chainswarm experiment table1" + (" --quick" if args.quick else ""),
+            "machine": lc.machine_note(), "settings": {"quick": args.quick, "scaling": asdict(scaling),
+                                                       "num_servers": st["num_servers"], "seed": st["seed"],
+                                                       "description": desc, "memory_bytes": memory, "sizes": sizes},
+            "wan": config.to_dict(), "runs": {}}
+    log(desc)
+    for cfg in configs:
+        push = cfg == "push"
+        data["runs"][cfg] = {}
+        for method in methods:
+            t = time.monotonic()
+            log(f"[{cfg}] {method} ...")
+            if method == "petals":
+                result = run_petals(push, model_dir, config, memory, sizes, trace, prompts, st["seed"], log)
+            else:
+                result = run_orchestrated(method, push, model_dir, config, memory, trace, prompts,
+                                          str(work / "profiles"), log)
+            stats = lc.table_stats(result["records"])
+            result["stats"] = stats
+            result["records"] = lc.records_to_json(result["records"])
+            result["wall_s"] = time.monotonic() - t
+            data["runs"][cfg][method] = result
+            r = stats["response"]
+            log(f"[{cfg}] {method}: response mean {r['mean']:.2f} p95 {r['p95']:.2f}, waiting mean "
+                f"{stats['waiting']['mean']:.2f}, service mean {stats['service']['mean']:.2f}, "
+                f"failed {stats['failed']} ({result['wall_s']:.0f} s)")
+    rtts = {}
+    for cfg_runs in data["runs"].values():
+        for res in cfg_runs.values():
+            for h, v in (res.get("rtt_ms") or {}).items():
+                rtts.setdefault(h, []).append(v)
+    data["rtt"] = {h: {"configured": config.rtt(config.client, h), "achieved": float(np.median(v))}
+                   for h, v in sorted(rtts.items())}
+    data["findings"] = findings(data)
+    data["elapsed_s"] = time.monotonic() - started
+    out = Path(args.out)
+    name = "live_table1" + ("_quick" if args.quick else "")
+    write_outputs(data, out, name)
+    if not args.quick:
+        from experiments import report
+
+        report.assemble(out)
+    log(f"wrote {out / (name + '.json')} ({data['elapsed_s'] / 60:.1f} min)")
+    return 0
+
+
+def findings(data: dict) -> list[str]:
+    out = []
+    for cfg, runs in data["runs"].items():
+        if "petals" in runs and "proposed" in runs:
+            p, q = runs["petals"]["stats"], runs["proposed"]["stats"]
+            mean = improvement(q["response"]["mean"], p["response"]["mean"])
+            p95 = improvement(q["response"]["p95"], p["response"]["p95"])
+            out.append(f"{cfg}: Proposed vs PETALS — mean response {100 * mean:+.1f}%, P95 {100 * p95:+.1f}% "
+                       f"({'beats' if mean > 0 and p95 > 0 else 'does NOT beat'} PETALS on both).")
+    return out

@@ -1,0 +1,154 @@
+"""Model validation (chain-composition spec §11.2): measured service times against the planner's model.
+
+Reads the Table 1 replay (``live_table1.json``; run ``chainswarm experiment table1`` first) and, for every
+request served by an orchestrated method, predicts its service time with the planner's model at the
+request's own lengths:
+
+    T = Σ_{j ∈ chain} [ l_O·(RTT_j + 18 ms)  +  m_j·(t_o + prefill_j·l_I + decode_j·(l_O − 1)) ]
+
+(communication per server: one relayed round trip per generated token; computation linear in blocks m_j
+and tokens; RTT_j the configured WAN RTT orchestrator–server j, prefill/decode the servers' measured
+per-block per-token times). Reports measured/predicted ratios, the measured per-token slope of each chain
+(least squares of service time on output tokens) against the model's Σ_j (RTT_j + 18 ms), and the same
+split by concurrency (how many requests were in service on the whole swarm when the request started).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from experiments import live_common as lc
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+HOP_OVERHEAD_S = 0.018
+BLOCK_OVERHEAD_S = 0.001
+
+
+def predictions(table1: dict, config_name: str = "relay") -> list[dict]:
+    from swarm.wan import WanConfig
+
+    wan = WanConfig.from_dict(table1["wan"])
+    rows = []
+    for method, run in table1["runs"].get(config_name, {}).items():
+        if "profiles" not in run:
+            continue
+        prof = run["profiles"]
+        chains = run["chain_ids"]
+        recs = [r for r in run["records"] if r["error"] is None and r["chain"] in chains]
+        starts = np.array([r["started"] for r in recs])
+        ends = np.array([r["completed"] for r in recs])
+        for r in recs:
+            servers = chains[r["chain"]]
+            l_in, l_out = r["input_tokens"], max(1, r["generated"])
+            comm = sum(l_out * (wan.rtt(wan.client, s) / 1e3 + HOP_OVERHEAD_S) for s in servers)
+            comp = sum((prof[s]["end"] - prof[s]["start"]) * (BLOCK_OVERHEAD_S + prof[s]["prefill_s"] * l_in
+                                                              + prof[s]["decode_s"] * (l_out - 1)) for s in servers)
+            busy = int(((starts <= r["started"]) & (ends > r["started"])).sum())
+            rows.append({"method": method, "chain": "→".join(servers), "hops": len(servers), "input": l_in,
+                         "output": l_out, "measured": r["completed"] - r["started"], "predicted": comm + comp,
+                         "comm": comm, "comp": comp, "concurrent": busy,
+                         "per_token_model": sum(wan.rtt(wan.client, s) / 1e3 + HOP_OVERHEAD_S for s in servers)})
+    return rows
+
+
+def chain_fits(rows: list[dict]) -> list[dict]:
+    out = []
+    for key in sorted({(r["method"], r["chain"]) for r in rows}):
+        sel = [r for r in rows if (r["method"], r["chain"]) == key]
+        if len(sel) < 4 or len({r["output"] for r in sel}) < 2:
+            continue
+        x = np.array([r["output"] for r in sel], float)
+        y = np.array([r["measured"] for r in sel], float)
+        slope, intercept = np.polyfit(x, y, 1)
+        out.append({"method": key[0], "chain": key[1], "n": len(sel), "slope_ms": 1e3 * slope,
+                    "model_ms": 1e3 * sel[0]["per_token_model"], "intercept_s": float(intercept),
+                    "ratio_median": float(np.median(y / np.array([r["predicted"] for r in sel])))})
+    return out
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax = axes[0]
+    for method in sorted({r["method"] for r in rows}):
+        sel = [r for r in rows if r["method"] == method]
+        ax.scatter([r["predicted"] for r in sel], [r["measured"] for r in sel], s=8, alpha=0.6, label=method)
+    hi = max([r["measured"] for r in rows] + [r["predicted"] for r in rows] + [1])
+    ax.plot([0, hi], [0, hi], "k--", lw=1, label="measured = model")
+    ax.set_xlabel("planner model (s)")
+    ax.set_ylabel("measured service (s)")
+    ax.set_title("service time: measured vs model (relay)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    conc = np.array([r["concurrent"] for r in rows])
+    ratio = np.array([r["measured"] / r["predicted"] for r in rows])
+    ax.scatter(conc, ratio, s=8, alpha=0.5)
+    ax.axhline(1.0, color="k", ls="--", lw=1)
+    ax.set_xlabel("requests in service on the swarm at start")
+    ax.set_ylabel("measured / model")
+    ax.set_title("model error grows with CPU contention")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="read live_table1_quick.json")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--source", type=Path, default=None, help="Table 1 JSON (default <out>/live_table1.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    name = "live_validation" + ("_quick" if args.quick else "")
+    source = args.source or out / ("live_table1_quick.json" if args.quick else "live_table1.json")
+    if not source.is_file():
+        print(f"no Table 1 results at {source}: run `chainswarm experiment table1` first")
+        return 2
+    table1 = json.loads(source.read_text())
+    rows = predictions(table1)
+    if not rows:
+        print("no orchestrated relay runs in", source)
+        return 2
+    fits = chain_fits(rows)
+    ratio = np.array([r["measured"] / r["predicted"] for r in rows])
+    conc = np.array([r["concurrent"] for r in rows])
+    low = ratio[conc <= np.percentile(conc, 25)]
+    summary = {"n": len(rows), "ratio_median": float(np.median(ratio)), "ratio_p10": float(np.percentile(ratio, 10)),
+               "ratio_p90": float(np.percentile(ratio, 90)), "ratio_median_low_concurrency": float(np.median(low)),
+               "low_concurrency_max": int(np.percentile(conc, 25)),
+               "corr_ratio_concurrency": float(np.corrcoef(conc, ratio)[0, 1]) if len(set(conc)) > 1 else math.nan}
+    data = {"source": str(source.name), "summary": summary, "fits": fits, "rows": rows}
+    (out / "sections").mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    _plot(rows, out / f"{name}.png")
+    lines = [f"## Live swarm — model validation{' (quick)' if args.quick else ''}\n",
+             f"`chainswarm experiment validation{' --quick' if args.quick else ''}` — from `{source.name}` "
+             f"(relay runs of BPRR, JFFC only, Proposed; {len(rows)} requests).\n",
+             "Model per request: Σ over the chain's servers of l_O·(RTT_j + 18 ms) + m_j·(1 ms + prefill_j·l_I + "
+             "decode_j·(l_O − 1)), with the configured WAN RTTs and the servers' measured per-block times.\n",
+             f"* measured / model: median {summary['ratio_median']:.2f} (P10 {summary['ratio_p10']:.2f}, P90 "
+             f"{summary['ratio_p90']:.2f}); at low concurrency (≤ {summary['low_concurrency_max']} requests in service) "
+             f"median {summary['ratio_median_low_concurrency']:.2f}; correlation of the ratio with concurrency "
+             f"{lc.fmt(summary['corr_ratio_concurrency'])}.",
+             "", "| method | chain | n | measured per-token slope (ms) | model Σ(RTT+18 ms) (ms) | median measured/model |",
+             "|---|---|---|---|---|---|"]
+    for f in fits:
+        lines.append(f"| {f['method']} | {f['chain']} | {f['n']} | {f['slope_ms']:.1f} | {f['model_ms']:.1f} | "
+                     f"{f['ratio_median']:.2f} |")
+    lines.append(f"\n![model validation]({name}.png)\n")
+    (out / "sections" / f"{name}.md").write_text("\n".join(lines) + "\n")
+    if not args.quick:
+        from experiments import report
+
+        report.assemble(out)
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,71 @@
+"""Smoke versions of the live-swarm experiments (``chainswarm experiment ...``) on a WAN-emulated swarm.
+
+Each runs the real command at a tiny size (2-3 servers, a dozen requests) and checks that the outputs are
+complete and consistent; the numbers themselves are not asserted (2 shared cores).
+"""
+import json
+import math
+
+import pytest
+
+from swarm.cli import main
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.fixture(scope="module")
+def table1(tmp_path_factory):
+    out = tmp_path_factory.mktemp("live")
+    code = main(["experiment", "table1", "--quick", "--out", str(out), "--methods", "petals,proposed",
+                 "--configs", "relay", "--requests", "6"])
+    assert code == 0
+    return out, json.loads((out / "live_table1_quick.json").read_text())
+
+
+def test_table1_smoke_replays_the_trace_on_petals_and_proposed(table1):
+    out, data = table1
+    runs = data["runs"]["relay"]
+    assert set(runs) == {"petals", "proposed"}
+    for method, run in runs.items():
+        assert run["stats"]["completed"] == 6 and run["stats"]["failed"] == 0, (method, run["stats"])
+        for r in run["records"]:
+            # §11.4: response = waiting + service, all non-negative, the greedy output has the trace's length
+            assert r["submitted"] <= r["started"] + 1e-6 <= r["completed"] + 1e-6
+            assert 1 <= r["generated"] <= r["output_tokens"]
+        s = run["stats"]
+        assert s["response"]["n"] == s["service"]["n"] == 6
+        assert s["response"]["mean"] >= s["service"]["mean"] - 1e-6
+        assert all(s["response"][k] > 0 for k in ("mean", "median", "p95", "p99"))
+    # the same trace for both methods, identical generated lengths (same model, greedy)
+    lengths = [[r["generated"] for r in runs[m]["records"]] for m in ("petals", "proposed")]
+    assert lengths[0] == lengths[1]
+    assert runs["proposed"]["plan"]["chains"] and runs["proposed"]["rtt_ms"]
+    assert (out / "live_table1_quick.png").stat().st_size > 0
+    section = (out / "sections" / "live_table1_quick.md").read_text()
+    assert "Improvement vs PETALS, mean response" in section and "| Response P99 |" in section
+
+
+def test_validation_smoke_compares_service_times_with_the_model(table1):
+    out, _ = table1
+    assert main(["experiment", "validation", "--quick", "--out", str(out)]) == 0
+    data = json.loads((out / "live_validation_quick.json").read_text())
+    assert data["summary"]["n"] == 6
+    for row in data["rows"]:
+        assert row["predicted"] > 0 and row["measured"] > 0 and row["comm"] > row["comp"]
+    assert (out / "live_validation_quick.png").stat().st_size > 0
+
+
+def test_fairness_smoke_reports_the_section_9_metrics(tmp_path):
+    assert main(["experiment", "fairness", "--quick", "--out", str(tmp_path), "--policies", "dlpm",
+                 "--duration", "8"]) == 0
+    data = json.loads((tmp_path / "live_fairness_quick.json").read_text())
+    m = data["runs"]["dlpm"]["metrics"]
+    assert m["completed"] > 0 and m["failed"] == 0
+    assert m["throughput_rps"] > 0 and m["good_p99"] >= m["good_p50"] > 0
+    assert set(m["cumulative"]) == {"good0", "good1", "flood"}
+    assert math.isnan(m["jain_backlogged"]) or 0 < m["jain_backlogged"] <= 1
+    assert (tmp_path / "live_fairness_quick.png").stat().st_size > 0
+
+
+def test_experiment_command_rejects_unknown_methods(tmp_path):
+    assert main(["experiment", "table1", "--methods", "nope", "--out", str(tmp_path)]) == 2
