@@ -98,16 +98,16 @@ def complete(swarm, prompt, max_tokens=12, key="key-a"):
 
 
 def route_of(swarm, *names):
-    """A route over the named nodes' live ranges, e.g. ("left", "big") = left's blocks, then big's for the rest."""
+    """A route over the named nodes' live ranges, the first name that covers a block serving it: e.g.
+    ("left", "big") = left's blocks, big's for the rest."""
     status = httpx.get(f"{swarm.url}/v1/swarm").json()
     servers = {s["node_id"]: s for s in status["servers"]}
     route, block = [], 0
-    for name in names:
-        s = servers[name]
-        assert s["start"] <= block < s["end"]
+    while block < 4:
+        s = next(servers[n] for n in names
+                 if servers[n]["start"] is not None and servers[n]["start"] <= block < servers[n]["end"])
         route.append((s["peer_id"], block, s["end"]))
         block = s["end"]
-    assert block == 4
     return route
 
 
@@ -277,3 +277,28 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
         await orch.stop()
 
     asyncio.run(scenario())
+
+
+def test_failover_of_a_prefix_hit_session_restarts_from_the_full_tokens(swarm, reference):
+    """Last in the module: kills a server. A session that reused a prefix cannot replay petals' history on a
+    replacement (it lacks the reused positions), so the engine restarts it from prompt + tokens so far."""
+    import threading
+
+    prompt = SHARED + "Question: tell the whole story of the harbour, the storm and the fire, in detail."
+    complete(swarm, prompt, max_tokens=2)  # cache the prompt's pages
+    outcome = {}
+
+    def run():
+        outcome["result"] = complete(swarm, prompt, max_tokens=96)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    busy = [c for c in status["chains"] if c["active"] > 0]
+    victim = busy[0]["servers"][-1] if busy else "big"
+    swarm.kill(swarm.nodes_by_name[victim])
+    thread.join(180)
+    doc, head = outcome["result"]
+    assert doc["choices"][0]["text"] == reference(prompt, 96)[1]
+    assert head["reused"] > 0
