@@ -117,6 +117,44 @@ def plan_chains(context_tokens: int = 8192, *, swarm_file: str | None = None) ->
     return SwarmSetup(f"llama2-7b-9mig-ctx{context_tokens}", tuple(specs), cache, kv_time, context_tokens, summary)
 
 
+# ------------------------------------------------------------------ prefix match
+class FastChainMatcher:
+    """Same answer as ``ChainPrefixMatcher(index)`` for per-chain holders (the chain is
+    its own holder), in O(log n) dictionary lookups instead of a walk over all n pages.
+
+    Page hashes are chained (a page's hash covers the whole prefix up to it), so the
+    index node holding ``hashes[d - 1]`` is on the query's path, and a holder that
+    holds a node holds all its ancestors (insert adds the holder along the whole path,
+    eviction removes leaves first, removal drops subtrees).  "Holds the first d pages"
+    is therefore monotone in d and a binary search finds the longest match.  Reads the
+    index's page -> node map; tests check it against the walking matcher call by call.
+    Long-document QA prompts are ~1,340 pages, and the walk was 70 % of a run."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def __call__(self, request, chain_id: Hashable) -> int:
+        hashes = getattr(request, "page_hashes", ())
+        if not hashes:
+            return 0
+        where = self.index._where
+
+        def held(d: int) -> bool:
+            node = where.get(hashes[d - 1])
+            return node is not None and chain_id in node.holders
+
+        lo, hi = 0, len(hashes)  # held(lo) is true (d = 0); find the largest held d
+        if held(hi):
+            return hi * self.index.page_size
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if held(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo * self.index.page_size
+
+
 # ------------------------------------------------------------------ results
 @dataclass
 class CallRecord:
@@ -172,7 +210,7 @@ class TokenSim:
             self.index.set_budget(spec.chain_id, setup.cache_tokens[spec.chain_id] // page_size)
         scheduler.set_chains(list(setup.chains))
         if scheduler.prefix_match is None:
-            scheduler.prefix_match = ChainPrefixMatcher(self.index)
+            scheduler.prefix_match = FastChainMatcher(self.index)
         self.specs = {s.chain_id: s for s in setup.chains}
         self.result = SimResult()
         prev = scheduler.on_service

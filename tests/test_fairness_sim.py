@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from experiments import fairness_sim as fs
-from experiments.token_sim import REF_INPUT, REF_OUTPUT, TokenSim, plan_chains
+from experiments.token_sim import REF_INPUT, REF_OUTPUT, FastChainMatcher, TokenSim, plan_chains
 from experiments.workloads import (
     TABLE2,
     PromptHasher,
@@ -20,7 +20,7 @@ from experiments.workloads import (
     segment_tokens,
 )
 from planner.fairness_metrics import max_backlogged_gap
-from planner.prefix_index import page_hashes
+from planner.prefix_index import ChainPrefixMatcher, page_hashes
 
 SMALL = {"ldqa": 120.0, "tot": 60.0, "judge": 60.0, "chat": 60.0}
 
@@ -115,6 +115,28 @@ def test_simulator_is_work_conserving_and_conserves_work(policy):
         for parent in r.call.parents:
             assert res.records[parent].finish <= r.ready
     assert all(sched.active_sessions()[c.chain_id] == 0 for c in setup.chains)
+
+
+@pytest.mark.parametrize("scenario,policy", [("judge-s2", "lpm"), ("tot-s1", "swarm"), ("chat-s1", "dlpm")])
+def test_fast_matcher_agrees_with_the_walking_matcher_on_every_call(scenario, policy):
+    cfg = fs.Config(quick=True, horizons={"ldqa": 60.0, "tot": 40.0, "judge": 40.0, "chat": 40.0})
+    setup, w, hasher = fs.get_workload(scenario, 0, cfg)
+    sched = fs.make_policy(policy, setup, cfg)
+    sim = TokenSim(sched, setup, hasher=hasher)
+    fast, slow = sim.sched.prefix_match, ChainPrefixMatcher(sim.index)
+    assert isinstance(fast, FastChainMatcher)
+    seen = {"calls": 0, "hits": 0}
+
+    def checked(req, chain):
+        a, b = fast(req, chain), slow(req, chain)
+        assert a == b
+        seen["calls"] += 1
+        seen["hits"] += a > 0
+        return a
+
+    sched.prefix_match = checked
+    sim.run(w)
+    assert seen["calls"] > 100 and seen["hits"] > 10
 
 
 def test_slot_occupancy_never_exceeds_capacity():
