@@ -192,8 +192,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    from experiments.live_table1 import wan_config
-
     st = settings(args.quick)
     if args.duration:
         st["duration_s"] = args.duration
@@ -206,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args, st: dict, work: Path, started: float) -> int:
+    from experiments.live_table1 import wan_config
+
     model_dir = lc.experiment_model(work)
     sizes = lc.model_sizes(model_dir)
     config = wan_config(st["servers"], 1)

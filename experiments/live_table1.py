@@ -317,6 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--requests", type=int, default=None, help="trace rows to replay (default 300)")
     parser.add_argument("--time-scale", type=float, default=None, help="arrival-rate multiplier (default 2)")
+    parser.add_argument("--servers", type=int, default=None, help=f"servers (default {NUM_SERVERS}; a third fast)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -328,6 +329,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"methods from {METHODS}, configs from {CONFIGS}", file=sys.stderr)
         return 2
     st = settings(args.quick)
+    if args.servers:
+        st["num_servers"] = args.servers
     scaling = st["scaling"]
     if args.requests:
         scaling = lc.Scaling(**{**asdict(scaling), "num_requests": args.requests})
