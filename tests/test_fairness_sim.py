@@ -227,3 +227,51 @@ def test_quick_claims_direction(quick_claims, scenario):
     # the measured service difference between backlogged clients stays inside the §14.8 bound
     assert r["dlpm"]["max_gap"] <= r["dlpm"]["bound"]
     assert all(m["violations"] == 0 for m in r.values())
+
+
+# ------------------------------------------------------------------ common window, prefill share
+def test_common_window_is_the_intersection_of_the_all_active_windows():
+    def run(t1, t2, times, amounts):
+        ts = np.array(times, float)
+        return {"window_s": [t1, t2], "_cum": {"view": (ts, np.cumsum(amounts)), "actual": (ts, np.cumsum(amounts) / 2)}}
+
+    main = {"a": run(0.0, 100.0, [5, 50, 150], [10.0, 20.0, 40.0]),
+            "b": run(2.0, 60.0, [1, 10, 55, 59], [1.0, 2.0, 3.0, 4.0])}
+    sweep = [run(0.0, 500.0, [3, 30, 300], [7.0, 8.0, 9.0])]
+    fs.add_common_window(main, sweep)
+    for m in [*main.values(), *sweep]:
+        assert m["common_window_s"] == [2.0, 60.0]
+    assert main["a"]["throughput_common_su_s"] == pytest.approx((10.0 + 20.0) / 58.0)  # not the event at t = 150
+    assert main["b"]["throughput_common_su_s"] == pytest.approx(9.0 / 58.0)
+    assert main["b"]["throughput_common_actual_su_s"] == pytest.approx(4.5 / 58.0)
+    assert sweep[0]["throughput_common_su_s"] == pytest.approx((7.0 + 8.0) / 58.0)
+
+
+@pytest.fixture(scope="module")
+def quick_locality():
+    cfg = fs.Config(quick=True)
+    out = {}
+    for scen in ("tot-s1", "judge-s1"):
+        runs = {p: fs.run_one(scen, p, 0, cfg) for p in ("vtc", "dlpm")}
+        fs.add_common_window(runs, [])
+        out[scen] = runs
+    return out
+
+
+def test_locality_gain_over_vtc_is_bounded_by_vtcs_prefill_share(quick_locality, quick_claims):
+    """Why DLPM is not well above VTC on tree-of-thought/judge: VTC spends little slot time on prefill."""
+    tot, judge, ldqa = quick_locality["tot-s1"], quick_locality["judge-s1"], quick_claims["ldqa-s1"]
+    assert tot["vtc"]["prefill_share"] < 0.15 < judge["vtc"]["prefill_share"] < 0.6 < 0.95 < ldqa["vtc"]["prefill_share"]
+    for r in (tot, judge):
+        gain = r["dlpm"]["throughput_common_su_s"] / r["vtc"]["throughput_common_su_s"]
+        assert gain <= 1.05 / (1.0 - r["vtc"]["prefill_share"])  # removing all of VTC's prefill is the ceiling
+        assert r["dlpm"]["hit_rate"] > r["vtc"]["hit_rate"]
+        assert r["dlpm"]["prefill_share"] < r["vtc"]["prefill_share"]
+
+
+def test_s2_lpm_gives_the_long_prefix_client_more_than_dlpm_does(quick_claims):
+    """S2 at its (1.5x) load: LPM favours m0's longer prefixes (more than its share), DLPM keeps it near 1/4."""
+    r = quick_claims["ldqa-s2"]
+    share = {p: r[p]["service_rate_actual"]["m0"] / sum(r[p]["service_rate_actual"].values()) for p in ("lpm", "dlpm")}
+    assert share["lpm"] > 0.3 > share["dlpm"] > 0.2
+    assert fs.Config().load["s2"] == 1.5 and "ldqa-s2@1.1" in fs.parse_scenarios(None)
