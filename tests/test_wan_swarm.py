@@ -101,7 +101,7 @@ def test_profiles_rtt_reflects_the_emulated_wan(wan_swarm):
 
 def test_inference_steps_pay_the_configured_rtts(wan_swarm):
     chain = wan_swarm.status["chains"][0]
-    assert chain["servers"] == ["a", "b"]
+    assert sorted(chain["servers"]) == ["a", "b"]  # one chain through both (their order is the planner's call)
     prompt = "The weather today is mild and"
     service = {}
     with httpx.Client(base_url=wan_swarm.url, timeout=120) as http:
