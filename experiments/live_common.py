@@ -136,6 +136,7 @@ class Record:
     generated: int = 0
     chain: str | None = None
     error: str | None = None
+    failed_at: float = math.nan  # when a failed request gave up (s after t0)
 
     @property
     def response(self) -> float:
@@ -184,6 +185,7 @@ def replay(records: Sequence[Record], submit: Callable[[Record, float], None], *
                 submit(record, t0)
             except Exception as exc:  # noqa: BLE001 — recorded, counted as failed
                 record.error = f"{type(exc).__name__}: {exc}"[:300]
+                record.failed_at = time.monotonic() - t0
 
         futures = [pool.submit(one, r) for r in records]
         end = t0 + deadline_s
@@ -196,8 +198,12 @@ class OrchestratorDriver:
     """Sends records to ``POST /v1/completions`` (greedy, exact prompt lengths)."""
 
     def __init__(self, url: str, prompts: Prompts, *, api_keys: dict[str, str] | None = None,
-                 timeout_s: float = 900.0):
+                 timeout_s: float = 900.0, cutoff_s: float | None = None):
+        """``cutoff_s``: no request waits past this many seconds after the run's t0; one still unanswered
+        then fails with ``"unfinished at cutoff"`` (bounded run length under overload)."""
         import httpx
+
+        self.cutoff_s = cutoff_s
 
         self.http = httpx.Client(base_url=url, timeout=timeout_s,
                                  limits=httpx.Limits(max_connections=512, max_keepalive_connections=512))
@@ -212,7 +218,17 @@ class OrchestratorDriver:
             headers["Authorization"] = f"Bearer {self.keys[record.client]}"
         else:
             body["user"] = record.client
-        response = self.http.post("/v1/completions", json=body, headers=headers)
+        if self.cutoff_s is None:
+            response = self.http.post("/v1/completions", json=body, headers=headers)
+        else:
+            import httpx
+
+            left = self.cutoff_s - (time.monotonic() - t0)
+            try:
+                response = self.http.post("/v1/completions", json=body, headers=headers,
+                                          timeout=httpx.Timeout(max(1.0, left), connect=10.0))
+            except httpx.TimeoutException:
+                raise RuntimeError("unfinished at cutoff") from None
         done = time.monotonic() - t0
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -253,7 +269,7 @@ class PetalsDriver:
     one concurrent session per request, as a petals application would run them."""
 
     def __init__(self, model_dir: str, initial_peers: list[str], dht_prefix: str, prompts: Prompts, *,
-                 use_server_to_server: bool):
+                 use_server_to_server: bool, max_retries: int | None = None):
         import torch
 
         from swarm.compat import petals
@@ -261,7 +277,7 @@ class PetalsDriver:
         _install_petals_start_probe()
         self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             model_dir, initial_peers=list(initial_peers), dht_prefix=dht_prefix, show_route=False,
-            torch_dtype=torch.float32, use_server_to_server=use_server_to_server,
+            torch_dtype=torch.float32, use_server_to_server=use_server_to_server, max_retries=max_retries,
         )
         self.model.eval()
         self.prompts = prompts

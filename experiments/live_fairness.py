@@ -30,8 +30,10 @@ def settings(quick: bool) -> dict:
     if quick:
         return {"servers": 2, "duration_s": 14.0, "rate": 0.6, "flood_factor": 4.0, "good": 2,
                 "input_tokens": 32, "output_tokens": 8, "expected_rate": 0.2}
-    return {"servers": 3, "duration_s": 100.0, "rate": 0.5, "flood_factor": 4.0, "good": 3,
-            "input_tokens": 64, "output_tokens": 24, "expected_rate": 0.3}
+    # Overloaded on purpose (every client backlogged), so the run is cut ``drain_s`` after the last arrival:
+    # requests still queued then fail as "unfinished at cutoff" and are counted (bounded run length).
+    return {"servers": 3, "duration_s": 60.0, "rate": 0.4, "flood_factor": 4.0, "good": 3,
+            "input_tokens": 64, "output_tokens": 24, "expected_rate": 0.3, "drain_s": 45.0}
 
 
 def workload(st: dict, seed: int = 0) -> list[lc.Record]:
@@ -59,8 +61,19 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
         swarm.add_orchestrator(policy=policy, expected_rate=st["expected_rate"], max_length=lc.SESSION_TOKENS,
                                expected_input_tokens=st["input_tokens"], expected_output_tokens=st["output_tokens"],
                                refresh_s=1.0, quantum=200.0, use_server_to_server=False, queue_timeout_s=1800.0)
-        peers = [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory_gb, wait=False, profile_cache_dir=profile_dir,
-                                num_handlers=1) for h in config.servers]
+        # compute measured once on a quiet node and declared for all (as in live_table1); RTTs measured
+        from experiments.live_table1 import _MEASURED
+
+        hosts = list(config.servers)
+        peers = []
+        if not _MEASURED:
+            first = swarm.add_node(node_id=hosts[0], wan_host=hosts[0], memory_gb=memory_gb, wait=True, timeout=180,
+                                   profile_cache_dir=profile_dir, num_handlers=1)
+            _MEASURED.update({k: float(first.info["profile"][k]) for k in ("prefill_s", "decode_s")})
+            peers.append(first)
+            hosts = hosts[1:]
+        peers += [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory_gb, wait=False, profile_cache_dir=profile_dir,
+                                 num_handlers=1, declared_profile=dict(_MEASURED)) for h in hosts]
         for p in peers:
             swarm.wait_profiled(p, timeout=180)
         url = swarm.orchestrator.info["url"]
@@ -75,7 +88,8 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
             raise TimeoutError("chains not ready")
         capacity = sum(c["capacity"] for c in status["chains"])
         log(f"  {policy}: chains " + "; ".join(f"{'→'.join(c['servers'])}×{c['capacity']}" for c in status["chains"]))
-        driver = lc.OrchestratorDriver(url, prompts)
+        cutoff = st["duration_s"] + st["drain_s"] if st.get("drain_s") else None
+        driver = lc.OrchestratorDriver(url, prompts, cutoff_s=cutoff)
         try:
             t0 = time.monotonic()
             lc.replay(records, driver)
@@ -168,14 +182,17 @@ def section(data: dict) -> str:
              f"{s['expected_rate']} req/s (GBP-CR + GCA, JFFC), relay data path. {s['good']} well-behaved clients at "
              f"{s['rate']} req/s each and `flood` at {s['flood_factor']:g}× that, Poisson, for {s['duration_s']:g} s; every "
              f"request {s['input_tokens']} prompt + {s['output_tokens']} output tokens. Service = 1·prompt + 2·output tokens, "
-             f"output spread over the request's service period.\n",
-             "| Policy | Jain (all backlogged) | window (s) | well-behaved P50 / P99 (s) | flood P50 (s) | throughput (req/s, tok/s) | completed |",
+             f"output spread over the request's service period. "
+             + (f"The run is cut {s['drain_s']:g} s after the last arrival; requests still unanswered then count as "
+                f"unfinished (they are in no statistic but the count). " if s.get("drain_s") else "")
+             + f"Node compute: measured once on a node started alone and declared for all; RTTs measured.\n",
+             "| Policy | Jain (all backlogged) | window (s) | well-behaved P50 / P99 (s) | flood P50 (s) | throughput (req/s, tok/s) | completed / unfinished |",
              "|---|---|---|---|---|---|---|"]
     for pol, run in data["runs"].items():
         m = run["metrics"]
         lines.append(f"| {pol} | {lc.fmt(m['jain_backlogged'], 3)} | {lc.fmt(m['backlogged_window_s'], 1)} | "
                      f"{lc.fmt(m['good_p50'])} / {lc.fmt(m['good_p99'])} | {lc.fmt(m['flood_p50'])} | "
-                     f"{lc.fmt(m['throughput_rps'])}, {lc.fmt(m['throughput_tokens_s'], 1)} | {m['completed']} |")
+                     f"{lc.fmt(m['throughput_rps'])}, {lc.fmt(m['throughput_tokens_s'], 1)} | {m['completed']} / {m['failed']} |")
     lines.append("")
     lines.extend(f"* {f}" for f in data.get("findings", []))
     lines.append(f"\n![live fairness]({data['name']}.png)\n")

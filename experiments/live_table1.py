@@ -45,15 +45,22 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # LLaMA-2-7B (13 GB in fp16) 3.1 / 1.55 times (chain-composition spec §11.1).
 FAST_MODEL_MULTIPLE = 3.1
 SLOW_MODEL_MULTIPLE = 1.55
-NUM_SERVERS = 9
-ETA = 1 / 3  # 3 fast servers of 9
+NUM_SERVERS = 6
+ETA = 1 / 3  # 2 fast servers of 6
+# petals' client retries a failed cache allocation without limit (back-off up to 60 s), which made full runs
+# unbounded. We bound it: after PETALS_MAX_RETRIES attempts the request fails and is counted as failed
+# (waiting through the retries is counted for the requests that do get a session).
+PETALS_MAX_RETRIES = 6  # 6 attempts, petals' back-offs 0, 1, 2, 4, 8 s between them: ~15 s of retrying
+# The full replay: trace rows 700-799 (a comparatively steady stretch: 3.9 req/s, no 10-request burst above
+# 12.3 req/s) stretched 1/0.3 in time, 1.16 req/s mean; the planner is given this window's mean rate.
+FULL_SCALING = dict(time_scale=0.3, offset=700, num_requests=100)
 
 
 def settings(quick: bool) -> dict:
     if quick:
         return {"num_servers": 3, "scaling": lc.Scaling(time_scale=2.0, num_requests=12, max_output=12),
                 "seed": 0}
-    return {"num_servers": NUM_SERVERS, "scaling": lc.Scaling(), "seed": 0}
+    return {"num_servers": NUM_SERVERS, "scaling": lc.Scaling(**FULL_SCALING), "seed": 0}
 
 
 def wan_config(num_servers: int, seed: int):
@@ -79,6 +86,13 @@ def _wait(predicate, timeout: float, what: str):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+# Compute profile measured once, on a node started alone (no other node profiling or serving), then declared
+# for every node of every orchestrated run: nodes that profile together on 2 shared cores measure each other's
+# load (the quick model validation saw 3.7x errors). RTTs are not declared: each node measures its own through
+# the WAN emulator.
+_MEASURED: dict[str, float] = {}
+
+
 def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: dict, trace: dict,
                      prompts: lc.Prompts, profile_dir: str, log) -> dict:
     import httpx
@@ -93,9 +107,19 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
             expected_input_tokens=float(np.mean(trace["input_tokens"])),
             expected_output_tokens=float(np.mean(trace["output_tokens"])), refresh_s=1.0,
             use_server_to_server=push, request_timeout_s=60.0, queue_timeout_s=1800.0)
-        peers = [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory[h] / 2**30, wait=False,
-                                profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
-                 for h in config.servers]
+        node_kw = dict(profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
+        hosts = list(config.servers)
+        peers = []
+        if not _MEASURED:  # the first node alone, on a quiet machine: its measurement is declared for all
+            first = swarm.add_node(node_id=hosts[0], wan_host=hosts[0], memory_gb=memory[hosts[0]] / 2**30,
+                                   wait=True, timeout=180, **node_kw)
+            _MEASURED.update({k: float(first.info["profile"][k]) for k in ("prefill_s", "decode_s")})
+            log(f"  measured compute (quiet node): prefill {_MEASURED['prefill_s'] * 1e3:.3f} ms, decode "
+                f"{_MEASURED['decode_s'] * 1e3:.3f} ms per block per token")
+            peers.append(first)
+            hosts = hosts[1:]
+        peers += [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory[h] / 2**30, wait=False,
+                                 declared_profile=dict(_MEASURED), **node_kw) for h in hosts]
         for peer in peers:
             swarm.wait_profiled(peer, timeout=180)
         url = swarm.orchestrator.info["url"]
@@ -154,7 +178,8 @@ def run_petals(push: bool, model_dir: str, config, memory: dict, sizes: dict, tr
             spans[h] = (peer.start, peer.end)
             time.sleep(2.5)  # one announcement period, so the next server's block choice sees this one
         log("  petals: " + "; ".join(f"{h} [{a},{b})" for h, (a, b) in spans.items()))
-        driver = lc.PetalsDriver(model_dir, swarm.initial_peers, swarm.dht_prefix, prompts, use_server_to_server=push)
+        driver = lc.PetalsDriver(model_dir, swarm.initial_peers, swarm.dht_prefix, prompts, use_server_to_server=push,
+                                 max_retries=PETALS_MAX_RETRIES)
         try:
             driver.wait_ready()
             time.sleep(3.0)
@@ -294,6 +319,9 @@ def section(data: dict, name: str) -> str:
         parts.append("**Findings.**\n")
         parts.extend(f"* {f}" for f in data["findings"])
         parts.append("")
+    if data.get("analysis"):
+        parts.append("**Analysis.**\n")
+        parts.append(data["analysis"] + "\n")
     parts.append(f"![live Table 1]({name}.png)\n")
     return "\n".join(parts) + "\n"
 
@@ -318,10 +346,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=None, help="trace rows to replay (default 300)")
     parser.add_argument("--time-scale", type=float, default=None, help="arrival-rate multiplier (default 2)")
     parser.add_argument("--servers", type=int, default=None, help=f"servers (default {NUM_SERVERS}; a third fast)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other configurations' runs of an existing <out>/live_table1.json")
+    parser.add_argument("--replot", action="store_true",
+                        help="only rewrite the PNG, section and findings from <out>/live_table1[_quick].json")
+    parser.add_argument("--notes", type=Path, default=None,
+                        help="with --replot: a Markdown file of analysis notes to store and show in the section")
+
+
+def replot(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    name = "live_table1" + ("_quick" if args.quick else "")
+    data = json.loads((out / f"{name}.json").read_text())
+    if args.notes:
+        data["analysis"] = args.notes.read_text().strip()
+    data["findings"] = findings(data)
+    write_outputs(data, out, name)
+    if not args.quick:
+        from experiments import report
+
+        report.assemble(out)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     import tempfile
+
+    if getattr(args, "replot", False):
+        return replot(args)
 
     methods = [m for m in args.methods.split(",") if m]
     configs = [c for c in args.configs.split(",") if c]
@@ -361,7 +413,9 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
             f"from RIPE Atlas EU (seed {st['seed']}, orchestrator/client anchor drawn at random; §13.3 model); "
             f"fast = {', '.join(config.meta.get('high_performance', []))} with {FAST_MODEL_MULTIPLE}× the model's "
             f"weights of memory, the others {SLOW_MODEL_MULTIPLE}× (the 40/20 GB MIG slices against LLaMA-2-7B); "
-            f"all servers have the same CPU compute (one handler each, shared 2 cores). Model: random Llama, "
+            f"all servers have the same CPU compute (one handler each, shared 2 cores; no fast/slow compute emulation): "
+            f"the orchestrated nodes declare the per-block compute times measured once on a node started alone, "
+            f"RTTs are measured by every node through the emulator. Model: random Llama, "
             f"{sizes['num_blocks']} blocks, hidden {lc.MODEL_HIDDEN}, fp32; session length {lc.SESSION_TOKENS} tokens "
             f"(one KV slot). Trace: Azure code 2023-11-16, rows {scaling.offset}–{scaling.offset + scaling.num_requests - 1}, "
             f"arrivals compressed ×{scaling.time_scale:g} ({len(trace['arrivals']) / trace['arrivals'][-1]:.2f} req/s), "
@@ -369,7 +423,9 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
             f"(mean {np.mean(trace['input_tokens']):.1f}), output = min(GeneratedTokens, {scaling.max_output}) "
             f"(mean {np.mean(trace['output_tokens']):.1f}); greedy decoding, identical prompts for every method. "
             f"PETALS: petals' own num_blocks (2-session cache per block), block choice, min-latency routing and "
-            f"retries, one concurrent session per request; the others: orchestrated nodes, FCFS queue, JFFC.")
+            f"retries with petals' back-off, bounded at max_retries={PETALS_MAX_RETRIES} (a request that never "
+            f"gets a session fails and is counted as failed), one concurrent session per request; the planners get "
+            f"the window's mean arrival rate; the others: orchestrated nodes, FCFS queue, JFFC.")
     data = {"command": "chainswarm experiment table1" + (" --quick" if args.quick else ""),
             "machine": lc.machine_note(), "settings": {"quick": args.quick, "scaling": asdict(scaling),
                                                        "num_servers": st["num_servers"], "seed": st["seed"],
@@ -403,10 +459,18 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
                 rtts.setdefault(h, []).append(v)
     data["rtt"] = {h: {"configured": config.rtt(config.client, h), "achieved": float(np.median(v))}
                    for h, v in sorted(rtts.items())}
-    data["findings"] = findings(data)
     data["elapsed_s"] = time.monotonic() - started
     out = Path(args.out)
     name = "live_table1" + ("_quick" if args.quick else "")
+    if getattr(args, "merge", False) and (out / f"{name}.json").is_file():
+        old = json.loads((out / f"{name}.json").read_text())
+        for cfg, cfg_runs in old.get("runs", {}).items():
+            data["runs"].setdefault(cfg, cfg_runs)
+        data["elapsed_by_config_s"] = {**old.get("elapsed_by_config_s", {"+".join(old["runs"]): old["elapsed_s"]}),
+                                       "+".join(configs): data["elapsed_s"]}
+        data["elapsed_s"] += old.get("elapsed_s", 0.0)
+        data["runs"] = {c: data["runs"][c] for c in CONFIGS if c in data["runs"]}
+    data["findings"] = findings(data)
     write_outputs(data, out, name)
     if not args.quick:
         from experiments import report
@@ -425,4 +489,38 @@ def findings(data: dict) -> list[str]:
             p95 = improvement(q["response"]["p95"], p["response"]["p95"])
             out.append(f"{cfg}: Proposed vs PETALS — mean response {100 * mean:+.1f}%, P95 {100 * p95:+.1f}% "
                        f"({'beats' if mean > 0 and p95 > 0 else 'does NOT beat'} PETALS on both).")
+        for m in METHODS:
+            if m in runs:
+                out.append(f"{cfg}: {LABEL[m]} — " + _diagnostics(runs[m]))
     return out
+
+
+def _diagnostics(run: dict) -> str:
+    """Why a method's times are what they are: hops, service per generated token, concurrency in service."""
+    recs = [r for r in run["records"] if r["error"] is None and r["completed"] is not None and r["started"] is not None]
+    if not recs:
+        return "no completed request"
+    per_token = [(r["completed"] - r["started"]) / max(1, r["generated"]) for r in recs]
+    starts = np.array([r["started"] for r in recs])
+    ends = np.array([r["completed"] for r in recs])
+    conc = [int(((starts <= s) & (ends > s)).sum()) for s in starts]
+    chains = run.get("chain_ids") or {}
+    hops = [len(chains[r["chain"]]) for r in recs if r.get("chain") in chains]
+    plan = run.get("plan", {})
+    if not hops and plan.get("servers") and "chains" not in plan:
+        hops = []
+    errors = sorted({(r["error"] or "")[:60] for r in run["records"] if r["error"]})
+    text = (f"service per generated token mean {1e3 * np.mean(per_token):.0f} ms (median "
+            f"{1e3 * np.median(per_token):.0f}); requests in service at a start: mean {np.mean(conc):.1f}, max "
+            f"{max(conc)}")
+    if hops:
+        text += f"; servers per chain used: mean {np.mean(hops):.2f}"
+    if errors:
+        text += f"; failures: {'; '.join(errors)}"
+        gave_up = [r["failed_at"] - r["submitted"] for r in run["records"]
+                   if r["error"] and r.get("failed_at") is not None and r.get("submitted") is not None]
+        if gave_up:
+            resp = [r["completed"] - r["submitted"] for r in recs] + gave_up
+            text += (f"; failed requests gave up after {np.mean(gave_up):.1f} s on average; counting them at that "
+                     f"time (a lower bound), mean response {np.mean(resp):.2f} s, P95 {np.percentile(resp, 95):.2f} s")
+    return text + "."

@@ -126,6 +126,18 @@ def run(args: argparse.Namespace) -> int:
                "ratio_p90": float(np.percentile(ratio, 90)), "ratio_median_low_concurrency": float(np.median(low)),
                "low_concurrency_max": int(np.percentile(conc, 25)),
                "corr_ratio_concurrency": float(np.corrcoef(conc, ratio)[0, 1]) if len(set(conc)) > 1 else math.nan}
+    # CPU contention: the measured time per generated token against the number of requests in service on the
+    # whole (2-core) machine; the planner's model has no such term (a server's service time does not depend on
+    # the load of the others, nor on its own concurrent sessions).
+    per_token = np.array([r["measured"] / max(1, r["output"]) for r in rows])
+    model_tok = np.array([r["predicted"] / max(1, r["output"]) for r in rows])
+    if len(set(conc)) > 1:
+        b, a = np.polyfit(conc, per_token, 1)
+        summary.update({"per_token_vs_concurrency_intercept_ms": 1e3 * float(a),
+                        "per_token_vs_concurrency_slope_ms": 1e3 * float(b),
+                        "corr_per_token_concurrency": float(np.corrcoef(conc, per_token)[0, 1]),
+                        "model_per_token_median_ms": 1e3 * float(np.median(model_tok)),
+                        "concurrency_mean": float(conc.mean())})
     data = {"source": str(source.name), "summary": summary, "fits": fits, "rows": rows}
     (out / "sections").mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
@@ -139,6 +151,13 @@ def run(args: argparse.Namespace) -> int:
              f"{summary['ratio_p90']:.2f}); at low concurrency (≤ {summary['low_concurrency_max']} requests in service) "
              f"median {summary['ratio_median_low_concurrency']:.2f}; correlation of the ratio with concurrency "
              f"{lc.fmt(summary['corr_ratio_concurrency'])}.",
+             *([f"* measured time per generated token = {summary['per_token_vs_concurrency_intercept_ms']:.0f} ms + "
+                f"{summary['per_token_vs_concurrency_slope_ms']:.1f} ms × (requests in service on the machine) "
+                f"(least squares, correlation {summary['corr_per_token_concurrency']:.2f}; mean concurrency "
+                f"{summary['concurrency_mean']:.1f}); the model's per-token time (median over requests) is "
+                f"{summary['model_per_token_median_ms']:.0f} ms and has no load term: on 2 shared cores every "
+                f"session in service slows every other one, which the planner (one GPU per server) does not model."]
+               if "per_token_vs_concurrency_slope_ms" in summary else []),
              "", "| method | chain | n | measured per-token slope (ms) | model Σ(RTT+18 ms) (ms) | median measured/model |",
              "|---|---|---|---|---|---|"]
     for f in fits:
