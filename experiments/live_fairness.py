@@ -194,6 +194,18 @@ def section(data: dict) -> str:
                      f"{lc.fmt(m['good_p50'])} / {lc.fmt(m['good_p99'])} | {lc.fmt(m['flood_p50'])} | "
                      f"{lc.fmt(m['throughput_rps'])}, {lc.fmt(m['throughput_tokens_s'], 1)} | {m['completed']} / {m['failed']} |")
     lines.append("")
+    for pol, run in data["runs"].items():
+        unfinished: dict[str, int] = {}
+        for r in run["records"]:
+            if r["error"]:
+                unfinished[r["client"]] = unfinished.get(r["client"], 0) + 1
+        offered: dict[str, int] = {}
+        for r in run["records"]:
+            offered[r["client"]] = offered.get(r["client"], 0) + 1
+        lines.append(f"* {pol}: plan capacity {run['capacity']} concurrent session(s); unfinished / offered per client: "
+                     + ", ".join(f"{c} {unfinished.get(c, 0)}/{n}" for c, n in sorted(offered.items()))
+                     + "; service in the backlogged window: "
+                     + ", ".join(f"{c} {v:.0f}" for c, v in sorted(run["metrics"]["service_in_window"].items())) + ".")
     lines.extend(f"* {f}" for f in data.get("findings", []))
     lines.append(f"\n![live fairness]({data['name']}.png)\n")
     return "\n".join(lines) + "\n"
