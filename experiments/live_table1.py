@@ -432,6 +432,12 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
                                                        "description": desc, "memory_bytes": memory, "sizes": sizes},
             "wan": config.to_dict(), "runs": {}}
     log(desc)
+    previous = Path(args.out) / ("live_table1" + ("_quick" if args.quick else "") + ".json")
+    if getattr(args, "merge", False) and previous.is_file():  # the same declared compute as the merged runs
+        measured = json.loads(previous.read_text())["settings"].get("measured_compute")
+        if measured:
+            _MEASURED.update(measured)
+            log(f"  reusing the measured compute of {previous.name}: {measured}")
     for cfg in configs:
         push = cfg == "push"
         data["runs"][cfg] = {}
@@ -460,16 +466,20 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
     data["rtt"] = {h: {"configured": config.rtt(config.client, h), "achieved": float(np.median(v))}
                    for h, v in sorted(rtts.items())}
     data["elapsed_s"] = time.monotonic() - started
+    if _MEASURED:
+        data["settings"]["measured_compute"] = dict(_MEASURED)
     out = Path(args.out)
     name = "live_table1" + ("_quick" if args.quick else "")
     if getattr(args, "merge", False) and (out / f"{name}.json").is_file():
         old = json.loads((out / f"{name}.json").read_text())
         for cfg, cfg_runs in old.get("runs", {}).items():
-            data["runs"].setdefault(cfg, cfg_runs)
+            for method, res in cfg_runs.items():
+                data["runs"].setdefault(cfg, {}).setdefault(method, res)
         data["elapsed_by_config_s"] = {**old.get("elapsed_by_config_s", {"+".join(old["runs"]): old["elapsed_s"]}),
                                        "+".join(configs): data["elapsed_s"]}
         data["elapsed_s"] += old.get("elapsed_s", 0.0)
-        data["runs"] = {c: data["runs"][c] for c in CONFIGS if c in data["runs"]}
+        data["runs"] = {c: {m: data["runs"][c][m] for m in METHODS if m in data["runs"][c]}
+                        for c in CONFIGS if c in data["runs"]}
     data["findings"] = findings(data)
     write_outputs(data, out, name)
     if not args.quick:
