@@ -37,6 +37,7 @@ from experiments import live_common as lc
 
 METHODS = ("petals", "bprr", "jffc", "proposed")
 LABEL = {"petals": "PETALS", "bprr": "BPRR", "jffc": "JFFC only", "proposed": "Proposed"}
+COLOR = {"petals": "tab:blue", "bprr": "tab:orange", "jffc": "tab:green", "proposed": "tab:red"}
 PLACEMENT = {"bprr": "bprr", "jffc": "whole-model", "proposed": "gbp-cr"}
 CONFIGS = ("relay", "push")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -248,7 +249,7 @@ def _plot(data: dict, path: Path) -> None:
         x = np.arange(len(metrics))
         for i, m in enumerate(methods):
             vals = [runs[m]["stats"][a][b] for a, b in metrics]
-            ax.bar(x + i * width, vals, width, label=LABEL[m])
+            ax.bar(x + i * width, vals, width, label=LABEL[m], color=COLOR[m])
         ax.set_xticks(x + width * (len(methods) - 1) / 2)
         ax.set_xticklabels([f"{a} {b}" for a, b in metrics])
         ax.set_ylabel("seconds")
@@ -259,7 +260,7 @@ def _plot(data: dict, path: Path) -> None:
             resp = sorted(r["completed"] - r["submitted"] for r in runs[m]["records"]
                           if r["error"] is None and r["completed"] is not None)
             if resp:
-                ax.plot(resp, np.arange(1, len(resp) + 1) / len(resp), label=LABEL[m])
+                ax.plot(resp, np.arange(1, len(resp) + 1) / len(resp), label=LABEL[m], color=COLOR[m])
         ax.set_xscale("log")
         ax.set_xlabel("response time (s)")
         ax.set_ylabel("CDF")
