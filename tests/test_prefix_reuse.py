@@ -15,6 +15,7 @@ import torch
 
 from server.local_swarm import LocalSwarm
 from swarm import prefix as protocol
+from helpers import wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -24,16 +25,6 @@ KEYS = {"key-heavy": "heavy", "key-light": "light", "key-a": "a"}
 SHARED = ("You are a careful assistant. Answer briefly and cite the document. The document says that the "
           "harbour of the old town was rebuilt twice, first after the storm and then after the fire, and that "
           "the lighthouse keeper kept a diary of every ship. ")
-
-
-def wait_for(predicate, timeout=60.0, period=0.25, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(period)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,12 @@ import torch
 from planner.model import ModelSpec, Placement, Server
 from planner.plan import plan as run_planner, plan_for_placement
 from server.local_swarm import LocalSwarm
+from helpers import wait_for
 
 pytestmark = pytest.mark.swarm
 
 KEYS = {"key-alice": "alice", "key-bob": "bob", "key-flood": "flood", "key-light": "light"}
 MAX_LENGTH = 256
-
-
-def wait_for(predicate, timeout=90.0, period=0.25, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(period)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

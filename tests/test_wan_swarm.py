@@ -10,7 +10,6 @@ Configured RTTs: orchestrator–a 40 ms, orchestrator–b 70 ms, a–b 20 ms. Ch
   of the two RTTs plus petals' per-step overhead.
 """
 import statistics
-import time
 from functools import partial
 
 import httpx
@@ -18,21 +17,12 @@ import pytest
 
 from server.local_swarm import LocalSwarm
 from swarm.wan import WanConfig
+from helpers import wait_for
 
 pytestmark = pytest.mark.swarm
 
 RTT_A, RTT_B, RTT_AB = 40.0, 70.0, 20.0
 MAX_LENGTH = 256
-
-
-def wait_for(predicate, timeout=90.0, period=0.25, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(period)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
