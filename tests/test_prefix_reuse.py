@@ -31,11 +31,13 @@ SHARED = ("You are a careful assistant. Answer briefly and cite the document. Th
 def swarm(tiny_model, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("profiles"))
     with LocalSwarm(tiny_model) as local:
-        local.add_orchestrator(policy="swarm", quantum=400.0, expected_rate=4.0, max_length=MAX_LENGTH,
+        local.add_orchestrator(policy="swarm", quantum=400.0, expected_rate=8.0, max_length=MAX_LENGTH,
                                expected_input_tokens=128, expected_output_tokens=16, refresh_s=0.5,
                                api_keys=KEYS, request_timeout_s=8.0, prefix_cache_tokens=PREFIX_TOKENS)
+        # declared compute and RTT: the plan (big alone, left+big, left+right) must not depend on machine load
+        declared = {"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002}
         nodes = {name: local.add_node(node_id=name, memory_gb=mb, wait=False, profile_cache_dir=cache,
-                                      update_period=4.0)
+                                      update_period=4.0, declared_profile=declared)
                  for name, mb in (("big", 0.0026), ("left", 0.0013), ("right", 0.0013))}
         for peer in nodes.values():
             local.wait_profiled(peer)
