@@ -71,6 +71,16 @@ def serve_assignments(dht):
 SERVERS = [("a", 6), ("b", 3), ("c", 3), ("d", 2)]
 
 
+async def serving_orchestrator(policy="dlpm", profiles=None, **kw):
+    """An orchestrator whose plan's chains are all served (every server did what it was assigned)."""
+    orch, dht = make(policy, **kw)
+    publish(dht, *(profiles or [profile(n, m) for n, m in SERVERS]))
+    await orch.start()
+    serve_assignments(dht)
+    await orch.refresh()
+    return orch, dht
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -102,11 +112,7 @@ def test_plan_equals_planner_output_and_chains_become_ready_only_when_served():
 
 def test_jffc_fills_the_fastest_chain_first_then_queues():
     async def scenario():
-        orch, dht = make(policy="fcfs")
-        publish(dht, *(profile(n, m) for n, m in SERVERS))
-        await orch.start()
-        serve_assignments(dht)
-        await orch.refresh()
+        orch, dht = await serving_orchestrator("fcfs")
         chains = orch.view.chains
         total = sum(c.capacity for c in chains)
         grants = [await orch.acquire(f"client{i}", 10, 10, timeout=1) for i in range(total)]
@@ -127,11 +133,7 @@ def test_jffc_fills_the_fastest_chain_first_then_queues():
 
 def test_dlpm_keeps_serving_a_light_client_behind_a_flood():
     async def scenario():
-        orch, dht = make(policy="dlpm", quantum=100.0)
-        publish(dht, profile("solo", 3))
-        await orch.start()
-        serve_assignments(dht)
-        await orch.refresh()
+        orch, dht = await serving_orchestrator("dlpm", [profile("solo", 3)], quantum=100.0)
         capacity = sum(c.capacity for c in orch.view.chains)
         running = [await orch.acquire("flood", 50, 20, timeout=1) for _ in range(capacity)]
         flood = [asyncio.ensure_future(orch.acquire("flood", 50, 20, timeout=30)) for _ in range(20)]
@@ -158,11 +160,7 @@ def test_dlpm_keeps_serving_a_light_client_behind_a_flood():
 
 def test_leases_release_unknown_and_too_long():
     async def scenario():
-        orch, dht = make()
-        publish(dht, *(profile(n, m) for n, m in SERVERS))
-        await orch.start()
-        serve_assignments(dht)
-        await orch.refresh()
+        orch, dht = await serving_orchestrator()
         record = await orch.grant_lease("alice", 10, 10, timeout=1)
         chain = orch.chain(record.lease.chain_id)
         assert record.lease.route == chain.route and chain.route[0][1] == 0 and chain.route[-1][2] == 4
@@ -180,11 +178,7 @@ def test_leases_release_unknown_and_too_long():
 
 def test_failed_server_is_excluded_at_once_and_reroute_avoids_it():
     async def scenario():
-        orch, dht = make()
-        publish(dht, *(profile(n, m) for n, m in SERVERS))
-        await orch.start()
-        serve_assignments(dht)
-        await orch.refresh()
+        orch, dht = await serving_orchestrator()
         first = orch.view.chains[0]
         victim = first.route[0][0]
         route = orch.reroute(first.chain_id, 0, 4, [victim])
