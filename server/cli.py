@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest wait for open sessions before moving to new blocks")
     parser.add_argument("--cache-dir", metavar="DIR", help="where measured compute times are cached "
                         "(default ~/.cache/chainswarm)")
+    parser.add_argument("--emulate-compute", metavar="PREFILL_MS,DECODE_MS",
+                        help="experiments: emulate an accelerator that spends PREFILL_MS per block per prompt token "
+                        "and DECODE_MS per block per decoded token (added to every inference step; reported in "
+                        "the profile)")
     parser.add_argument("--log-level", default=os.environ.get("CHAINSWARM_LOGLEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -86,6 +90,14 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         raise _BadInput(f"--device {device}: expected cpu, cuda[:N] or mps")
     on_cpu = device == "cpu" or (device is None and not _cuda_available())
     ip = "ip6" if ":" in args.host else "ip4"
+    emulated = None
+    if getattr(args, "emulate_compute", None):
+        from server.emulation import EmulatedCompute
+
+        try:
+            emulated = EmulatedCompute.parse(args.emulate_compute).to_dict()
+        except ValueError as exc:
+            raise _BadInput(f"--emulate-compute: {exc}") from None
     kwargs = dict(
         converted_model_name_or_path=str(model),
         dht_prefix=args.dht_prefix or dht_prefix_for(model),
@@ -104,6 +116,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         use_auto_relay=False,
         reachable_via_relay=False,
         skip_reachability_check=True,
+        emulated_compute=emulated,
     )
     if args.announce_host or args.announce_port:
         if not args.announce_port and not args.port:

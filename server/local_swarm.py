@@ -33,7 +33,7 @@ _PRELOAD = ["swarm.compat", "petals.server.server", "server.runner", "swarm.dht"
 
 # ChainswarmServer keyword arguments (the rest of add_node's options are petals Server kwargs).
 _NODE_OPTIONS = ("check_period", "assignment_poll", "drain_timeout", "profile_ttl_factor", "rtt_period",
-                 "profile_cache_dir", "declared_profile")
+                 "profile_cache_dir", "declared_profile", "emulated_compute")
 
 
 class SwarmStartError(RuntimeError):

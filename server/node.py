@@ -38,7 +38,7 @@ from swarm.compat import petals  # noqa: F401  (the shim must precede petals.ser
 from petals.data_structures import ServerState
 from petals.server.server import Server
 
-from server import profiling
+from server import emulation, profiling
 from swarm import records
 from swarm.records import DRAINING, LOADING, SERVING, WAITING, Assignment, RecordError, ServerProfile
 
@@ -91,6 +91,9 @@ class ChainswarmServer(Server):
     * ``declared_profile`` — ``{"prefill_s", "decode_s", "rtt_s"}`` (any subset) to report instead of what
       is measured: emulated hardware in experiments (a "slow GPU" on a CPU box) and reproducible plans in
       tests. Real volunteers leave it unset; the RTT is still reported only once an orchestrator exists.
+    * ``emulated_compute`` — ``{"prefill_s", "decode_s"}``: emulate an accelerator (:mod:`server.emulation`).
+      Every inference step is delayed by that much per block and token, and the profile reports the
+      measured (or declared) compute plus the emulated time.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class ChainswarmServer(Server):
         rtt_period: float = 30.0,
         report: Any = None,
         declared_profile: Optional[dict] = None,
+        emulated_compute: Optional[dict] = None,
         **server_kwargs: Any,
     ):
         for key in ("num_blocks", "block_indices"):
@@ -154,6 +158,11 @@ class ChainswarmServer(Server):
                     self.block_config, self.device, self.torch_dtype, self.quant_type,
                     cache_dir=profile_cache_dir, tensor_parallel_devices=self.tensor_parallel_devices,
                 )
+            if emulated_compute is not None:
+                self.emulated = emulation.install(emulated_compute)
+                self.compute = profiling.ComputeTimes(
+                    self.compute.prefill_s + self.emulated.prefill_s, self.compute.decode_s + self.emulated.decode_s,
+                    self.compute.measured_s, self.compute.cached)
         except BaseException:
             self.dht.shutdown()  # do not leave the DHT process and its p2pd behind
             raise

@@ -84,11 +84,27 @@ def _report_when_ready(server, report) -> None:
 
 
 def serve(server_kwargs: dict[str, Any], report=None, server_class=None) -> None:
-    """Build a petals server from ``server_kwargs`` and run it until SIGTERM / SystemExit."""
+    """Build a petals server from ``server_kwargs`` and run it until SIGTERM / SystemExit.
+
+    ``server_kwargs["emulated_compute"]`` (``{"prefill_s", "decode_s"}``, optional) emulates an accelerator
+    (:mod:`server.emulation`); the server then announces the emulated speed to petals' routing and block
+    selection (``inference_rps`` = ``throughput`` = 1 / decode_s, ``forward_rps`` = 1 / prefill_s), as
+    petals' own benchmark would on that hardware.
+    """
     from swarm.compat import petals  # noqa: F401  (applies the shim before petals.server is used)
     from petals.server.server import Server
 
+    server_kwargs = dict(server_kwargs)
+    emulated = server_kwargs.pop("emulated_compute", None)
+    if emulated is not None:
+        from server import emulation
+
+        emulated = emulation.install(emulated)
     server = (server_class or Server)(**server_kwargs)
+    if emulated is not None and emulated.decode_s > 0:
+        server.server_info.inference_rps = server.server_info.throughput = 1.0 / emulated.decode_s
+        if emulated.prefill_s > 0:
+            server.server_info.forward_rps = 1.0 / emulated.prefill_s
     if report is not None:
         threading.Thread(target=_report_when_ready, args=(server, report), daemon=True).start()
     try:
