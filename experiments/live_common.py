@@ -63,6 +63,37 @@ def petals_num_blocks(memory_bytes: float, block_bytes: int, cache_bytes_per_tok
     return max(1, min(int(memory_bytes // per_block), num_blocks))
 
 
+# ------------------------------------------------------------------------------------- emulated GPUs
+
+# The paper's two accelerators (chain-composition spec §10.1): a high-performance GPU (120 TFLOPS, 1.02 GB/ms,
+# ≈ A100 MIG 3g.40gb) and a low-performance one (80 TFLOPS, 0.51 GB/ms, ≈ MIG 2g.20gb), running BLOOM-176B
+# blocks (F = 5 GFLOPs per block per token, s_m = 1.32 GB per block in NF4). Per block and token, prefill is
+# compute-bound (F / FLOPS) and decode memory-bound (s_m / bandwidth); footnote 11 of the spec.
+PAPER_GPUS = {"high": {"tflops": 120.0, "gb_per_ms": 1.02}, "low": {"tflops": 80.0, "gb_per_ms": 0.51}}
+PAPER_BLOCK_GFLOPS = 5.0
+PAPER_BLOCK_GB = 1.32
+PAPER_LAYERS = 70  # BLOOM-176B
+
+
+def emulated_gpus(num_blocks: int = MODEL_LAYERS, input_scale: float = 16.0) -> dict[str, Any]:
+    """``{"high": EmulatedCompute, "low": EmulatedCompute}`` for the experiment model.
+
+    The 70 BLOOM-176B blocks are folded into the model's ``num_blocks``: one experiment block stands for
+    70/num_blocks paper blocks, so a whole-model pass costs what it costs the paper's GPU. A prompt token
+    stands for ``input_scale`` trace tokens (:class:`Scaling`), so prefill per prompt token is scaled by it
+    too, keeping the paper's prefill : decode ratio per job (about 83 : 25 ms per block on the high GPU).
+    """
+    from server.emulation import EmulatedCompute
+
+    fold = PAPER_LAYERS / num_blocks
+    out = {}
+    for name, gpu in PAPER_GPUS.items():
+        prefill_ms = PAPER_BLOCK_GFLOPS / gpu["tflops"] * fold * input_scale  # GFLOP / TFLOPS = ms
+        decode_ms = PAPER_BLOCK_GB / gpu["gb_per_ms"] * fold
+        out[name] = EmulatedCompute(prefill_s=prefill_ms / 1e3, decode_s=decode_ms / 1e3)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- trace
 
 

@@ -51,10 +51,11 @@ ETA = 1 / 3  # 2 fast servers of 6
 # petals' client retries a failed cache allocation without limit (back-off up to 60 s), which made full runs
 # unbounded. We bound it: after PETALS_MAX_RETRIES attempts the request fails and is counted as failed
 # (waiting through the retries is counted for the requests that do get a session).
-PETALS_MAX_RETRIES = 6  # 6 attempts, petals' back-offs 0, 1, 2, 4, 8 s between them: ~15 s of retrying
+PETALS_MAX_RETRIES = 8  # 8 attempts, petals' back-offs 0, 1, 2, 4, 8, 16, 32 s between them: ~63 s of retrying
 # The full replay: trace rows 700-799 (a comparatively steady stretch: 3.9 req/s, no 10-request burst above
-# 12.3 req/s) stretched 1/0.3 in time, 1.16 req/s mean; the planner is given this window's mean rate.
-FULL_SCALING = dict(time_scale=0.3, offset=700, num_requests=100)
+# 12.3 req/s) stretched 1/0.12 in time, 0.47 req/s mean; the planner is given this window's mean rate. The rate
+# keeps the 2 CPU cores below saturation (the emulated GPUs, not CPU contention, set the service times).
+FULL_SCALING = dict(time_scale=0.12, offset=700, num_requests=100)
 
 
 def settings(quick: bool) -> dict:
@@ -77,6 +78,24 @@ def budgets(config, sizes: dict) -> dict[str, float]:
     return {h: (FAST_MODEL_MULTIPLE if h in fast else SLOW_MODEL_MULTIPLE) * model for h in config.servers}
 
 
+def gpu_emulation(config, sizes: dict, scaling: lc.Scaling) -> dict:
+    """``{host: EmulatedCompute}``: the paper's high-performance GPU on the fast hosts, the low one elsewhere."""
+    gpus = lc.emulated_gpus(sizes["num_blocks"], scaling.input_scale)
+    fast = set(config.meta.get("high_performance", []))
+    return {h: gpus["high" if h in fast else "low"] for h in config.servers}
+
+
+def _emulation_text(gpus: dict, config) -> str:
+    fast = set(config.meta.get("high_performance", []))
+    per = {("high" if h in fast else "low"): e for h, e in gpus.items()}
+    return ("servers emulate the paper's GPUs (`server.emulation`; §10.1 BLOOM-176B blocks, 70 folded into the "
+            "model's blocks, prefill scaled with the prompts): "
+            + ", ".join(f"{name} {e.prefill_s * 1e3:.2f} ms prefill per token and {e.decode_s * 1e3:.2f} ms decode "
+                        f"per block" for name, e in sorted(per.items()))
+            + "; steps of concurrent sessions overlap (a batching GPU), and petals servers announce the emulated "
+              "speed to petals' routing. ")
+
+
 def _wait(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -95,7 +114,7 @@ _MEASURED: dict[str, float] = {}
 
 
 def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: dict, trace: dict,
-                     prompts: lc.Prompts, profile_dir: str, log) -> dict:
+                     prompts: lc.Prompts, profile_dir: str, log, gpus: dict | None = None) -> dict:
     import httpx
 
     from server.local_swarm import LocalSwarm
@@ -109,18 +128,25 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
             expected_output_tokens=float(np.mean(trace["output_tokens"])), refresh_s=1.0,
             use_server_to_server=push, request_timeout_s=60.0, queue_timeout_s=1800.0)
         node_kw = dict(profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
+        gpus = gpus or {}
+
+        def emulation(host: str) -> dict:
+            return {"emulated_compute": gpus[host].to_dict()} if host in gpus else {}
+
         hosts = list(config.servers)
         peers = []
         if not _MEASURED:  # the first node alone, on a quiet machine: its measurement is declared for all
             first = swarm.add_node(node_id=hosts[0], wan_host=hosts[0], memory_gb=memory[hosts[0]] / 2**30,
-                                   wait=True, timeout=180, **node_kw)
-            _MEASURED.update({k: float(first.info["profile"][k]) for k in ("prefill_s", "decode_s")})
+                                   wait=True, timeout=180, **node_kw, **emulation(hosts[0]))
+            emulated = gpus[hosts[0]].to_dict() if hosts[0] in gpus else {}
+            _MEASURED.update({k: float(first.info["profile"][k]) - emulated.get(k, 0.0)
+                              for k in ("prefill_s", "decode_s")})
             log(f"  measured compute (quiet node): prefill {_MEASURED['prefill_s'] * 1e3:.3f} ms, decode "
                 f"{_MEASURED['decode_s'] * 1e3:.3f} ms per block per token")
             peers.append(first)
             hosts = hosts[1:]
         peers += [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory[h] / 2**30, wait=False,
-                                 declared_profile=dict(_MEASURED), **node_kw) for h in hosts]
+                                 declared_profile=dict(_MEASURED), **node_kw, **emulation(h)) for h in hosts]
         for peer in peers:
             swarm.wait_profiled(peer, timeout=180)
         url = swarm.orchestrator.info["url"]
@@ -161,7 +187,7 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
 
 
 def run_petals(push: bool, model_dir: str, config, memory: dict, sizes: dict, trace: dict, prompts: lc.Prompts,
-               seed: int, log) -> dict:
+               seed: int, log, gpus: dict | None = None) -> dict:
     from server.local_swarm import LocalSwarm
 
     records = _records(trace)
@@ -175,7 +201,8 @@ def run_petals(push: bool, model_dir: str, config, memory: dict, sizes: dict, tr
                                      sizes["num_blocks"])
             peer = swarm.add_server(num_blocks=k, wan_host=h, name=h, cache_tokens=cache_tokens,
                                     max_length=lc.SESSION_TOKENS, num_handlers=1, mean_balance_check_period=1e6,
-                                    update_period=2.0, timeout=180)
+                                    update_period=2.0, timeout=180,
+                                    **({"emulated_compute": gpus[h].to_dict()} if gpus and h in gpus else {}))
             spans[h] = (peer.start, peer.end)
             time.sleep(2.5)  # one announcement period, so the next server's block choice sees this one
         log("  petals: " + "; ".join(f"{h} [{a},{b})" for h, (a, b) in spans.items()))
@@ -347,6 +374,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=None, help="trace rows to replay (default 300)")
     parser.add_argument("--time-scale", type=float, default=None, help="arrival-rate multiplier (default 2)")
     parser.add_argument("--servers", type=int, default=None, help=f"servers (default {NUM_SERVERS}; a third fast)")
+    parser.add_argument("--emulation", choices=["paper", "none"], default="paper",
+                        help="paper (default): fast servers emulate the paper's high-performance GPU and the others "
+                        "its low-performance GPU (server.emulation); none: every server runs at plain CPU speed")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other configurations' runs of an existing <out>/live_table1.json")
     parser.add_argument("--replot", action="store_true",
@@ -404,6 +434,7 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
     sizes = lc.model_sizes(model_dir)
     config = wan_config(st["num_servers"], st["seed"])
     memory = budgets(config, sizes)
+    gpus = gpu_emulation(config, sizes, scaling) if args.emulation == "paper" else {}
     trace = lc.scaled_trace(scaling)
     prompts = lc.Prompts(model_dir)
 
@@ -414,8 +445,10 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
             f"from RIPE Atlas EU (seed {st['seed']}, orchestrator/client anchor drawn at random; §13.3 model); "
             f"fast = {', '.join(config.meta.get('high_performance', []))} with {FAST_MODEL_MULTIPLE}× the model's "
             f"weights of memory, the others {SLOW_MODEL_MULTIPLE}× (the 40/20 GB MIG slices against LLaMA-2-7B); "
-            f"all servers have the same CPU compute (one handler each, shared 2 cores; no fast/slow compute emulation): "
-            f"the orchestrated nodes declare the per-block compute times measured once on a node started alone, "
+            + (_emulation_text(gpus, config) if gpus else
+               "all servers have the same CPU compute (no accelerator emulation: `--emulation none`). ")
+            + f"The orchestrated nodes declare the per-block CPU compute times measured once on a node started alone"
+            f"{' (plus their emulated time)' if gpus else ''}; one handler each; "
             f"RTTs are measured by every node through the emulator. Model: random Llama, "
             f"{sizes['num_blocks']} blocks, hidden {lc.MODEL_HIDDEN}, fp32; session length {lc.SESSION_TOKENS} tokens "
             f"(one KV slot). Trace: Azure code 2023-11-16, rows {scaling.offset}–{scaling.offset + scaling.num_requests - 1}, "
@@ -430,7 +463,9 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
     data = {"command": "chainswarm experiment table1" + (" --quick" if args.quick else ""),
             "machine": lc.machine_note(), "settings": {"quick": args.quick, "scaling": asdict(scaling),
                                                        "num_servers": st["num_servers"], "seed": st["seed"],
-                                                       "description": desc, "memory_bytes": memory, "sizes": sizes},
+                                                       "description": desc, "memory_bytes": memory, "sizes": sizes,
+                                                       "emulation": args.emulation,
+                                                       "emulated_compute": {h: e.to_dict() for h, e in gpus.items()}},
             "wan": config.to_dict(), "runs": {}}
     log(desc)
     previous = Path(args.out) / ("live_table1" + ("_quick" if args.quick else "") + ".json")
@@ -446,10 +481,10 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
             t = time.monotonic()
             log(f"[{cfg}] {method} ...")
             if method == "petals":
-                result = run_petals(push, model_dir, config, memory, sizes, trace, prompts, st["seed"], log)
+                result = run_petals(push, model_dir, config, memory, sizes, trace, prompts, st["seed"], log, gpus)
             else:
                 result = run_orchestrated(method, push, model_dir, config, memory, trace, prompts,
-                                          str(work / "profiles"), log)
+                                          str(work / "profiles"), log, gpus)
             stats = lc.table_stats(result["records"])
             result["stats"] = stats
             result["records"] = lc.records_to_json(result["records"])
