@@ -10,8 +10,9 @@ same scaled trace from 127.0.0.1, and stops the swarm. Methods:
   rebalancing off, as the authors did). The client is petals' own: min-latency routing, one concurrent
   inference session per request, cache-allocation failures retried with petals' back-off. There is no
   queue: a request waits only through petals' retries.
-* **BPRR** — orchestrated nodes, ``placement="bprr"`` (CG-BP with the §12.2 R heuristic); chains by GCA over
-  that placement and JFFC dispatch (the live orchestrator has no WS-RR router; see the report section).
+* **BPRR** — orchestrated nodes, ``placement="bprr"`` (CG-BP with the §12.2 R heuristic) and BPRR's own
+  router: every request is routed on arrival by WS-RR (``router="ws-rr"``, :mod:`swarm.ws_rr`) and waits for
+  the KV slots of its path; servers keep KV for all the sessions their memory holds.
 * **JFFC only** — ``placement="whole-model"``: the whole model on every server that fits it, JFFC.
 * **Proposed** — ``placement="gbp-cr"`` (c tuned by the Theorem 3.7 lower bound), GCA, JFFC.
 
@@ -126,7 +127,9 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
             policy="fcfs", placement=PLACEMENT[method], expected_rate=rate, max_length=lc.SESSION_TOKENS,
             expected_input_tokens=float(np.mean(trace["input_tokens"])),
             expected_output_tokens=float(np.mean(trace["output_tokens"])), refresh_s=1.0,
-            use_server_to_server=push, request_timeout_s=60.0, queue_timeout_s=1800.0)
+            use_server_to_server=push, request_timeout_s=60.0, queue_timeout_s=1800.0,
+            router="ws-rr" if method == "bprr" else "jffc",
+            replan_tolerance=0.0)  # nodes join one by one: end on the planner's plan for all of them
         node_kw = dict(profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
         gpus = gpus or {}
 
@@ -459,7 +462,8 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
             f"PETALS: petals' own num_blocks (2-session cache per block), block choice, min-latency routing and "
             f"retries with petals' back-off, bounded at max_retries={PETALS_MAX_RETRIES} (a request that never "
             f"gets a session fails and is counted as failed), one concurrent session per request; the planners get "
-            f"the window's mean arrival rate; the others: orchestrated nodes, FCFS queue, JFFC.")
+            f"the window's mean arrival rate; BPRR: orchestrated nodes, CG-BP placement, WS-RR routing per request (FCFS); "
+            f"JFFC only and Proposed: orchestrated nodes, GCA chains, FCFS queue, JFFC.")
     data = {"command": "chainswarm experiment table1" + (" --quick" if args.quick else ""),
             "machine": lc.machine_note(), "settings": {"quick": args.quick, "scaling": asdict(scaling),
                                                        "num_servers": st["num_servers"], "seed": st["seed"],

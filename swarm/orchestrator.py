@@ -13,6 +13,10 @@ One asyncio service owns all state; blocking work (DHT calls, petals sessions) r
   slots are granted with JFFC (fastest chain with a free slot); a chain becomes grantable only when all
   its servers report that they serve their assignment. Costs are charged as the spec's §1 says: input
   tokens at admission, output tokens as they are generated.
+* **BPRR's router.** With ``router="ws-rr"`` (the BPRR baseline of the experiments) requests bypass the
+  chains and the fairness queue: each is routed on arrival by WS-RR (:mod:`swarm.ws_rr`) over the servers'
+  block ranges and starts when its path's servers have KV slots; servers then keep KV for all the sessions
+  their memory holds.
 * **Sessions.** A granted completion runs through :class:`swarm.engine.GenerationEngine` on its chain;
   a lease hands the route to the client, which drives petals itself.
 """
@@ -36,6 +40,9 @@ from planner.tuning import InfeasibleError
 from swarm import planning, prefix as prefix_protocol, records
 from swarm.planning import Expectations, RoutableChain
 from swarm.routing import Lease, NoRouteError, RouteSpan, clip_route
+from swarm.ws_rr import WsRrRouter
+
+ROUTERS = ("jffc", "ws-rr")
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,7 @@ class OrchestratorConfig:
     policy: str = "dlpm"
     quantum: float = 8192.0  # DLPM Q^u, in cost units (w_e·input + w_q·output tokens)
     chain_quantum: float | None = None  # per-client per-chain stickiness (swarm policy); None = off
+    router: str = "jffc"  # "jffc": GCA chains, fairness queue, JFFC; "ws-rr": BPRR's per-request WS-RR paths
     refresh_s: float = 1.0
     assignment_ttl_s: float = 30.0
     suspect_s: float = 60.0  # how long a server reported failed stays excluded unless its record expires
@@ -110,7 +118,12 @@ class Orchestrator:
         self.prefix_stats = dict(requests=0, hits=0, prompt_tokens=0, reused_tokens=0, expected_tokens=0,
                                  stale=0, evictions_applied=0, resets=0)
         self._report_state: dict[str, tuple[str, int]] = {}  # node -> (store epoch, last eviction seq applied)
+        if config.router not in ROUTERS:
+            raise ValueError(f"unknown router {config.router!r}; expected one of {ROUTERS}")
         self.scheduler = self._make_scheduler()
+        self.ws_rr = WsRrRouter() if config.router == "ws-rr" else None
+        self._ws_rr_requests: dict[str, tuple[str, int]] = {}  # request id -> (client, input tokens)
+        self._path_chains: dict[str, RoutableChain] = {}  # request id -> its WS-RR path as a one-slot chain
         self.suspects: dict[str, float] = {}
         self.leases: dict[str, LeaseRecord] = {}
         self.events: deque[dict] = deque(maxlen=200)
@@ -205,8 +218,12 @@ class Orchestrator:
         plan_id = planning.new_plan_id()
         view.plan, view.plan_id, view.plan_kept_ranges, view.plan_error = new_plan, plan_id, kept, None
         view.plan_inputs = planning.swarm_document(list(live.values()), self.config.num_blocks, self.config.expect)
+        slots = None
+        if self.ws_rr is not None:  # WS-RR routes over whole KV pools: every server fills its memory
+            model, servers = planning.planner_inputs(list(live.values()), self.config.num_blocks, self.config.expect)
+            slots = planning.memory_slots(new_plan, model, servers)
         view.assignments = planning.assignments_for(new_plan, plan_id, self.config.expect.max_length,
-                                                    self.config.expect.prefix_cache_tokens)
+                                                    self.config.expect.prefix_cache_tokens, slots=slots)
         self._published_at = 0.0
         self._replans += 1
         self._event("plan", plan_id=plan_id, kept_ranges=kept, c=new_plan.c, servers=sorted(live),
@@ -244,7 +261,35 @@ class Orchestrator:
                       reference_output_tokens=max(1, round(self.config.expect.output_tokens)))
             for c in ready
         ])
+        if self.ws_rr is not None:
+            self._update_ws_rr()
         self._dispatch()
+
+    def _update_ws_rr(self) -> None:
+        """Give the WS-RR router the servers that serve their assignment now; re-route orphaned requests."""
+        view = self.view
+        live = [p for node, p in view.profiles.items()
+                if node in view.assignments and node not in self.suspects and p.rtt_s is not None]
+        if view.plan is None or not live:
+            return
+        model, servers = planning.planner_inputs(live, self.config.num_blocks, self.config.expect)
+        spans, capacity = [], {}
+        for server in servers:
+            assignment = view.assignments[server.id]
+            serving = assignment.end > assignment.start and planning.server_matches(view.profiles[server.id],
+                                                                                    assignment)
+            spans.append((assignment.start, assignment.end) if serving else None)
+            capacity[server.id] = assignment.cache_slots if serving else 0
+        now = time.monotonic()
+        for request_id in self.ws_rr.update(model, servers, planning.Placement(tuple(spans)), capacity):
+            if self.ws_rr.submit(request_id, now) is None:
+                self._fail_waiter(request_id, NoChainsError("no path through the serving servers any more"))
+
+    def _fail_waiter(self, request_id: str, exc: Exception) -> None:
+        self._ws_rr_requests.pop(request_id, None)
+        future = self._waiters.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_exception(exc)
 
     def report_failure(self, peer_id: str) -> None:
         """A session saw ``peer_id`` fail: exclude its server now and rebuild chains without it."""
@@ -258,6 +303,8 @@ class Orchestrator:
     # -- dispatch ----------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
         now = time.monotonic()
+        if self.ws_rr is not None:
+            self._dispatch_ws_rr(now)
         for grant in self.scheduler.dispatch(now):
             future = self._waiters.pop(grant.request_id, None)
             if future is not None and not future.done():
@@ -267,7 +314,30 @@ class Orchestrator:
                 with contextlib.suppress(FairnessError):
                     self.scheduler.cancel(grant.request_id, now)
 
+    def _dispatch_ws_rr(self, now: float) -> None:
+        for request_id, route in self.ws_rr.startable(now):
+            client_id, input_tokens = self._ws_rr_requests.get(request_id, ("", 0))
+            peers = {node: p.peer_id for node, p in self.view.profiles.items()}
+            chain = RoutableChain(
+                f"{self.view.plan_id}/ws-rr/{request_id[:12]}", -1, tuple(route.servers), tuple(route.spans), 1,
+                route.service_time, tuple((peers.get(node, ""), a, b) for node, (a, b) in
+                                          zip(route.servers, route.spans)), True)
+            self._path_chains[request_id] = chain
+            future = self._waiters.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_result(Grant(request_id, client_id, chain.chain_id, 0, input_tokens, now))
+            else:  # the waiter is gone: give the slots back
+                self._release_ws_rr(request_id)
+
+    def _release_ws_rr(self, request_id: str) -> bool:
+        self._ws_rr_requests.pop(request_id, None)
+        self._path_chains.pop(request_id, None)
+        return self.ws_rr is not None and self.ws_rr.release(request_id)
+
     def chain(self, chain_id: str) -> RoutableChain:
+        for c in self._path_chains.values():
+            if c.chain_id == chain_id:
+                return c
         for c in self.view.chains:
             if c.chain_id == chain_id:
                 return c
@@ -287,9 +357,14 @@ class Orchestrator:
             raise NoChainsError(f"no chains: {self.view.plan_error or 'no plan yet'}")
         request_id = uuid.uuid4().hex
         future = self._loop.create_future()
+        if self.ws_rr is not None:
+            if self.ws_rr.submit(request_id, time.monotonic()) is None:
+                raise NoChainsError("no path through the serving servers (WS-RR)")
+            self._ws_rr_requests[request_id] = (client_id, input_tokens)
+        else:
+            self.scheduler.submit(request_id, client_id, input_tokens, time.monotonic(),
+                                  max_new_tokens=max_new_tokens, page_hashes=page_hashes)
         self._waiters[request_id] = future
-        self.scheduler.submit(request_id, client_id, input_tokens, time.monotonic(),
-                              max_new_tokens=max_new_tokens, page_hashes=page_hashes)
         self._dispatch()
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout or self.config.queue_timeout_s)
@@ -297,6 +372,8 @@ class Orchestrator:
             self._waiters.pop(request_id, None)
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.finish(future.result().request_id, 0)  # granted just as we gave up
+            elif self._release_ws_rr(request_id):
+                self._dispatch()
             else:
                 with contextlib.suppress(FairnessError):
                     self.scheduler.cancel(request_id, time.monotonic())
@@ -309,11 +386,17 @@ class Orchestrator:
             self.scheduler.on_tokens(request_id, count, time.monotonic())
 
     def finish(self, request_id: str, output_tokens: int | None = None) -> None:
+        if self._release_ws_rr(request_id):
+            self._dispatch()
+            return
         with contextlib.suppress(FairnessError):
             self.scheduler.on_finish(request_id, time.monotonic(), output_tokens=output_tokens)
         self._dispatch()
 
     def abort(self, request_id: str) -> None:
+        if self._release_ws_rr(request_id):
+            self._dispatch()
+            return
         with contextlib.suppress(FairnessError):
             self.scheduler.cancel(request_id, time.monotonic())
         self._dispatch()
@@ -470,6 +553,8 @@ class Orchestrator:
         return {
             "dht_prefix": self.config.dht_prefix,
             "policy": self.config.policy,
+            "router": self.config.router,
+            **({"ws_rr": self.ws_rr.status()} if self.ws_rr is not None else {}),
             "plan": None if view.plan is None else {"plan_id": view.plan_id, "kept_ranges": view.plan_kept_ranges,
                                                     "replans": self._replans, "inputs": view.plan_inputs,
                                                     **view.plan.to_dict()},

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from planner.model import ModelSpec, Placement, Server
+from planner.model import ModelSpec, Placement, Server, free_slots
 from planner.plan import Plan, plan, plan_for_placement
 from planner.tuning import InfeasibleError
 from swarm.records import SERVING, Assignment, ServerProfile
@@ -131,20 +131,31 @@ def new_plan_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def assignments_for(p: Plan, plan_id: str, max_length: int, prefix_cache_tokens: int = 0) -> dict[str, Assignment]:
+def memory_slots(p: Plan, model: ModelSpec, servers: Sequence[Server]) -> dict[str, int]:
+    """Block-slots each server of the plan holds when it fills its memory with KV: M̃_j = ⌊(M_j − s_m·m_j)/s_c⌋
+    (what a router that does not use GCA's chain capacities, BPRR's WS-RR, lets a server keep)."""
+    by_id = {s.id: s for s in servers}
+    return {sp.id: max(0, free_slots(by_id[sp.id], model, sp.span[1] - sp.span[0]))
+            for sp in p.servers if sp.span is not None and sp.id in by_id}
+
+
+def assignments_for(p: Plan, plan_id: str, max_length: int, prefix_cache_tokens: int = 0,
+                    slots: Mapping[str, int] | None = None) -> dict[str, Assignment]:
     """One Assignment per server of the plan (servers without blocks get an empty range).
 
     ``cache_slots`` is the planner's block-slot count Σ_k c_k·m_ij: petals keeps one KV pool per server,
     shared by its blocks, so exactly that many slots of ``max_length`` tokens serve every chain through it.
     ``prefix_cache_tokens`` (per block) is the prefix store's budget, already reserved by :func:`planner_inputs`.
+    ``slots`` overrides the block-slots per server (see :func:`memory_slots`).
     """
     result = {}
     for sp in p.servers:
         if sp.span is None:
             result[sp.id] = Assignment(plan_id, 0, 0, 0, max_length)
         else:
-            result[sp.id] = Assignment(plan_id, sp.span[0], sp.span[1], sp.slots_allocated, max_length,
-                                       prefix_cache_tokens)
+            result[sp.id] = Assignment(plan_id, sp.span[0], sp.span[1],
+                                       sp.slots_allocated if slots is None else slots.get(sp.id, sp.slots_allocated),
+                                       max_length, prefix_cache_tokens)
     return result
 
 

@@ -51,6 +51,7 @@ class OrchestratorOptions:
     # planner; chain_quantum = per-client per-chain stickiness Q^w of the ``swarm`` policy (None = its default).
     prefix_cache_tokens: int = 0
     chain_quantum: float | None = None
+    router: str = "jffc"  # "ws-rr": BPRR's per-request WS-RR paths instead of GCA chains + JFFC
 
 
 def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
@@ -73,6 +74,7 @@ def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
         model_dir=options.model_dir, dht_prefix=options.dht_prefix or dht_prefix_for(options.model_dir),
         num_blocks=model_config.num_hidden_layers, expect=expect, policy=options.policy, quantum=options.quantum,
         refresh_s=options.refresh_s, queue_timeout_s=options.queue_timeout_s, chain_quantum=options.chain_quantum,
+        router=options.router,
     )
 
 

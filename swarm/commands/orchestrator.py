@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expected-output-tokens", type=float, default=None)
     parser.add_argument("--max-length", type=int, default=None, help="max tokens per session (KV slot size)")
     parser.add_argument("--placement", default="gbp-cr", choices=["gbp-cr", "petals", "bprr", "whole-model", "random"])
+    parser.add_argument("--router", default="jffc", choices=["jffc", "ws-rr"],
+                        help="jffc (default): GCA chains, the fairness queue and JFFC; ws-rr: BPRR's per-request "
+                        "WS-RR paths over the placement (FCFS, no chains; pair with --placement bprr)")
     parser.add_argument("--tuning", default="lower-bound", choices=["lower-bound", "surrogate", "upper-bound"])
     parser.add_argument("--c", type=int, default=None, help="fix the cache reservation c instead of tuning it")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY=CLIENT",
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         expected_input_tokens=args.expected_input_tokens, expected_output_tokens=args.expected_output_tokens,
         max_length=args.max_length, placement=args.placement, tuning=args.tuning, c=args.c, api_keys=keys,
         request_timeout_s=args.request_timeout, prefix_cache_tokens=args.prefix_cache_tokens,
-        chain_quantum=args.chain_quantum,
+        chain_quantum=args.chain_quantum, router=args.router,
         proxy=not args.no_proxy,
     )
     try:
