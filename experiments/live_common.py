@@ -151,6 +151,48 @@ class Prompts:
         return text
 
 
+class SharedPrefixPrompts(Prompts):
+    """Prompts that start with their client's own ``prefix_tokens``-token prefix (a per-client system prompt),
+    followed by request-specific text; every prompt has exactly its record's ``input_tokens`` tokens (or the
+    closest shorter length). The prefix ends at a word boundary, so the client's prompts share its tokens
+    and the orchestrator's prefix pages match."""
+
+    def __init__(self, model_dir: str, prefix_tokens: int, seed: int = 0):
+        super().__init__(model_dir, seed)
+        self.prefix_tokens = int(prefix_tokens)
+        self._prefixes: dict[str, str] = {}
+        self._bodies: dict[int, str] = {}
+
+    def _base(self, seed: int) -> str:
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(300, self.tokenizer.vocab_size - 1, size=2048).tolist()
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _fit(self, head: str, body: str, tokens: int) -> str:
+        lo, hi = 0, len(body)
+        while lo < hi:  # longest body prefix (characters) with head + body at most ``tokens`` tokens
+            mid = (lo + hi + 1) // 2
+            if self.length(head + body[:mid]) <= tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        return head + body[:lo]
+
+    def prefix(self, client: str) -> str:
+        if client not in self._prefixes:
+            seed = int.from_bytes(client.encode()[:8].ljust(8, b"\0"), "little") % 2**31
+            text = self._fit("", self._base(seed), self.prefix_tokens)
+            cut = text.rfind(" ")
+            self._prefixes[client] = text[:cut] if cut > 0 else text
+        return self._prefixes[client]
+
+    def prompt_for(self, record: "Record") -> str:
+        prefix = self.prefix(record.client)
+        if record.index not in self._bodies:
+            self._bodies[record.index] = " " + self._base(10_000 + record.index).lstrip()
+        return self._fit(prefix, self._bodies[record.index], record.input_tokens)
+
+
 # -------------------------------------------------------------------------------------------- records
 
 
@@ -166,6 +208,7 @@ class Record:
     completed: float = math.nan
     generated: int = 0
     chain: str | None = None
+    servers: list | None = None  # the servers of the chain (or WS-RR path) that served it
     error: str | None = None
     failed_at: float = math.nan  # when a failed request gave up (s after t0)
 
@@ -242,7 +285,9 @@ class OrchestratorDriver:
         self.keys = {client: key for key, client in (api_keys or {}).items()}
 
     def __call__(self, record: Record, t0: float) -> None:
-        body = {"prompt": self.prompts.text(record.input_tokens), "max_tokens": record.output_tokens,
+        prompt_for = getattr(self.prompts, "prompt_for", None)
+        prompt = prompt_for(record) if prompt_for is not None else self.prompts.text(record.input_tokens)
+        body = {"prompt": prompt, "max_tokens": record.output_tokens,
                 "temperature": 0}
         headers = {}
         if record.client in self.keys:
@@ -269,6 +314,7 @@ class OrchestratorDriver:
         record.started = done - timing["service_s"]
         record.generated = doc["usage"]["completion_tokens"]
         record.chain = timing["chain_id"]
+        record.servers = timing.get("servers")
 
     def close(self) -> None:
         self.http.close()

@@ -7,6 +7,12 @@ requests at ``rate`` each and ``flood`` at ``flood_factor × rate`` (same length
 service period (output). Metrics (§9, ``planner.fairness_metrics``): Jain's index of the clients' service
 over the window in which all of them are backlogged (have a request queued), per-client cumulative
 service over time, P50/P99 response of the well-behaved clients, throughput (requests/s and tokens/s).
+
+Servers emulate the paper's GPUs as in ``live_table1`` (the fast host the high-performance one). With
+``--prefix-reuse`` every client's prompts start with that client's own system prompt (``prefix_tokens`` of the
+``input_tokens``), the orchestrator keeps prefix KV on the servers (``prefix_cache_tokens`` per block) and the
+policies are fcfs, vtc, dlpm and swarm (DLPM with locality-aware chain choice and the per-chain quantum Q^w);
+the prefix hit rate and the prompt tokens served from cache are reported too.
 """
 from __future__ import annotations
 
@@ -22,18 +28,23 @@ import numpy as np
 from experiments import live_common as lc
 
 POLICIES = ("fcfs", "vtc", "dlpm")
+PREFIX_POLICIES = ("fcfs", "vtc", "dlpm", "swarm")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 W_EXTEND, W_OUTPUT = 1.0, 2.0
 
 
-def settings(quick: bool) -> dict:
+def settings(quick: bool, prefix_reuse: bool = False) -> dict:
     if quick:
-        return {"servers": 2, "duration_s": 14.0, "rate": 0.6, "flood_factor": 4.0, "good": 2,
-                "input_tokens": 32, "output_tokens": 8, "expected_rate": 0.2}
-    # Overloaded on purpose (every client backlogged), so the run is cut ``drain_s`` after the last arrival:
-    # requests still queued then fail as "unfinished at cutoff" and are counted (bounded run length).
-    return {"servers": 3, "duration_s": 60.0, "rate": 0.4, "flood_factor": 4.0, "good": 3,
-            "input_tokens": 64, "output_tokens": 24, "expected_rate": 0.3, "drain_s": 45.0}
+        st = {"servers": 2, "duration_s": 14.0, "rate": 0.6, "flood_factor": 4.0, "good": 2,
+              "input_tokens": 32, "output_tokens": 8, "expected_rate": 0.2}
+    else:
+        # Overloaded on purpose (every client backlogged), so the run is cut ``drain_s`` after the last arrival:
+        # requests still queued then fail as "unfinished at cutoff" and are counted (bounded run length).
+        st = {"servers": 3, "duration_s": 60.0, "rate": 0.4, "flood_factor": 4.0, "good": 3,
+              "input_tokens": 64, "output_tokens": 12, "expected_rate": 0.3, "drain_s": 45.0}
+    if prefix_reuse:
+        st.update(prefix_tokens=st["input_tokens"] * 7 // 8, prefix_cache_tokens=256, chain_quantum=256.0)
+    return st
 
 
 def workload(st: dict, seed: int = 0) -> list[lc.Record]:
@@ -51,7 +62,8 @@ def workload(st: dict, seed: int = 0) -> list[lc.Record]:
     return records
 
 
-def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, prompts, profile_dir: str, log) -> dict:
+def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, prompts, profile_dir: str, log,
+               gpus: dict | None = None) -> dict:
     import httpx
 
     from server.local_swarm import LocalSwarm
@@ -60,20 +72,29 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
     with LocalSwarm(model_dir, wan=config) as swarm:
         swarm.add_orchestrator(policy=policy, expected_rate=st["expected_rate"], max_length=lc.SESSION_TOKENS,
                                expected_input_tokens=st["input_tokens"], expected_output_tokens=st["output_tokens"],
-                               refresh_s=1.0, quantum=200.0, use_server_to_server=False, queue_timeout_s=1800.0)
+                               refresh_s=1.0, quantum=200.0, use_server_to_server=False, queue_timeout_s=1800.0,
+                               prefix_cache_tokens=st.get("prefix_cache_tokens", 0),
+                               chain_quantum=st.get("chain_quantum"))
         # compute measured once on a quiet node and declared for all (as in live_table1); RTTs measured
         from experiments.live_table1 import _MEASURED
+
+        gpus = gpus or {}
+
+        def emulation(host: str) -> dict:
+            return {"emulated_compute": gpus[host].to_dict()} if host in gpus else {}
 
         hosts = list(config.servers)
         peers = []
         if not _MEASURED:
             first = swarm.add_node(node_id=hosts[0], wan_host=hosts[0], memory_gb=memory_gb, wait=True, timeout=180,
-                                   profile_cache_dir=profile_dir, num_handlers=1)
-            _MEASURED.update({k: float(first.info["profile"][k]) for k in ("prefill_s", "decode_s")})
+                                   profile_cache_dir=profile_dir, num_handlers=1, **emulation(hosts[0]))
+            emulated = gpus[hosts[0]].to_dict() if hosts[0] in gpus else {}
+            _MEASURED.update({k: float(first.info["profile"][k]) - emulated.get(k, 0.0)
+                              for k in ("prefill_s", "decode_s")})
             peers.append(first)
             hosts = hosts[1:]
         peers += [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory_gb, wait=False, profile_cache_dir=profile_dir,
-                                 num_handlers=1, declared_profile=dict(_MEASURED)) for h in hosts]
+                                 num_handlers=1, declared_profile=dict(_MEASURED), **emulation(h)) for h in hosts]
         for p in peers:
             swarm.wait_profiled(p, timeout=180)
         url = swarm.orchestrator.info["url"]
@@ -96,7 +117,10 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
             elapsed = time.monotonic() - t0
         finally:
             driver.close()
-    return {"records": records, "elapsed_s": elapsed, "capacity": capacity}
+        prefix = httpx.get(f"{url}/v1/swarm", timeout=30).json().get("prefix", {})
+    return {"records": records, "elapsed_s": elapsed, "capacity": capacity,
+            "prefix": {k: prefix.get(k) for k in ("enabled", "hit_rate", "token_hit_rate", "tokens_saved",
+                                                  "requests", "prompt_tokens")}}
 
 
 def metrics(records: list[lc.Record]) -> dict:
@@ -176,7 +200,8 @@ def _plot(data: dict, path: Path) -> None:
 
 def section(data: dict) -> str:
     s = data["settings"]
-    lines = [f"## Live swarm — fairness with a misbehaving client{' (quick)' if data['quick'] else ''}\n",
+    lines = [f"## Live swarm — fairness with a misbehaving client{', prefix reuse' if data.get('prefix_reuse') else ''}"
+             f"{' (quick)' if data['quick'] else ''}\n",
              f"`{data['command']}` — {lc.machine_note()}, total {data['elapsed_s'] / 60:.1f} min.\n",
              f"**Setup.** {s['servers']} orchestrated nodes behind the WAN emulator (RIPE Atlas RTTs), planned for "
              f"{s['expected_rate']} req/s (GBP-CR + GCA, JFFC), relay data path. {s['good']} well-behaved clients at "
@@ -185,7 +210,11 @@ def section(data: dict) -> str:
              f"output spread over the request's service period. "
              + (f"The run is cut {s['drain_s']:g} s after the last arrival; requests still unanswered then count as "
                 f"unfinished (they are in no statistic but the count). " if s.get("drain_s") else "")
-             + f"Node compute: measured once on a node started alone and declared for all; RTTs measured.\n",
+             + f"Node compute: measured once on a node started alone and declared for all; RTTs measured. "
+             + (_emulation_note(s) + " " if s.get("emulated_compute") else "")
+             + (f"Prefix reuse: each client's prompts start with its own {s['prefix_tokens']}-token system prompt; "
+                f"servers keep {s['prefix_cache_tokens']} prefix tokens per block; swarm policy per-chain quantum "
+                f"Q^w = {s['chain_quantum']:g}." if data.get("prefix_reuse") else "") + "\n",
              "| Policy | Jain (all backlogged) | window (s) | well-behaved P50 / P99 (s) | flood P50 (s) | throughput (req/s, tok/s) | completed / unfinished |",
              "|---|---|---|---|---|---|---|"]
     for pol, run in data["runs"].items():
@@ -211,17 +240,29 @@ def section(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _emulation_note(s: dict) -> str:
+    gpus = s["emulated_compute"]
+    return ("Servers emulate the paper's GPUs (as in Table 1): "
+            + ", ".join(f"{h} {e['prefill_s'] * 1e3:.2f}/{e['decode_s'] * 1e3:.2f} ms" for h, e in sorted(gpus.items()))
+            + " prefill per token / decode per block.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=None,
+                        help=f"default {','.join(POLICIES)}; with --prefix-reuse {','.join(PREFIX_POLICIES)}")
+    parser.add_argument("--prefix-reuse", action="store_true",
+                        help="per-client shared prompt prefixes with prefix KV reuse on the servers")
+    parser.add_argument("--emulation", choices=["paper", "none"], default="paper",
+                        help="servers emulate the paper's GPUs (default) or run at plain CPU speed")
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals per policy")
 
 
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    st = settings(args.quick)
+    st = settings(args.quick, getattr(args, "prefix_reuse", False))
     if args.duration:
         st["duration_s"] = args.duration
     started = time.monotonic()
@@ -233,24 +274,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args, st: dict, work: Path, started: float) -> int:
-    from experiments.live_table1 import wan_config
+    from experiments.live_table1 import gpu_emulation, wan_config
 
+    prefix_reuse = getattr(args, "prefix_reuse", False)
+    policies = [p for p in (args.policies or ",".join(PREFIX_POLICIES if prefix_reuse else POLICIES)).split(",") if p]
     model_dir = lc.experiment_model(work)
     sizes = lc.model_sizes(model_dir)
     config = wan_config(st["servers"], 1)
     memory_gb = 1.55 * sizes["block_bytes"] * sizes["num_blocks"] / 2**30
-    prompts = lc.Prompts(model_dir)
-    name = "live_fairness" + ("_quick" if args.quick else "")
-    data = {"command": "chainswarm experiment fairness" + (" --quick" if args.quick else ""), "quick": args.quick,
+    prompts = lc.SharedPrefixPrompts(model_dir, st["prefix_tokens"]) if prefix_reuse else lc.Prompts(model_dir)
+    gpus = gpu_emulation(config, sizes, lc.Scaling()) if getattr(args, "emulation", "paper") == "paper" else {}
+    st = {**st, "emulated_compute": {h: e.to_dict() for h, e in gpus.items()}}
+    name = "live_fairness" + ("_prefix" if prefix_reuse else "") + ("_quick" if args.quick else "")
+    command = "chainswarm experiment fairness" + (" --prefix-reuse" if prefix_reuse else "") + \
+        (" --quick" if args.quick else "")
+    data = {"command": command, "quick": args.quick, "prefix_reuse": prefix_reuse,
             "settings": st, "wan": config.to_dict(), "runs": {}, "name": name}
-    for pol in [p for p in args.policies.split(",") if p]:
+    for pol in policies:
         print(f"{pol} ...", flush=True)
-        res = run_policy(pol, model_dir, config, memory_gb, st, prompts, str(work / "profiles"), print)
+        res = run_policy(pol, model_dir, config, memory_gb, st, prompts, str(work / "profiles"), print, gpus)
         m = metrics(res["records"])
         data["runs"][pol] = {"metrics": m, "capacity": res["capacity"], "elapsed_s": res["elapsed_s"],
-                             "records": lc.records_to_json(res["records"])}
+                             "prefix": res["prefix"], "records": lc.records_to_json(res["records"])}
         print(f"{pol}: Jain {m['jain_backlogged']:.3f} over {m['backlogged_window_s']:.1f} s, good P50/P99 "
-              f"{m['good_p50']:.2f}/{m['good_p99']:.2f}, {m['throughput_rps']:.2f} req/s", flush=True)
+              f"{m['good_p50']:.2f}/{m['good_p99']:.2f}, {m['throughput_rps']:.2f} req/s"
+              + (f", prefix hit rate {res['prefix']['hit_rate']:.2f}" if prefix_reuse else ""), flush=True)
     data["findings"] = _findings(data)
     data["elapsed_s"] = time.monotonic() - started
     out = Path(args.out)
@@ -271,10 +319,17 @@ def _findings(data: dict) -> list[str]:
     out = []
     if "fcfs" in runs:
         base = runs["fcfs"]["metrics"]
-        for pol in ("vtc", "dlpm"):
+        for pol in ("vtc", "dlpm", "swarm"):
             if pol in runs:
                 m = runs[pol]["metrics"]
                 out.append(f"{pol} vs fcfs: Jain {m['jain_backlogged']:.3f} vs {base['jain_backlogged']:.3f}; "
                            f"well-behaved P99 {m['good_p99']:.2f} s vs {base['good_p99']:.2f} s; throughput "
                            f"{m['throughput_rps']:.2f} vs {base['throughput_rps']:.2f} req/s.")
+    if data.get("prefix_reuse"):
+        for pol, run in runs.items():
+            p = run.get("prefix") or {}
+            if p.get("requests"):
+                out.append(f"{pol}: prefix hit rate {p['hit_rate']:.2f}, {100 * p['token_hit_rate']:.0f}% of prompt "
+                           f"tokens served from cache ({p['tokens_saved']} of {p['prompt_tokens']}); throughput "
+                           f"{run['metrics']['throughput_tokens_s']:.1f} tokens/s.")
     return out

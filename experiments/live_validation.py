@@ -7,8 +7,8 @@ request's own lengths:
     T = Σ_{j ∈ chain} [ l_O·(RTT_j + 18 ms)  +  m_j·(t_o + prefill_j·l_I + decode_j·(l_O − 1)) ]
 
 (communication per server: one relayed round trip per generated token; computation linear in blocks m_j
-and tokens; RTT_j the configured WAN RTT orchestrator–server j, prefill/decode the servers' measured
-per-block per-token times). Reports measured/predicted ratios, the measured per-token slope of each chain
+and tokens; RTT_j the configured WAN RTT orchestrator–server j, prefill/decode the per-block per-token times
+the servers report: their measured CPU time plus, in emulated runs, the emulated GPU time). Reports measured/predicted ratios, the measured per-token slope of each chain
 (least squares of service time on output tokens) against the model's Σ_j (RTT_j + 18 ms), and the same
 split by concurrency (how many requests were in service on the whole swarm when the request started).
 """
@@ -38,15 +38,18 @@ def predictions(table1: dict, config_name: str = "relay") -> list[dict]:
             continue
         prof = run["profiles"]
         chains = run["chain_ids"]
-        recs = [r for r in run["records"] if r["error"] is None and r["chain"] in chains]
+        recs = [r for r in run["records"] if r["error"] is None and (r.get("servers") or r["chain"] in chains)]
         starts = np.array([r["started"] for r in recs])
         ends = np.array([r["completed"] for r in recs])
         for r in recs:
-            servers = chains[r["chain"]]
+            servers = r.get("servers") or chains[r["chain"]]
             l_in, l_out = r["input_tokens"], max(1, r["generated"])
             comm = sum(l_out * (wan.rtt(wan.client, s) / 1e3 + HOP_OVERHEAD_S) for s in servers)
-            comp = sum((prof[s]["end"] - prof[s]["start"]) * (BLOCK_OVERHEAD_S + prof[s]["prefill_s"] * l_in
-                                                              + prof[s]["decode_s"] * (l_out - 1)) for s in servers)
+            # blocks per hop: each server runs from where the previous hop stopped to the end of its range
+            starts_at = [0] + [prof[s]["end"] for s in servers[:-1]]
+            comp = sum((prof[s]["end"] - a) * (BLOCK_OVERHEAD_S + prof[s]["prefill_s"] * l_in
+                                               + prof[s]["decode_s"] * (l_out - 1))
+                       for s, a in zip(servers, starts_at))
             busy = int(((starts <= r["started"]) & (ends > r["started"])).sum())
             rows.append({"method": method, "chain": "→".join(servers), "hops": len(servers), "input": l_in,
                          "output": l_out, "measured": r["completed"] - r["started"], "predicted": comm + comp,
@@ -94,7 +97,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="k", ls="--", lw=1)
     ax.set_xlabel("requests in service on the swarm at start")
     ax.set_ylabel("measured / model")
-    ax.set_title("model error grows with CPU contention")
+    ax.set_title("model error against load on the machine")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -146,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
              f"`chainswarm experiment validation{' --quick' if args.quick else ''}` — from `{source.name}` "
              f"(relay runs of BPRR, JFFC only, Proposed; {len(rows)} requests).\n",
              "Model per request: Σ over the chain's servers of l_O·(RTT_j + 18 ms) + m_j·(1 ms + prefill_j·l_I + "
-             "decode_j·(l_O − 1)), with the configured WAN RTTs and the servers' measured per-block times.\n",
+             "decode_j·(l_O − 1)), with the configured WAN RTTs and the per-block times the servers report (measured "
+             "CPU time, plus the emulated GPU time when the run emulates one).\n",
              f"* measured / model: median {summary['ratio_median']:.2f} (P10 {summary['ratio_p10']:.2f}, P90 "
              f"{summary['ratio_p90']:.2f}); at low concurrency (≤ {summary['low_concurrency_max']} requests in service) "
              f"median {summary['ratio_median_low_concurrency']:.2f}; correlation of the ratio with concurrency "

@@ -178,7 +178,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
                 **meta, choices=[{"text": eng.decode(result.token_ids), "finish_reason": result.finish_reason}],
                 usage={"prompt_tokens": len(input_ids), "completion_tokens": len(result.token_ids),
                        "total_tokens": len(input_ids) + len(result.token_ids)},
-                chainswarm={"chain_id": grant.chain_id, "route": list(chain.route),
+                chainswarm={"chain_id": grant.chain_id, "servers": list(chain.servers), "route": list(chain.route),
                             "waiting_s": started - submitted, "service_s": time.monotonic() - started},
             )
 

@@ -42,6 +42,7 @@ class Usage(BaseModel):
 
 class SwarmTiming(BaseModel):
     chain_id: str
+    servers: list[str] = Field(default_factory=list, description="node ids of the chain that served the request")
     route: list[tuple[str, int, int]]
     waiting_s: float
     service_s: float

@@ -69,3 +69,15 @@ def test_fairness_smoke_reports_the_section_9_metrics(tmp_path):
 
 def test_experiment_command_rejects_unknown_methods(tmp_path):
     assert main(["experiment", "table1", "--methods", "nope", "--out", str(tmp_path)]) == 2
+
+
+def test_fairness_prefix_reuse_smoke_serves_prompt_prefixes_from_cache(tmp_path):
+    assert main(["experiment", "fairness", "--quick", "--prefix-reuse", "--out", str(tmp_path), "--policies", "swarm",
+                 "--duration", "8"]) == 0
+    data = json.loads((tmp_path / "live_fairness_prefix_quick.json").read_text())
+    run = data["runs"]["swarm"]
+    assert data["prefix_reuse"] and run["metrics"]["completed"] > 0 and run["metrics"]["failed"] == 0
+    # every client repeats its own system prompt: after each client's first request the prefix is cached
+    assert run["prefix"]["enabled"] and run["prefix"]["hit_rate"] > 0 and run["prefix"]["tokens_saved"] > 0
+    section = (tmp_path / "sections" / "live_fairness_prefix_quick.md").read_text()
+    assert "prefix hit rate" in section and "system prompt" in section

@@ -96,6 +96,7 @@ def test_completion_and_stream_equal_local_transformers(swarm, tiny_model):
         assert doc["choices"][0]["text"] == expected_text
         assert doc["usage"]["completion_tokens"] == 24 or doc["choices"][0]["finish_reason"] == "stop"
         assert doc["chainswarm"]["chain_id"] == swarm.status["chains"][0]["id"]  # JFFC: the fastest chain
+        assert doc["chainswarm"]["servers"] == swarm.status["chains"][0]["servers"]
     from client import SwarmClient
 
     with SwarmClient(swarm.url, "key-bob") as sc:

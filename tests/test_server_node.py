@@ -118,8 +118,10 @@ def test_server_cli_help_and_bad_input(tiny_model, capsys):
     assert main(["server", "--model", tiny_model, "--initial-peers", peer, "--memory-gb", "-2"]) == 2
     assert main(["server", "--model", tiny_model, "--initial-peers", peer, "--device", "tpu"]) == 2
     assert main(["server", "--model", tiny_model, "--initial-peers", "/ip4/127.0.0.1/tcp/1"]) == 2
+    assert main(["server", "--model", tiny_model, "--initial-peers", peer, "--emulate-compute", "fast"]) == 2
     err = capsys.readouterr().err
-    assert err.count("chainswarm server: error:") == 6 and all(len(l) < 200 for l in err.splitlines())
+    assert err.count("chainswarm server: error:") == 7 and all(len(l) < 200 for l in err.splitlines())
+    assert "--emulate-compute: expected PREFILL_MS,DECODE_MS" in err
 
 
 # -- a live swarm of two nodes -------------------------------------------------------------------------------
