@@ -341,7 +341,13 @@ def section(data: dict, name: str) -> str:
         parts.append(table_markdown(runs) + "\n")
         for m in METHODS:
             if m in runs and "plan" in runs[m]:
-                parts.append(f"* {LABEL[m]}: " + _plan_line(runs[m]["plan"]))
+                line = f"* {LABEL[m]}: " + _plan_line(runs[m]["plan"])
+                if m == "bprr":
+                    line += " (GCA's chains, listed for reference: requests are routed one by one by WS-RR)"
+                paths = _paths_used(runs[m])
+                if paths:
+                    line += f"; paths used (requests): {paths}"
+                parts.append(line)
         parts.append("")
     if data.get("rtt"):
         parts.append("**Achieved RTTs** (servers' own probes of the orchestrator, `rtt_s`, vs configured, ms): "
@@ -355,6 +361,14 @@ def section(data: dict, name: str) -> str:
         parts.append(data["analysis"] + "\n")
     parts.append(f"![live Table 1]({name}.png)\n")
     return "\n".join(parts) + "\n"
+
+
+def _paths_used(run: dict) -> str:
+    """How many requests each chain or WS-RR path served (runs that recorded the serving servers)."""
+    from collections import Counter
+
+    counts = Counter("→".join(r["servers"]) for r in run["records"] if r.get("servers"))
+    return ", ".join(f"{path} {n}" for path, n in counts.most_common())
 
 
 def _plan_line(plan: dict) -> str:

@@ -54,7 +54,9 @@ def predictions(table1: dict, config_name: str = "relay") -> list[dict]:
             rows.append({"method": method, "chain": "→".join(servers), "hops": len(servers), "input": l_in,
                          "output": l_out, "measured": r["completed"] - r["started"], "predicted": comm + comp,
                          "comm": comm, "comp": comp, "concurrent": busy,
-                         "per_token_model": sum(wan.rtt(wan.client, s) / 1e3 + HOP_OVERHEAD_S for s in servers)})
+                         "per_token_model": sum(wan.rtt(wan.client, s) / 1e3 + HOP_OVERHEAD_S
+                                                + (prof[s]["end"] - a) * prof[s]["decode_s"]
+                                                for s, a in zip(servers, starts_at))})
     return rows
 
 
@@ -159,10 +161,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{summary['per_token_vs_concurrency_slope_ms']:.1f} ms × (requests in service on the machine) "
                 f"(least squares, correlation {summary['corr_per_token_concurrency']:.2f}; mean concurrency "
                 f"{summary['concurrency_mean']:.1f}); the model's per-token time (median over requests) is "
-                f"{summary['model_per_token_median_ms']:.0f} ms and has no load term: on 2 shared cores every "
-                f"session in service slows every other one, which the planner (one GPU per server) does not model."]
+                f"{summary['model_per_token_median_ms']:.0f} ms and has no load term (the planner assumes a "
+                f"server's sessions do not slow each other; on 2 shared CPU cores they do, by the slope above)."]
                if "per_token_vs_concurrency_slope_ms" in summary else []),
-             "", "| method | chain | n | measured per-token slope (ms) | model Σ(RTT+18 ms) (ms) | median measured/model |",
+             "", "| method | chain | n | measured per-token slope (ms) | model per token Σ(RTT + 18 ms + m_j·decode_j) (ms) | median measured/model |",
              "|---|---|---|---|---|---|"]
     for f in fits:
         lines.append(f"| {f['method']} | {f['chain']} | {f['n']} | {f['slope_ms']:.1f} | {f['model_ms']:.1f} | "

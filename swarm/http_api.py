@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import logging
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -31,6 +33,14 @@ from swarm.routing import Lease, NoRouteError
 from swarm.schemas import (
     CompletionRequest, CompletionResponse, LeaseRequest, LeaseResponse, RerouteRequest, RerouteResponse,
 )
+
+
+logger = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming completion checks that its client is still there
+
+
+class ClientDisconnected(Exception):
+    """Raised in a session thread to stop generating for a client that has gone away."""
 
 
 class ApiError(Exception):
@@ -105,8 +115,8 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
     # -- completions -----------------------------------------------------------------------------------
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={400: {}, 401: {}, 422: {}, 503: {}})
-    async def completions(body: CompletionRequest, response: Response, authorization: str | None = Header(None),
-                          x_client_id: str | None = Header(None)):
+    async def completions(body: CompletionRequest, request: Request, response: Response,
+                          authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
         eng = require_engine()
         client = client_of(authorization, x_client_id or body.user)
         input_ids = eng.encode(body.prompt)
@@ -122,8 +132,11 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
         loop = asyncio.get_running_loop()
         provider = _LoopProvider(orchestrator, loop)
         tokens: asyncio.Queue = asyncio.Queue()
+        disconnected = threading.Event()
 
         def on_token(token: int) -> None:  # session thread -> event loop
+            if disconnected.is_set():  # the client is gone: stop generating at the next token
+                raise ClientDisconnected("the client disconnected")
             loop.call_soon_threadsafe(tokens.put_nowait, token)
 
         def charge(token: int) -> None:
@@ -155,19 +168,42 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             metrics.observe(client, "error", started - submitted, time.monotonic() - started)
             return ApiError(503, "swarm_failure", f"the session failed on the swarm: {exc!r}")
 
+        def gone() -> Response:
+            """The client disconnected mid-generation: stop the session at its next token and give the chain
+            slot back once the session has let go of its servers (no traceback, nothing leaks)."""
+            disconnected.set()
+
+            def release(done: asyncio.Future) -> None:
+                if not done.cancelled():
+                    done.exception()  # retrieved: ClientDisconnected is the expected outcome
+                orchestrator.abort(grant.request_id)
+
+            task.add_done_callback(release)
+            metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
+            logger.info("client %s disconnected from request %s", client, grant.request_id)
+            return Response(status_code=499)
+
         if not body.stream:
             produced: list[int] = []
             try:
+                checked = time.monotonic()
                 while not task.done() or not tokens.empty():
                     getter = asyncio.ensure_future(tokens.get())
-                    done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait({getter, task}, timeout=DISCONNECT_POLL_S,
+                                                 return_when=asyncio.FIRST_COMPLETED)
                     if getter in done:
                         token = getter.result()
                         produced.append(token)
                         charge(token)
                     else:
                         getter.cancel()
+                    if time.monotonic() - checked >= DISCONNECT_POLL_S and not task.done():
+                        checked = time.monotonic()
+                        if await request.is_disconnected():
+                            return gone()
                 result = task.result()
+            except asyncio.CancelledError:  # the server is shutting down
+                return gone()
             except Exception as exc:
                 raise failed(exc) from None
             finished(result)
@@ -203,6 +239,9 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
                              "choices": [{"index": 0, "text": delta, "finish_reason": None, "logprobs": None}]}
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
                 result = task.result()
+            except (asyncio.CancelledError, GeneratorExit):
+                gone()
+                raise
             except Exception as exc:
                 err = failed(exc)
                 yield f"data: {json.dumps({'error': {'type': err.kind, 'message': err.message}})}\n\n".encode()

@@ -143,6 +143,23 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         assert "Chainswarm orchestrator" in http.get("/").text
 
 
+def test_a_client_that_disconnects_mid_generation_frees_its_slot(swarm):
+    def idle():
+        status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+        return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
+
+    wait_for(idle, 60, what="an idle swarm")
+    with httpx.Client(base_url=swarm.url, headers={"Authorization": "Bearer key-alice"},
+                      timeout=0.6) as http:  # 200 tokens take seconds: the client gives up first
+        with pytest.raises(httpx.TimeoutException):
+            http.post("/v1/completions", json={"prompt": "a client that leaves", "max_tokens": 200, "temperature": 0})
+    wait_for(idle, 30, what="the slot of the disconnected request to come back")
+    metrics_text = httpx.get(f"{swarm.url}/metrics", timeout=30).text
+    assert 'outcome="disconnected"' in metrics_text
+    with client(swarm.url) as http:  # and the swarm serves the next request normally
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).status_code == 200
+
+
 def test_overload_queues_and_jffc_fills_fastest_chains_first(swarm):
     chains = swarm.status["chains"]
     capacity = sum(c["capacity"] for c in chains)
