@@ -94,6 +94,46 @@ def emulated_gpus(num_blocks: int = MODEL_LAYERS, input_scale: float = 16.0) -> 
     return out
 
 
+# -------------------------------------------------------------------------------------- orchestrated nodes
+
+# Compute profile measured once, on a node started alone (no other node profiling or serving), then declared
+# for every node of every orchestrated run: nodes that profile together on 2 shared cores measure each other's
+# load (the quick model validation saw 3.7x errors). RTTs are not declared: each node measures its own through
+# the WAN emulator. With emulated GPUs the stored figure is the CPU part (the node's profile minus its emulation).
+MEASURED_COMPUTE: dict[str, float] = {}
+
+
+def start_nodes(swarm, hosts: Sequence[str], memory_gb: dict[str, float], gpus: dict | None, log=None,
+                **node_kw: Any) -> list:
+    """Start one orchestrated node per WAN host and wait until all have published their profiles.
+
+    The first run's first node starts alone and is measured (:data:`MEASURED_COMPUTE`); every other node
+    declares that measurement. ``gpus`` maps hosts to :class:`server.emulation.EmulatedCompute`."""
+    gpus = gpus or {}
+
+    def emulation(host: str) -> dict:
+        return {"emulated_compute": gpus[host].to_dict()} if host in gpus else {}
+
+    hosts = list(hosts)
+    peers = []
+    if not MEASURED_COMPUTE:
+        first = swarm.add_node(node_id=hosts[0], wan_host=hosts[0], memory_gb=memory_gb[hosts[0]], wait=True,
+                               timeout=180, **node_kw, **emulation(hosts[0]))
+        emulated = emulation(hosts[0]).get("emulated_compute", {})
+        MEASURED_COMPUTE.update({k: float(first.info["profile"][k]) - emulated.get(k, 0.0)
+                                 for k in ("prefill_s", "decode_s")})
+        if log is not None:
+            log(f"  measured compute (quiet node): prefill {MEASURED_COMPUTE['prefill_s'] * 1e3:.3f} ms, decode "
+                f"{MEASURED_COMPUTE['decode_s'] * 1e3:.3f} ms per block per token")
+        peers.append(first)
+        hosts = hosts[1:]
+    peers += [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory_gb[h], wait=False,
+                             declared_profile=dict(MEASURED_COMPUTE), **node_kw, **emulation(h)) for h in hosts]
+    for peer in peers:
+        swarm.wait_profiled(peer, timeout=180)
+    return peers
+
+
 # ---------------------------------------------------------------------------------------------- trace
 
 

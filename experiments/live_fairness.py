@@ -76,27 +76,8 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
                                prefix_cache_tokens=st.get("prefix_cache_tokens", 0),
                                chain_quantum=st.get("chain_quantum"))
         # compute measured once on a quiet node and declared for all (as in live_table1); RTTs measured
-        from experiments.live_table1 import _MEASURED
-
-        gpus = gpus or {}
-
-        def emulation(host: str) -> dict:
-            return {"emulated_compute": gpus[host].to_dict()} if host in gpus else {}
-
-        hosts = list(config.servers)
-        peers = []
-        if not _MEASURED:
-            first = swarm.add_node(node_id=hosts[0], wan_host=hosts[0], memory_gb=memory_gb, wait=True, timeout=180,
-                                   profile_cache_dir=profile_dir, num_handlers=1, **emulation(hosts[0]))
-            emulated = gpus[hosts[0]].to_dict() if hosts[0] in gpus else {}
-            _MEASURED.update({k: float(first.info["profile"][k]) - emulated.get(k, 0.0)
-                              for k in ("prefill_s", "decode_s")})
-            peers.append(first)
-            hosts = hosts[1:]
-        peers += [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory_gb, wait=False, profile_cache_dir=profile_dir,
-                                 num_handlers=1, declared_profile=dict(_MEASURED), **emulation(h)) for h in hosts]
-        for p in peers:
-            swarm.wait_profiled(p, timeout=180)
+        lc.start_nodes(swarm, config.servers, {h: memory_gb for h in config.servers}, gpus,
+                       profile_cache_dir=profile_dir, num_handlers=1)
         url = swarm.orchestrator.info["url"]
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

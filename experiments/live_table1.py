@@ -107,13 +107,6 @@ def _wait(predicate, timeout: float, what: str):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-# Compute profile measured once, on a node started alone (no other node profiling or serving), then declared
-# for every node of every orchestrated run: nodes that profile together on 2 shared cores measure each other's
-# load (the quick model validation saw 3.7x errors). RTTs are not declared: each node measures its own through
-# the WAN emulator.
-_MEASURED: dict[str, float] = {}
-
-
 def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: dict, trace: dict,
                      prompts: lc.Prompts, profile_dir: str, log, gpus: dict | None = None) -> dict:
     import httpx
@@ -130,28 +123,8 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
             use_server_to_server=push, request_timeout_s=60.0, queue_timeout_s=1800.0,
             router="ws-rr" if method == "bprr" else "jffc",
             replan_tolerance=0.0)  # nodes join one by one: end on the planner's plan for all of them
-        node_kw = dict(profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
-        gpus = gpus or {}
-
-        def emulation(host: str) -> dict:
-            return {"emulated_compute": gpus[host].to_dict()} if host in gpus else {}
-
-        hosts = list(config.servers)
-        peers = []
-        if not _MEASURED:  # the first node alone, on a quiet machine: its measurement is declared for all
-            first = swarm.add_node(node_id=hosts[0], wan_host=hosts[0], memory_gb=memory[hosts[0]] / 2**30,
-                                   wait=True, timeout=180, **node_kw, **emulation(hosts[0]))
-            emulated = gpus[hosts[0]].to_dict() if hosts[0] in gpus else {}
-            _MEASURED.update({k: float(first.info["profile"][k]) - emulated.get(k, 0.0)
-                              for k in ("prefill_s", "decode_s")})
-            log(f"  measured compute (quiet node): prefill {_MEASURED['prefill_s'] * 1e3:.3f} ms, decode "
-                f"{_MEASURED['decode_s'] * 1e3:.3f} ms per block per token")
-            peers.append(first)
-            hosts = hosts[1:]
-        peers += [swarm.add_node(node_id=h, wan_host=h, memory_gb=memory[h] / 2**30, wait=False,
-                                 declared_profile=dict(_MEASURED), **node_kw, **emulation(h)) for h in hosts]
-        for peer in peers:
-            swarm.wait_profiled(peer, timeout=180)
+        lc.start_nodes(swarm, config.servers, {h: memory[h] / 2**30 for h in config.servers}, gpus, log,
+                       profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
         url = swarm.orchestrator.info["url"]
 
         def ready():
@@ -165,14 +138,7 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
         status = _wait(ready, 300, f"{method}: every chain ready")
         log(f"  {method}: {len(status['chains'])} chains, c={status['plan'].get('c')}; "
             + "; ".join(f"{'→'.join(c['servers'])} cap {c['capacity']}" for c in status["chains"]))
-        driver = lc.OrchestratorDriver(url, prompts)
-        try:
-            _warm_up(driver, prompts)
-            t0 = time.monotonic()
-            lc.replay(records, driver)
-            elapsed = time.monotonic() - t0
-        finally:
-            driver.close()
+        elapsed = _timed_replay(lc.OrchestratorDriver(url, prompts), records, prompts)
         final = httpx.get(f"{url}/v1/swarm", timeout=30).json()
     plan = status["plan"]
     return {
@@ -211,16 +177,7 @@ def run_petals(push: bool, model_dir: str, config, memory: dict, sizes: dict, tr
         log("  petals: " + "; ".join(f"{h} [{a},{b})" for h, (a, b) in spans.items()))
         driver = lc.PetalsDriver(model_dir, swarm.initial_peers, swarm.dht_prefix, prompts, use_server_to_server=push,
                                  max_retries=PETALS_MAX_RETRIES)
-        try:
-            driver.wait_ready()
-            time.sleep(3.0)
-            driver.sequence_manager.update(wait=True)  # fresh pings after the first update
-            _warm_up(driver, prompts)
-            t0 = time.monotonic()
-            lc.replay(records, driver)
-            elapsed = time.monotonic() - t0
-        finally:
-            driver.close()
+        elapsed = _timed_replay(driver, records, prompts, before=_petals_ready)
     return {"records": records, "elapsed_s": elapsed,
             "plan": {"servers": [{"id": h, "start": a, "end": b} for h, (a, b) in spans.items()],
                      "cache_tokens_per_block": cache_tokens}}
@@ -229,6 +186,25 @@ def run_petals(push: bool, model_dir: str, config, memory: dict, sizes: dict, tr
 def _records(trace: dict) -> list[lc.Record]:
     return [lc.Record(i, "trace", float(a), int(n_in), int(n_out)) for i, (a, n_in, n_out) in
             enumerate(zip(trace["arrivals"], trace["input_tokens"], trace["output_tokens"]))]
+
+
+def _petals_ready(driver) -> None:
+    driver.wait_ready()
+    time.sleep(3.0)
+    driver.sequence_manager.update(wait=True)  # fresh pings after the first update
+
+
+def _timed_replay(driver, records: list[lc.Record], prompts, before=None) -> float:
+    """Warm ``driver`` up, replay ``records`` through it and close it; the replay's wall time (s)."""
+    try:
+        if before is not None:
+            before(driver)
+        _warm_up(driver, prompts)
+        t0 = time.monotonic()
+        lc.replay(records, driver)
+        return time.monotonic() - t0
+    finally:
+        driver.close()
 
 
 def _warm_up(driver, prompts) -> None:
@@ -490,7 +466,7 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
     if getattr(args, "merge", False) and previous.is_file():  # the same declared compute as the merged runs
         measured = json.loads(previous.read_text())["settings"].get("measured_compute")
         if measured:
-            _MEASURED.update(measured)
+            lc.MEASURED_COMPUTE.update(measured)
             log(f"  reusing the measured compute of {previous.name}: {measured}")
     for cfg in configs:
         push = cfg == "push"
@@ -520,8 +496,8 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
     data["rtt"] = {h: {"configured": config.rtt(config.client, h), "achieved": float(np.median(v))}
                    for h, v in sorted(rtts.items())}
     data["elapsed_s"] = time.monotonic() - started
-    if _MEASURED:
-        data["settings"]["measured_compute"] = dict(_MEASURED)
+    if lc.MEASURED_COMPUTE:
+        data["settings"]["measured_compute"] = dict(lc.MEASURED_COMPUTE)
     out = Path(args.out)
     name = "live_table1" + ("_quick" if args.quick else "")
     if getattr(args, "merge", False) and (out / f"{name}.json").is_file():

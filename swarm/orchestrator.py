@@ -315,9 +315,9 @@ class Orchestrator:
                     self.scheduler.cancel(grant.request_id, now)
 
     def _dispatch_ws_rr(self, now: float) -> None:
+        peers = {node: p.peer_id for node, p in self.view.profiles.items()}
         for request_id, route in self.ws_rr.startable(now):
             client_id, input_tokens = self._ws_rr_requests.get(request_id, ("", 0))
-            peers = {node: p.peer_id for node, p in self.view.profiles.items()}
             chain = RoutableChain(
                 f"{self.view.plan_id}/ws-rr/{request_id[:12]}", -1, tuple(route.servers), tuple(route.spans), 1,
                 route.service_time, tuple((peers.get(node, ""), a, b) for node, (a, b) in

@@ -16,6 +16,7 @@ import torch
 from server.local_swarm import LocalSwarm
 from swarm import prefix as protocol
 from helpers import wait_for
+from test_orchestrator_logic import MemoryDHT
 
 pytestmark = pytest.mark.swarm
 
@@ -189,23 +190,6 @@ def test_prefix_evicted_between_dispatch_and_prefill_is_recomputed(swarm, engine
 # -- the orchestrator's radix index and locality on an in-memory DHT (no processes) ------------------------
 
 
-class _MemoryDHT:
-    def __init__(self):
-        from types import SimpleNamespace
-
-        self.data, self._ns = {}, SimpleNamespace
-        self.peer_id = SimpleNamespace(to_base58=lambda: "orchestrator-peer")
-
-    def store(self, key, value, expiration_time, subkey=None):
-        self.data.setdefault(key, {})[subkey] = value
-        return True
-
-    def get(self, key, latest=False):
-        if key not in self.data:
-            return None
-        return self._ns(value={k: self._ns(value=v) for k, v in self.data[key].items()})
-
-
 def test_orchestrator_index_follows_dispatch_and_eviction_reports():
     import asyncio
 
@@ -214,7 +198,7 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
 
     expect = planning.Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0,
                                    prefix_cache_tokens=256)
-    dht, prefix = _MemoryDHT(), "tiny-cs"
+    dht, prefix = MemoryDHT(), "tiny-cs"
 
     def profile(node, mb, **kw):
         return records.ServerProfile(node_id=node, peer_id=f"peer-{node}", memory_bytes=int(mb * 1e6),
