@@ -33,6 +33,7 @@ from petals.client.inference_session import InferenceSession  # noqa: E402
 from petals.client.routing.sequence_manager import RemoteSequenceManager  # noqa: E402
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState  # noqa: E402
 
+from swarm import server_sessions  # noqa: E402
 from swarm.prefix import META_KEY as PREFIX_META_KEY, MISSING_MESSAGE as PREFIX_MISSING, PROBE_RPC as PREFIX_PROBE_RPC  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class ChainswarmInferenceSession(InferenceSession):
         was_closed = self._closed
         super().close(*exc_details)
         context = _current.get()
-        if not was_closed and context is not None and context.owned:
+        if not was_closed and context is not None and context.owned and not server_sessions.on_worker_loop():
             _current.set(None)
             with contextlib.suppress(Exception):
                 context.provider.release(context.lease, processed_tokens=self._position)
@@ -261,7 +262,11 @@ def probe_route(manager: RemoteSequenceManager, route: Sequence[RouteSpan], hash
 
 
 def install(model, lease_provider: LeaseProvider | None = None) -> OrchestratedSequenceManager:
-    """Switch a petals distributed model to orchestrated routing; return its new sequence manager."""
+    """Switch a petals distributed model to orchestrated routing; return its new sequence manager.
+
+    Also makes petals open :class:`swarm.server_sessions.ClosingServerSession` objects: server sessions that
+    are closed explicitly and boundedly and can never block hivemind's loop (the cause of the burst freeze)."""
+    server_sessions.install()
     remote_sequential_module.InferenceSession = ChainswarmInferenceSession
     layers = model.model.layers if hasattr(model, "model") else model.transformer.h
     old = layers.sequence_manager

@@ -1,0 +1,133 @@
+"""petals server sessions that are always closed, within a bounded time, on the thread that owns them.
+
+Why this module exists (the burst freeze of issue 15). petals 2.2's ``_ServerInferenceSession`` talks to one
+server over a stream that lives on hivemind's ``RemoteExpertWorker`` event-loop thread; every petals call of
+the process (``step``, ``close``, ...) hands a coroutine to that one loop and blocks until it is done.
+``close()`` is also its finalizer (``__del__``). Two things combine into a deadlock:
+
+* ``close()`` awaits the end of the stream with no time limit, and when that fails (the stream already broke:
+  a step timed out under load, the server dropped the session, a failover replaced it) it raises *before*
+  marking the session closed. petals swallows that error (``_exit_server_sessions``) and drops the object,
+  which is still "open" and, through the traceback of the swallowed exception, part of a reference cycle.
+* The cyclic garbage collector then finalizes it on whatever thread happens to allocate at that moment. When
+  that is hivemind's loop thread (it allocates constantly while it serves streams), ``__del__`` → ``close()`` →
+  ``run_coroutine()`` waits for a coroutine on the very loop it is blocking. Every session of the process
+  waits on that loop too, so all chain slots stay taken and the central queue never moves again.
+
+The fix, by subclassing (:func:`install` makes petals create :class:`ClosingServerSession`):
+
+1. ``close()`` marks the session closed *first*, then ends the stream with a time limit; a failure is logged,
+   never left half-closed. Sessions are closed explicitly by their owners on the owning thread (petals'
+   ``InferenceSession.close`` via generate's ``with`` block, and ``_update_sequence`` for a replaced server),
+   so the finalizer has nothing left to do.
+2. If a session still reaches its finalizer open, or ``close()`` runs on the loop thread, it never waits: the
+   stream is ended by a task scheduled on the loop. Such a finalization is counted
+   (:data:`FINALIZED_OPEN`) and logged with where the session was created, so a missed close is visible.
+3. A running step can be cancelled from another thread (:meth:`ClosingServerSession.cancel_step`): the
+   no-progress watchdog uses it to free a session whose server stopped answering.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import traceback
+
+from swarm.compat import petals  # noqa: F401  (shim first)
+import petals.client.inference_session as inference_session_module  # noqa: E402
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker  # noqa: E402
+from hivemind.proto import runtime_pb2  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 5.0
+"""How long closing one server session may wait for the server to acknowledge the end of its stream."""
+
+FINALIZED_OPEN = 0
+"""Server sessions that reached their finalizer still open (each is a missed explicit close)."""
+_stats_lock = threading.Lock()
+
+
+def on_worker_loop() -> bool:
+    """True on hivemind's RemoteExpertWorker event-loop thread (where blocking on that loop deadlocks)."""
+    return threading.current_thread() is RemoteExpertWorker._event_thread
+
+
+async def _end_stream(queue: asyncio.Queue, stream, stepped: bool, timeout: float) -> None:
+    """Tell the server the session is over and wait (bounded) for it to close its side of the stream."""
+    async def finish() -> None:
+        if stepped:  # an empty request ends a session that has started on the server
+            await queue.put(runtime_pb2.ExpertRequest())
+            with contextlib.suppress(StopAsyncIteration):
+                await stream.__anext__()
+
+    try:
+        await asyncio.wait_for(finish(), timeout)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(stream.aclose(), timeout)
+
+
+class ClosingServerSession(inference_session_module._ServerInferenceSession):
+    """A petals server session whose close is explicit, bounded and safe on any thread."""
+
+    close_timeout: float = CLOSE_TIMEOUT_S
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._created_at = "".join(traceback.format_stack(limit=12)[:-1])
+        self._running_step: asyncio.Task | None = None
+
+    async def _step(self, inputs_serialized):
+        self._running_step = asyncio.current_task()
+        try:
+            return await super()._step(inputs_serialized)
+        finally:
+            self._running_step = None
+
+    def cancel_step(self) -> None:
+        """Cancel the step this session is waiting for (from any thread); the owner's ``step`` then raises."""
+        task = self._running_step
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def close(self) -> None:
+        """End the session on the server. Never raises, never waits longer than ``close_timeout``, and
+        never blocks hivemind's loop (from the loop thread the stream is ended by a scheduled task)."""
+        queue, stream = self._inputs_queue, self._outputs_stream
+        if stream is None:
+            return
+        # closed before anything can fail, so no half-closed session is ever left for the finalizer
+        self._outputs_stream = self._inputs_queue = None
+        self.closed = True
+        ending = _end_stream(queue, stream, self.stepped, self.close_timeout)
+        try:
+            if on_worker_loop():
+                asyncio.get_running_loop().create_task(ending)
+            else:
+                RemoteExpertWorker.run_coroutine(ending, return_future=True).result(self.close_timeout + 1.0)
+        except Exception as exc:  # the server is gone or slow: its side times the session out by itself
+            logger.debug("closing the session with %s did not complete cleanly: %r", self.span.peer_id, exc)
+
+    def __del__(self):
+        if getattr(self, "_outputs_stream", None) is None:
+            return
+        global FINALIZED_OPEN
+        with _stats_lock:
+            FINALIZED_OPEN += 1
+        logger.warning("a petals server session was finalized without an explicit close (span %s); created at:\n%s",
+                       getattr(self, "span", None), getattr(self, "_created_at", "?"))
+        # never block here: this may run on any thread, hivemind's loop thread included
+        queue, stream = self._inputs_queue, self._outputs_stream
+        self._outputs_stream = self._inputs_queue = None
+        self.closed = True
+        with contextlib.suppress(Exception):
+            loop = RemoteExpertWorker._event_loop_fut.result(timeout=0)
+            loop.call_soon_threadsafe(lambda: loop.create_task(_end_stream(queue, stream, self.stepped,
+                                                                         self.close_timeout)))
+
+
+def install() -> None:
+    """Make petals' ``InferenceSession`` open :class:`ClosingServerSession` objects (idempotent)."""
+    inference_session_module._ServerInferenceSession = ClosingServerSession
