@@ -16,20 +16,22 @@ Driving loop (orchestrator or simulator):
 * ``on_prefill`` (actual reused prefix), ``on_tokens`` (generated tokens),
   ``on_finish`` / ``on_failure`` / ``cancel`` as sessions progress.
 
-A dispatch round = (1) the policy picks, one at a time, which waiting requests
-get the free slots (fairness, with a provisional charge against the best
-prefix match among free chains), (2) a chain selector places the picked
-requests on the free slots (``jffc`` / ``most_free`` / ``est_time`` / ``lpm``
-/ ``bfio``), optionally filtered by per-client per-chain stickiness quanta
-(DoubleQ's Q^w), (3) the charges are settled to the chosen chain's extend.
+A dispatch round (``rounds.py``) = (1) the policy picks, one at a time, which
+waiting requests get the free slots (fairness, with a provisional charge
+against the best prefix match among free chains), (2) the scheduler's chain
+selector (``selectors.py``: JFFC, MostFree, EstimatedTime, LongestPrefixMatch,
+BFIO) places the picked requests on the free slots, optionally penalised by
+per-client per-chain stickiness quanta (DoubleQ's Q^w), (3) the charges are
+settled to the chosen chain's extend (``_start``).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Hashable, Mapping, Sequence
 
-from .bfio import server_load_profile, swarm_bfio_cost
 from .counters import StickinessQuanta
+from .rounds import DispatchRounds
+from .selectors import CHAIN_MODES, JFFC, ChainSelector, selector_class  # CHAIN_MODES: re-exported
 from .types import (
     ChainSpec,
     ChainState,
@@ -46,68 +48,70 @@ from .types import (
 PrefixMatchFn = Callable[[RequestState, Hashable], int]
 ServiceHook = Callable[[float, Hashable, float], None]
 
-CHAIN_MODES = ("jffc", "most_free", "est_time", "lpm", "bfio")
-QUANTUM_PENALTY = 1e6  # §14.4: pairs outside a client's stickiness quantum cost +1e6 (never excluded)
-_TIE_EPS = 1e-7
 
-
-class CentralQueueScheduler:
-    """Base class: queue, chain table, events, accounting and chain selection.
+class CentralQueueScheduler(DispatchRounds):
+    """Base class: queue, chain table, events and accounting; dispatch rounds from
+    ``DispatchRounds``, chain selection delegated to ``self.selector``.
 
     Parameters
     ----------
     weights: cost weights (w_e, w_q), default (1, 2).
-    chain_mode: how picked requests are placed on free chains: ``jffc``
-        (fastest free chain: smallest tdec, then list order), ``most_free``
-        (BF-IO paper's FCFS baseline, §2.2), ``est_time`` (min-sum matching of
-        T_k(r) = tfix + tpre * extend_k(r) + tdec * ô(r)), ``lpm`` (matching on
-        -m_k(r)), ``bfio`` (§14.7, greedy in pick order on J_k(r)).
+    chain_mode: how picked requests are placed on free chains: a
+        ``ChainSelector`` object, or the name of one (``CHAIN_MODES``: ``jffc``,
+        ``most_free``, ``est_time`` = min-sum matching of T_k(r), ``lpm`` =
+        matching on -m_k(r), ``bfio`` = greedy on J_k(r), §14.7), looked up once
+        here; default the policy's ``default_selector``.  ``chain_mode`` then
+        reports the selector's name and ``selector`` holds it.
     prefix_match: ``f(request, chain_id) -> tokens`` of the request's prompt the
         chain holds (m_k(r) before the len - 1 cap); None = no prefix reuse.
     window_per_client: only the oldest N queued requests of each client are
         candidates in a round (§15 Q17); None = all.
     chain_quantum: Q^w of the per-client per-chain stickiness counters; None
         disables them.
-    bfio_horizon: H for ``bfio`` mode; server_kv_time: t_s per server.
+    bfio_horizon: H for ``bfio`` (default 16); server_kv_time: t_s per server.
     default_output_estimate: ô when a request has no max_new_tokens and its
         client has no finished sample yet (§15 Q18).
     joint_assignment: ``est_time``/``lpm`` place a round's requests jointly
-        (min-sum matching, §14.4); False = greedy per request in pick order.
+        (min-sum matching, §14.4; default); False = greedy in pick order.
+        These three configure a selector chosen by name; give a selector
+        object its own settings instead.
     on_service: optional hook ``(time, client, amount)`` called for every unit of
         actual service charged (metrics / property tests).
     """
 
     policy_name = "base"
-    default_chain_mode = "jffc"
+    default_selector: type[ChainSelector] = JFFC
 
     def __init__(
         self,
         *,
         weights: CostWeights | None = None,
-        chain_mode: str | None = None,
+        chain_mode: str | ChainSelector | None = None,
         prefix_match: PrefixMatchFn | None = None,
         window_per_client: int | None = 16,
         chain_quantum: float | None = None,
-        bfio_horizon: int = 16,
+        bfio_horizon: int | None = None,
         server_kv_time: Mapping[Hashable, float] | None = None,
         default_output_estimate: float = 256.0,
-        joint_assignment: bool = True,
+        joint_assignment: bool | None = None,
         on_service: ServiceHook | None = None,
     ) -> None:
         self.weights = weights or CostWeights()
-        mode = chain_mode or self.default_chain_mode
-        if mode not in CHAIN_MODES:
-            raise ValueError(f"unknown chain_mode {mode!r}; expected one of {CHAIN_MODES}")
-        self.chain_mode = mode
+        options = {"bfio_horizon": bfio_horizon, "server_kv_time": server_kv_time, "joint_assignment": joint_assignment}
+        options = {k: v for k, v in options.items() if v is not None}
+        if isinstance(chain_mode, ChainSelector):
+            if options:
+                raise ValueError(f"{sorted(options)} configure a selector chosen by name; set them on {chain_mode!r}")
+            self.selector = chain_mode
+        else:
+            cls = selector_class(chain_mode) if chain_mode else self.default_selector
+            self.selector = cls.from_options(**options)
         self.prefix_match = prefix_match
         if window_per_client is not None and window_per_client < 1:
             raise ValueError("window_per_client must be >= 1 or None")
         self.window_per_client = window_per_client
         self.quanta = StickinessQuanta(chain_quantum) if chain_quantum is not None else None
-        self.bfio_horizon = int(bfio_horizon)
-        self.server_kv_time = dict(server_kv_time or {})
         self.default_output_estimate = float(default_output_estimate)
-        self.joint_assignment = joint_assignment
         self.on_service = on_service
 
         self._chains: dict[Hashable, ChainState] = {}
@@ -119,6 +123,11 @@ class CentralQueueScheduler:
         self._service: dict[Hashable, float] = {}
         self._client_view_service: dict[Hashable, float] = {}
         self._seq = 0
+
+    @property
+    def chain_mode(self) -> str:
+        """Name of the chain selector (``CHAIN_MODES``)."""
+        return self.selector.name
 
     # ------------------------------------------------------------------ chains
     def set_chains(self, chains: Sequence[ChainSpec]) -> None:
@@ -262,6 +271,13 @@ class CentralQueueScheduler:
             return float(cap) if cap is not None else self.default_output_estimate
         return float(min(est, cap)) if cap is not None else est
 
+    def stickiness_available(self, client_id: Hashable) -> set | None:
+        """avail_i = {k : d[i][k] > 0} over all current chains, after DoubleQ's Q^w
+        refill when empty (§14.4 step 1); None when quanta are disabled."""
+        if self.quanta is None:
+            return None
+        return set(self.quanta.available(client_id, list(self._chains)))
+
     def forget_idle_clients(self, now: float, idle_for: float = 3600.0) -> list:
         """Garbage-collect clients with nothing queued or running and no arrival in
         ``idle_for`` seconds (§15 Q5).  They start afresh if they return."""
@@ -391,128 +407,7 @@ class CentralQueueScheduler:
         if self.on_service is not None and amount:
             self.on_service(now, client, amount)
 
-    # ---------------------------------------------------------------- dispatch
-    def dispatch(self, now: float) -> list[Grant]:
-        """One dispatch round (§14.4): fill every free slot a waiting request fits."""
-        grants: list[Grant] = []
-        while True:
-            got = self._round(now, only_chain=None, only_request=None, max_grants=None)
-            grants.extend(got)
-            if not got:
-                return grants
-
-    def pick_for_chain(self, chain_id: Hashable, now: float) -> Grant | None:
-        """A slot freed on ``chain_id``: which waiting request goes there (at most one)?"""
-        chain = self._chain(chain_id, "pick_for_chain")
-        if chain.free <= 0:
-            return None
-        got = self._round(now, only_chain=chain_id, only_request=None, max_grants=1)
-        return got[0] if got else None
-
-    def choose_chain(self, request_id: Hashable, now: float) -> Grant | None:
-        """Place this waiting request on the best free chain now (None if none fits).
-        The request is charged as usual; fairness ordering is bypassed, so use it
-        when the request is the only one waiting (the arrival-with-free-slot case)."""
-        req = self._get(request_id, "choose_chain")
-        if req.state != "queued":
-            raise InvalidEventError(f"choose_chain for request {request_id!r} which is not queued")
-        got = self._round(now, only_chain=None, only_request=req, max_grants=1)
-        return got[0] if got else None
-
-    def rank_chains(self, request_id: Hashable, now: float) -> list[Hashable]:
-        """All fitting healthy chains (free or not) ranked for this request by the
-        current chain mode's single-request cost (e.g. for failover hints)."""
-        req = self._get(request_id, "rank_chains")
-        chains = [c for c in self._chains.values() if c.healthy and c.spec.fits(req.input_tokens, req.max_new_tokens)]
-        matches = {req.request_id: {c.spec.chain_id: self._match(req, c.spec.chain_id) for c in chains}}
-        return [c.spec.chain_id for c in sorted(chains, key=lambda c: self._single_key(req, c, matches, None))]
-
-    def work_conserving(self) -> bool:
-        """P3: no healthy chain has a free slot while a queued request fits it."""
-        for chain in self._chains.values():
-            if chain.free <= 0:
-                continue
-            for q in self._queues.values():
-                for r in q.values():
-                    if chain.spec.fits(r.input_tokens, r.max_new_tokens):
-                        return False
-        return True
-
-    def _match(self, req: RequestState, chain_id: Hashable) -> int:
-        if self.prefix_match is None:
-            return 0
-        m = int(self.prefix_match(req, chain_id))
-        return max(0, min(m, req.input_tokens - 1))
-
-    def _window(self, free: list[ChainState]) -> list[RequestState]:
-        out = []
-        for q in self._queues.values():
-            taken = 0
-            for r in q.values():
-                if self.window_per_client is not None and taken >= self.window_per_client:
-                    break
-                taken += 1
-                if any(c.spec.fits(r.input_tokens, r.max_new_tokens) for c in free):
-                    out.append(r)
-        out.sort(key=lambda r: r.seq)
-        return out
-
-    def _round(self, now, only_chain, only_request, max_grants) -> list[Grant]:
-        if only_chain is not None:
-            free = [self._chains[only_chain]] if self._chains[only_chain].free > 0 else []
-        else:
-            free = [c for c in self._chains.values() if c.free > 0]
-        if not free:
-            return []
-        slots = sum(c.free for c in free)
-        if only_chain is not None:
-            slots = 1
-        if max_grants is not None:
-            slots = min(slots, max_grants)
-        if only_request is not None:
-            candidates = [only_request] if any(
-                c.spec.fits(only_request.input_tokens, only_request.max_new_tokens) for c in free
-            ) else []
-        else:
-            candidates = self._window(free)
-        if not candidates:
-            return []
-        matches: dict[Hashable, dict[Hashable, int]] = {}
-        best: dict[Hashable, int] = {}
-        for r in candidates:
-            row = {
-                c.spec.chain_id: self._match(r, c.spec.chain_id)
-                for c in free
-                if c.spec.fits(r.input_tokens, r.max_new_tokens)
-            }
-            matches[r.request_id] = row
-            best[r.request_id] = max(row.values()) if row else 0
-        self._begin_round(matches)
-        picked: list[RequestState] = []
-        remaining = list(candidates)
-        while len(picked) < slots and remaining:
-            if only_request is not None:
-                r = only_request
-            else:
-                r = self._select_next(remaining, best, now)
-                if r is None:
-                    break
-            r.provisional = self._charge_pick(r, best[r.request_id], now)
-            picked.append(r)
-            remaining = [x for x in remaining if x is not r]
-        if not picked:
-            return []
-        assignment = self._assign(picked, free, matches, now)
-        placed = {id(r) for r, _ in assignment}
-        for r in picked:
-            if id(r) not in placed:
-                self._refund_pick(r, r.provisional)
-                r.provisional = 0.0
-        grants = []
-        for r, chain in assignment:
-            grants.append(self._start(r, chain, matches[r.request_id][chain.spec.chain_id], best[r.request_id], now))
-        return grants
-
+    # ------------------------------------------------------------ grant
     def _start(self, r: RequestState, chain: ChainState, matched: int, best_match: int, now: float) -> Grant:
         del self._queues[r.client_id][r.request_id]
         r.state = "running"
@@ -533,122 +428,6 @@ class CentralQueueScheduler:
         self._after_grant(r, now)
         return Grant(r.request_id, r.client_id, chain.spec.chain_id, matched, extend, now)
 
-    # ------------------------------------------------------- chain selection
-    def _jffc_key(self, chain: ChainState, free_left: int):
-        return (chain.spec.decode_time, -free_left, chain.order)
-
-    def _pair_cost(self, r: RequestState, chain: ChainState, matches) -> float:
-        m = matches[r.request_id].get(chain.spec.chain_id, 0)
-        if self.chain_mode == "lpm":
-            return -float(m)
-        spec = chain.spec
-        extend = r.input_tokens - m
-        return spec.fixed_time + spec.prefill_time * extend + spec.decode_time * self.output_estimate(r)
-
-    def _avail(self, r: RequestState) -> set | None:
-        if self.quanta is None or self.chain_mode in ("jffc", "most_free"):
-            return None
-        return set(self.quanta.available(r.client_id, list(self._chains)))
-
-    def _single_key(self, r, chain, matches, avail, free_left=None):
-        free_left = chain.free if free_left is None else free_left
-        penalty = 0.0 if avail is None or chain.spec.chain_id in avail else QUANTUM_PENALTY
-        if self.chain_mode in ("est_time", "lpm", "bfio"):
-            primary = self._pair_cost(r, chain, matches) if self.chain_mode != "bfio" else 0.0
-            return (primary + penalty, *self._jffc_key(chain, free_left))
-        if self.chain_mode == "most_free":
-            return (-free_left, chain.order)
-        return self._jffc_key(chain, free_left)
-
-    def _assign(self, picked, free, matches, now) -> list[tuple[RequestState, ChainState]]:
-        left = {c.spec.chain_id: c.free for c in free}
-        by_id = {c.spec.chain_id: c for c in free}
-        if len(picked) > 1 and self.joint_assignment and self.chain_mode in ("est_time", "lpm"):
-            return self._assign_matching(picked, free, matches)
-        if self.chain_mode == "bfio":
-            return self._assign_bfio(picked, free, matches)
-        out = []
-        for r in picked:
-            avail = self._avail(r)
-            options = [by_id[k] for k, n in left.items() if n > 0 and k in matches[r.request_id]]
-            if not options:
-                continue
-            chain = min(options, key=lambda c: self._single_key(r, c, matches, avail, left[c.spec.chain_id]))
-            left[chain.spec.chain_id] -= 1
-            out.append((r, chain))
-        return out
-
-    def _assign_matching(self, picked, free, matches):
-        from scipy.optimize import linear_sum_assignment  # lazy: only joint rounds need it
-
-        columns: list[ChainState] = []
-        ranked = sorted(free, key=lambda c: self._jffc_key(c, c.free))
-        rank = {c.spec.chain_id: i for i, c in enumerate(ranked)}
-        for c in free:
-            columns.extend([c] * c.free)
-        big = 1e12
-        cost = []
-        for r in picked:
-            avail = self._avail(r)
-            row = []
-            for c in columns:
-                k = c.spec.chain_id
-                if k not in matches[r.request_id]:
-                    row.append(big)
-                    continue
-                penalty = 0.0 if avail is None or k in avail else QUANTUM_PENALTY
-                tie = _TIE_EPS * rank[k] / (len(ranked) + 1)
-                row.append(self._pair_cost(r, c, matches) + penalty + tie)
-            cost.append(row)
-        rows, cols = linear_sum_assignment(cost)
-        out = []
-        for i, j in sorted(zip(rows, cols)):
-            if cost[i][j] >= big:
-                continue
-            out.append((picked[i], columns[j]))
-        return out
-
-    def _assign_bfio(self, picked, free, matches):
-        servers = set(self.server_kv_time)
-        for c in self._chains.values():
-            servers.update(c.spec.servers)
-        sessions = []
-        for r in self.running():
-            chain = self._chains.get(r.chain_id)
-            if chain is None:
-                continue
-            remaining = None
-            if r.max_new_tokens is not None:
-                remaining = max(0, r.max_new_tokens - r.output_tokens)
-            sessions.append((chain.spec.servers, r.input_tokens + r.output_tokens, remaining))
-        H = self.bfio_horizon
-        profile = server_load_profile(sessions, servers, self.server_kv_time, H)
-        left = {c.spec.chain_id: c.free for c in free}
-        by_id = {c.spec.chain_id: c for c in free}
-        out = []
-        for r in picked:
-            avail = self._avail(r)
-            options = [by_id[k] for k, n in left.items() if n > 0 and k in matches[r.request_id]]
-            if not options:
-                continue
-
-            def key(c):
-                j = swarm_bfio_cost(profile, c.spec.servers, r.input_tokens, self.server_kv_time, H, r.max_new_tokens)
-                penalty = 0.0 if avail is None or c.spec.chain_id in avail else QUANTUM_PENALTY
-                extend = r.input_tokens - matches[r.request_id][c.spec.chain_id]
-                return (j + penalty, extend, *self._jffc_key(c, left[c.spec.chain_id]))
-
-            chain = min(options, key=key)
-            left[chain.spec.chain_id] -= 1
-            for s in chain.spec.servers:
-                row = profile.setdefault(s, [0.0] * (H + 1))
-                t = self.server_kv_time.get(s, 1.0)
-                for h in range(H + 1):
-                    if r.max_new_tokens is None or h < r.max_new_tokens:
-                        row[h] += t * (r.input_tokens + h)
-            out.append((r, chain))
-        return out
-
     # ------------------------------------------------------- policy hooks
     def _register_client(self, client: Hashable) -> None:
         """A client is seen for the first time."""
@@ -661,19 +440,6 @@ class CentralQueueScheduler:
 
     def _before_enqueue(self, req: RequestState, now: float) -> None:
         """Called on arrival before the request joins the queue (VTC lift)."""
-
-    def _begin_round(self, matches: dict) -> None:
-        """A dispatch round starts; ``matches[rid][chain]`` = m_k(r) over fitting free chains."""
-
-    def _select_next(self, candidates: list[RequestState], best: dict, now: float) -> RequestState | None:
-        raise NotImplementedError
-
-    def _charge_pick(self, req: RequestState, best_match: int, now: float) -> float:
-        """Provisional fairness charge at pick time; returns the amount for a refund."""
-        return 0.0
-
-    def _refund_pick(self, req: RequestState, amount: float) -> None:
-        """The picked request could not be placed this round."""
 
     def _settle(self, req: RequestState, chain_id, matched: int, best_match: int, now: float) -> None:
         """Adjust the provisional charge to the chosen chain's extend."""

@@ -171,13 +171,25 @@ def server_load_profile(
     """
     profile = {s: [0.0] * (horizon + 1) for s in servers}
     for chain_servers, ctx, remaining in sessions:
-        for s in chain_servers:
-            row = profile.setdefault(s, [0.0] * (horizon + 1))
-            t = kv_time.get(s, 1.0)
-            for h in range(horizon + 1):
-                if remaining is None or h < remaining:
-                    row[h] += t * (ctx + h)
+        add_session_load(profile, chain_servers, ctx, remaining, kv_time, horizon)
     return profile
+
+
+def add_session_load(
+    profile: dict[Hashable, list[float]],
+    chain_servers: Sequence[Hashable],
+    ctx: float,
+    remaining: int | None,
+    kv_time: Mapping[Hashable, float],
+    horizon: int,
+) -> None:
+    """Add one session's KV read load t_s * (ctx + h), h < remaining, to every server of its chain."""
+    for s in chain_servers:
+        row = profile.setdefault(s, [0.0] * (horizon + 1))
+        t = kv_time.get(s, 1.0)
+        for h in range(horizon + 1):
+            if remaining is None or h < remaining:
+                row[h] += t * (ctx + h)
 
 
 def swarm_bfio_cost(

@@ -6,6 +6,7 @@ from typing import Hashable, Mapping
 
 from .base import CentralQueueScheduler
 from .counters import DeficitCounters
+from .selectors import EstimatedTime, LongestPrefixMatch
 
 
 class LPMScheduler(CentralQueueScheduler):
@@ -16,7 +17,7 @@ class LPMScheduler(CentralQueueScheduler):
     deduplication is not done (pending inserts are the caller's business)."""
 
     policy_name = "lpm"
-    default_chain_mode = "lpm"
+    default_selector = LongestPrefixMatch
 
     def _select_next(self, candidates, best, now):
         return min(candidates, key=lambda r: (-best[r.request_id], r.seq))
@@ -133,14 +134,14 @@ class SwarmScheduler(DLPMScheduler):
     One global deficit per client (DLPM over the central queue); a freed chain
     slot goes to the waiting request with the longest match on that chain,
     subject to the deficit; requests picked in a round are placed jointly by
-    min-sum matching of expected time T_k(r) (``est_time``, JFFC tie-break) or
-    by ``lpm`` / ``jffc`` / ``bfio``; per-client per-chain stickiness quanta Q^w
+    min-sum matching of expected time T_k(r) (``EstimatedTime``, JFFC tie-break)
+    or by another ``ChainSelector`` (``lpm`` / ``jffc`` / ``bfio``); per-client per-chain stickiness quanta Q^w
     (DoubleQ) penalise chains where the client has used its quantum, bounding
     how sticky a client's requests get.  Defaults from §14.6.
     """
 
     policy_name = "swarm"
-    default_chain_mode = "est_time"
+    default_selector = EstimatedTime
 
     def __init__(self, *, quantum: float = 8192.0, chain_quantum: float | None = 16384.0, **kwargs):
         super().__init__(quantum=quantum, chain_quantum=chain_quantum, **kwargs)
