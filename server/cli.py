@@ -27,7 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-gb", type=float, metavar="X",
                         help="memory budget for blocks + KV cache (default: free GPU / available host memory)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--torch-dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"])
+    parser.add_argument("--torch-dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                        help="dtype the blocks compute in (default float32). It must be the swarm's serving dtype "
+                        "(the orchestrator's --torch-dtype, float32 by default): the orchestrator runs the embeddings "
+                        "and LM head in it and plans only servers that match, because a bfloat16 server behind a "
+                        "float32 head gives greedy text that matches neither reference. 'auto' is petals' choice "
+                        "(bfloat16 on CPU for float32 checkpoints); on GPU swarms use float16 or bfloat16 on every "
+                        "server and the orchestrator alike")
     parser.add_argument("--quant-type", choices=["none", "int8", "nf4"],
                         help="weight quantisation (default: petals' choice, nf4 on GPU, none on CPU)")
     parser.add_argument("--tensor-parallel-devices", nargs="+", metavar="DEVICE",

@@ -16,7 +16,9 @@ from typing import Callable
 import torch
 
 from swarm.prefix import PAGE_TOKENS, reusable_pages
-from swarm.routing import Lease, LeaseProvider, PrefixPlan, PrefixSessionFailed, install, probe_route, use_lease
+from swarm.routing import (
+    Lease, LeaseProvider, PrefixPlan, PrefixSessionFailed, SessionControl, install, probe_route, use_lease,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class GenerationEngine:
     """Generates through the swarm on leased chains. Thread-safe; ``generate`` blocks."""
 
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
-                 max_retries: int = 3, request_timeout: float = 30.0):
+                 max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32"):
         from transformers import AutoTokenizer
 
         from swarm.compat import petals
@@ -67,7 +69,7 @@ class GenerationEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             model_dir, initial_peers=list(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries,
-            show_route=False, torch_dtype=torch.float32, request_timeout=request_timeout,
+            show_route=False, torch_dtype=getattr(torch, torch_dtype), request_timeout=request_timeout,
         )
         self.model.eval()
         self.manager = install(self.model)
@@ -83,7 +85,8 @@ class GenerationEngine:
 
     def generate(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, *, page_hashes: list[bytes] | None = None,
-                 on_prefix: Callable[[int], None] | None = None) -> GenerationResult:
+                 on_prefix: Callable[[int], None] | None = None,
+                 control: SessionControl | None = None) -> GenerationResult:
         """Run one session on ``lease``'s chain (blocking). ``provider`` handles mid-session failover.
 
         With ``page_hashes`` (the prompt's full-page hashes, :mod:`swarm.prefix`) the chain's servers are
@@ -111,7 +114,7 @@ class GenerationEngine:
         restarts = 0
         prefill = len(input_ids) - reused
         try:
-            self._run(lease, provider, input_ids, params.max_new_tokens, params, sink, plan)
+            self._run(lease, provider, input_ids, params.max_new_tokens, params, sink, plan, control)
         except PrefixSessionFailed as exc:
             restarts = 1
             logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
@@ -122,17 +125,19 @@ class GenerationEngine:
             if remaining > 0 and not stopped:
                 prompt = list(input_ids) + produced
                 prefill += len(prompt)
-                self._run(lease, provider, prompt, remaining, params, sink, None)
+                self._run(lease, provider, prompt, remaining, params, sink, None, control)
         stopped = bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
         return GenerationResult(produced, "stop" if stopped else "length", reused, prefill, restarts)
 
     def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, params: SamplingParams,
-             sink: Callable[[int], None], plan: PrefixPlan | None) -> None:
+             sink: Callable[[int], None], plan: PrefixPlan | None, control: SessionControl | None = None) -> None:
         ids = torch.tensor([input_ids], dtype=torch.long)
         sampling = dict(do_sample=False)
         if params.temperature > 0:
             sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p)
-        with use_lease(lease, provider) as context, torch.inference_mode():
+        # petals' generate() opens the InferenceSession in a ``with`` block on this thread and closes it (and
+        # every server session) here on every path: success, error, abort, failover (swarm.server_sessions)
+        with use_lease(lease, provider, control) as context, torch.inference_mode():
             context.prefix = plan
             self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -13,10 +13,10 @@ key, 404 unknown lease, 422 malformed/unknown fields) and 503 when the swarm can
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import json
 import logging
-import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -26,21 +26,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from swarm.completion import ClientGone, CompletionFailed, CompletionRunner, Finished
 from swarm.engine import GenerationEngine, SamplingParams
 from swarm.metrics import SwarmMetrics
 from swarm.orchestrator import NoChainsError, Orchestrator, QueueTimeout, UnknownLeaseError
-from swarm.routing import Lease, NoRouteError
+from swarm.routing import NoRouteError
 from swarm.schemas import (
     CompletionRequest, CompletionResponse, LeaseRequest, LeaseResponse, RerouteRequest, RerouteResponse,
 )
 
 
 logger = logging.getLogger(__name__)
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming completion checks that its client is still there
-
-
-class ClientDisconnected(Exception):
-    """Raised in a session thread to stop generating for a client that has gone away."""
 
 
 class ApiError(Exception):
@@ -49,31 +45,15 @@ class ApiError(Exception):
         self.status, self.kind, self.message = status, kind, message
 
 
-class _LoopProvider:
-    """Lets a session thread ask the orchestrator (on the event loop) for a replacement route."""
-
-    def __init__(self, orchestrator: Orchestrator, loop: asyncio.AbstractEventLoop):
-        self.orchestrator, self.loop = orchestrator, loop
-
-    def acquire(self, *, max_length: int) -> Lease:  # proxied sessions always start with a lease
-        raise NoRouteError("proxied sessions are granted before they start")
-
-    def reroute(self, lease: Lease, start: int, end: int, failed_peers) -> tuple:
-        async def ask():
-            return self.orchestrator.reroute(lease.chain_id, start, end, failed_peers)
-        return asyncio.run_coroutine_threadsafe(ask(), self.loop).result(timeout=30)
-
-    def release(self, lease: Lease, *, processed_tokens: int) -> None:
-        pass  # the completion handler finishes the request itself
-
-
 def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, initial_peers: list[str],
-               model_name: str, api_keys: dict[str, str] | None = None) -> FastAPI:
+               model_name: str, api_keys: dict[str, str] | None = None,
+               stall_timeout_s: float | None = None) -> FastAPI:
     """Build the API around a started orchestrator (and its generation engine, if it proxies sessions)."""
     app = FastAPI(title="Chainswarm orchestrator", version="0.1.0",
                   description="Planned chains, JFFC dispatch and per-client fairness over a petals swarm.")
     metrics = SwarmMetrics(orchestrator)
     keys = dict(api_keys or {})
+    runner = CompletionRunner(orchestrator, engine, metrics, stall_timeout_s=stall_timeout_s) if engine else None
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
@@ -102,157 +82,83 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             raise ApiError(503, "unavailable", "this orchestrator does not proxy completions (no engine)")
         return engine
 
-    async def admit(client: str, input_tokens: int, max_new_tokens: int, timeout: float | None = None,
-                    page_hashes=()):
-        try:
-            return await orchestrator.acquire(client, input_tokens, max_new_tokens, timeout=timeout,
-                                              page_hashes=page_hashes)
-        except ValueError as exc:  # too long for the swarm's sessions
-            raise ApiError(400, "invalid_request", str(exc)) from None
-        except (NoChainsError, QueueTimeout) as exc:
-            raise ApiError(503, "unavailable", str(exc)) from None
-
     # -- completions -----------------------------------------------------------------------------------
+    def refuse(exc: Exception) -> ApiError:
+        if isinstance(exc, ValueError):  # too long for the swarm's sessions
+            return ApiError(400, "invalid_request", str(exc))
+        if isinstance(exc, CompletionFailed):
+            return ApiError(503, "swarm_failure", str(exc))
+        return ApiError(503, "unavailable", str(exc))  # NoChainsError, QueueTimeout
+
+    refusals = (ValueError, NoChainsError, QueueTimeout, CompletionFailed)
+
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={400: {}, 401: {}, 422: {}, 503: {}})
     async def completions(body: CompletionRequest, request: Request, response: Response,
                           authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
         eng = require_engine()
         client = client_of(authorization, x_client_id or body.user)
-        input_ids = eng.encode(body.prompt)
-        # prefix pages are hashed here, from the token ids this orchestrator tokenized, in its secret
+        # prefix pages are hashed by the runner from the token ids this orchestrator tokenized, in its secret
         # namespace: what a client sends can never name a cached page (swarm.prefix)
-        page_hashes = orchestrator.prompt_hashes(input_ids)
-        submitted = time.monotonic()
-        grant = await admit(client, len(input_ids), body.max_tokens, page_hashes=page_hashes)
-        started = time.monotonic()
-        chain = orchestrator.chain(grant.chain_id)
-        lease = Lease(grant.request_id, grant.chain_id, chain.route, orchestrator.config.expect.max_length)
+        input_ids = eng.encode(body.prompt)
         params = SamplingParams(body.max_tokens, body.temperature, body.top_p)
-        loop = asyncio.get_running_loop()
-        provider = _LoopProvider(orchestrator, loop)
-        tokens: asyncio.Queue = asyncio.Queue()
-        disconnected = threading.Event()
-
-        def on_token(token: int) -> None:  # session thread -> event loop
-            if disconnected.is_set():  # the client is gone: stop generating at the next token
-                raise ClientDisconnected("the client disconnected")
-            loop.call_soon_threadsafe(tokens.put_nowait, token)
-
-        def charge(token: int) -> None:
-            orchestrator.tokens(grant.request_id, 1)
-            metrics.tokens.labels(client).inc()
-
-        # token callbacks are queued on the loop before the executor future resolves, so once the task is
-        # done every token is already in the queue
-        prefix: dict[str, Any] = {"expected": grant.matched_tokens}
-
-        def on_prefix(reused: int) -> None:  # session thread, after the probe and before the prefill
-            prefix["reused"] = reused
-            loop.call_soon_threadsafe(orchestrator.prefilled, grant.request_id, reused, len(input_ids),
-                                      grant.matched_tokens)
-
-        def generate():
-            return eng.generate(lease, provider, input_ids, params, on_token,
-                                page_hashes=page_hashes or None, on_prefix=on_prefix if page_hashes else None)
-
-        task = asyncio.ensure_future(loop.run_in_executor(eng.executor, generate))
+        run = runner.run(client, input_ids, params, request.is_disconnected)
         meta = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
-
-        def finished(result) -> None:
-            orchestrator.finish(grant.request_id, len(result.token_ids))
-            metrics.observe(client, "ok", started - submitted, time.monotonic() - started)
-
-        def failed(exc: BaseException) -> ApiError:
-            orchestrator.abort(grant.request_id)
-            metrics.observe(client, "error", started - submitted, time.monotonic() - started)
-            return ApiError(503, "swarm_failure", f"the session failed on the swarm: {exc!r}")
-
-        def gone() -> Response:
-            """The client disconnected mid-generation: stop the session at its next token and give the chain
-            slot back once the session has let go of its servers (no traceback, nothing leaks)."""
-            disconnected.set()
-
-            def release(done: asyncio.Future) -> None:
-                if not done.cancelled():
-                    done.exception()  # retrieved: ClientDisconnected is the expected outcome
-                orchestrator.abort(grant.request_id)
-
-            task.add_done_callback(release)
-            metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
-            logger.info("client %s disconnected from request %s", client, grant.request_id)
-            return Response(status_code=499)
+        usage = lambda done: {"prompt_tokens": len(input_ids), "completion_tokens": len(done.token_ids),  # noqa: E731
+                              "total_tokens": len(input_ids) + len(done.token_ids)}
 
         if not body.stream:
-            produced: list[int] = []
             try:
-                checked = time.monotonic()
-                while not task.done() or not tokens.empty():
-                    getter = asyncio.ensure_future(tokens.get())
-                    done, _ = await asyncio.wait({getter, task}, timeout=DISCONNECT_POLL_S,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    if getter in done:
-                        token = getter.result()
-                        produced.append(token)
-                        charge(token)
-                    else:
-                        getter.cancel()
-                    if time.monotonic() - checked >= DISCONNECT_POLL_S and not task.done():
-                        checked = time.monotonic()
-                        if await request.is_disconnected():
-                            return gone()
-                result = task.result()
-            except asyncio.CancelledError:  # the server is shutting down
-                return gone()
-            except Exception as exc:
-                raise failed(exc) from None
-            finished(result)
+                async with contextlib.aclosing(run):
+                    done = [item async for item in run if isinstance(item, Finished)][-1]
+            except ClientGone:
+                return Response(status_code=499)
+            except refusals as exc:
+                raise refuse(exc) from None
+            prefix = done.prefix
             response.headers["x-chainswarm-prefix"] = (
-                f"expected={prefix['expected']};reused={result.reused_tokens};prefill={result.prefill_tokens};"
-                f"restarts={result.restarts}")
+                f"expected={prefix.get('expected', 0)};reused={prefix.get('reused', 0)};"
+                f"prefill={prefix.get('prefill', 0)};restarts={prefix.get('restarts', 0)}")
             return CompletionResponse(
-                **meta, choices=[{"text": eng.decode(result.token_ids), "finish_reason": result.finish_reason}],
-                usage={"prompt_tokens": len(input_ids), "completion_tokens": len(result.token_ids),
-                       "total_tokens": len(input_ids) + len(result.token_ids)},
-                chainswarm={"chain_id": grant.chain_id, "servers": list(chain.servers), "route": list(chain.route),
-                            "waiting_s": started - submitted, "service_s": time.monotonic() - started},
+                **meta, choices=[{"text": eng.decode(done.token_ids), "finish_reason": done.finish_reason}],
+                usage=usage(done),
+                chainswarm={"chain_id": done.chain_id, "servers": done.servers, "route": done.route,
+                            "waiting_s": done.waiting_s, "service_s": done.service_s},
             )
+
+        # streamed: wait for the first token here, so that a refusal is still an HTTP status
+        try:
+            first = await run.__anext__()
+        except ClientGone:
+            return Response(status_code=499)
+        except refusals as exc:
+            raise refuse(exc) from None
+
+        def chunk(text: str, finish_reason: str | None, **extra) -> bytes:
+            doc = {**meta, "object": "text_completion", **extra,
+                   "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+            return f"data: {json.dumps(doc)}\n\n".encode()
 
         async def events() -> AsyncIterator[bytes]:
             produced: list[int] = []
             sent = ""
-            try:
-                while not task.done() or not tokens.empty():
-                    getter = asyncio.ensure_future(tokens.get())
-                    done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if getter not in done:
-                        getter.cancel()
-                        continue
-                    token = getter.result()
-                    produced.append(token)
-                    charge(token)
-                    text = eng.decode(produced)
-                    if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-                        continue
-                    delta, sent = text[len(sent):], text
-                    chunk = {**meta, "object": "text_completion",
-                             "choices": [{"index": 0, "text": delta, "finish_reason": None, "logprobs": None}]}
-                    yield f"data: {json.dumps(chunk)}\n\n".encode()
-                result = task.result()
-            except (asyncio.CancelledError, GeneratorExit):
-                gone()
-                raise
-            except Exception as exc:
-                err = failed(exc)
-                yield f"data: {json.dumps({'error': {'type': err.kind, 'message': err.message}})}\n\n".encode()
-                return
-            finished(result)
-            tail = eng.decode(result.token_ids)[len(sent):]
-            last = {**meta, "object": "text_completion",
-                    "choices": [{"index": 0, "text": tail, "finish_reason": result.finish_reason, "logprobs": None}],
-                    "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(result.token_ids),
-                              "total_tokens": len(input_ids) + len(result.token_ids)}}
-            yield f"data: {json.dumps(last)}\n\n".encode()
+            async with contextlib.aclosing(run):
+                try:
+                    item = first
+                    while not isinstance(item, Finished):
+                        produced.append(item)
+                        text = eng.decode(produced)
+                        if not text.endswith("\ufffd"):  # else: an incomplete multi-byte character
+                            delta, sent = text[len(sent):], text
+                            yield chunk(delta, None)
+                        item = await run.__anext__()
+                except (ClientGone, asyncio.CancelledError, GeneratorExit):
+                    raise
+                except refusals as exc:
+                    err = refuse(exc)
+                    yield f"data: {json.dumps({'error': {'type': err.kind, 'message': err.message}})}\n\n".encode()
+                    return
+            yield chunk(eng.decode(item.token_ids)[len(sent):], item.finish_reason, usage=usage(item))
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -69,6 +69,7 @@ class OrchestratorConfig:
     quantum: float = 8192.0  # DLPM Q^u, in cost units (w_e·input + w_q·output tokens)
     chain_quantum: float | None = None  # per-client per-chain stickiness (swarm policy); None = off
     router: str = "jffc"  # "jffc": GCA chains, fairness queue, JFFC; "ws-rr": BPRR's per-request WS-RR paths
+    torch_dtype: str = "float32"  # the swarm's serving dtype: servers computing in another dtype are not planned
     refresh_s: float = 1.0
     assignment_ttl_s: float = 30.0
     suspect_s: float = 60.0  # how long a server reported failed stays excluded unless its record expires
@@ -125,6 +126,7 @@ class Orchestrator:
         self._ws_rr_requests: dict[str, tuple[str, int]] = {}  # request id -> (client, input tokens)
         self._path_chains: dict[str, RoutableChain] = {}  # request id -> its WS-RR path as a one-slot chain
         self.suspects: dict[str, float] = {}
+        self._dtype_refused: set[str] = set()
         self.leases: dict[str, LeaseRecord] = {}
         self.events: deque[dict] = deque(maxlen=200)
         self.on_event = on_event
@@ -185,7 +187,8 @@ class Orchestrator:
         for node, since in list(self.suspects.items()):
             if node not in profiles or now - since > self.config.suspect_s:
                 del self.suspects[node]  # gone for good (record expired) or back after the grace period
-        live = {node: p for node, p in profiles.items() if node not in self.suspects and p.rtt_s is not None}
+        live = {node: p for node, p in profiles.items()
+                if node not in self.suspects and p.rtt_s is not None and self._same_dtype(node, p)}
         self.view.profiles = profiles
         members = set(live)
         planned = set(self.view.assignments) if self.view.plan is not None else set()
@@ -198,6 +201,17 @@ class Orchestrator:
             self.apply_prefix_reports(reports, live=set(profiles))
         self._update_chains()
         self.expire_leases()
+
+    def _same_dtype(self, node: str, profile: records.ServerProfile) -> bool:
+        """Only servers computing in the swarm's dtype are planned (mixed dtypes change greedy answers)."""
+        if profile.torch_dtype == self.config.torch_dtype:
+            self._dtype_refused.discard(node)
+            return True
+        if node not in self._dtype_refused:
+            self._dtype_refused.add(node)
+            self._event("server_refused", node=node, reason=f"serves in {profile.torch_dtype}, the swarm in "
+                        f"{self.config.torch_dtype} (start it with --torch-dtype {self.config.torch_dtype})")
+        return False
 
     def _replan(self, live: dict[str, records.ServerProfile]) -> None:
         view = self.view
@@ -342,6 +356,13 @@ class Orchestrator:
             if c.chain_id == chain_id:
                 return c
         raise NoRouteError(f"chain {chain_id} is not part of the current plan")
+
+    def planned_step_s(self, chain_id: str, tokens: int) -> float:
+        """Planned time of a ``tokens``-position step on the chain with its servers fully occupied (the
+        no-progress watchdog's yardstick; 0 for a chain that is no longer known)."""
+        with contextlib.suppress(NoRouteError):
+            return planning.planned_step_s(self.chain(chain_id), self.view.profiles, self.view.assignments, tokens)
+        return 0.0
 
     def _fits(self, input_tokens: int, max_new_tokens: int) -> None:
         limit = self.config.expect.max_length

@@ -194,3 +194,20 @@ def routable_chains(
         chains.append(RoutableChain(f"{plan_id}/{index}", index, tuple(ch.servers), tuple(ch.spans),
                                     ch.capacity, ch.service_time, route, ready))
     return chains
+
+
+def planned_step_s(chain: RoutableChain, profiles: Mapping[str, ServerProfile],
+                   assignments: Mapping[str, Assignment], tokens: int) -> float:
+    """Planned time of one inference step of ``tokens`` positions through ``chain`` when each server also runs
+    the steps of every other session it is planned for (petals 2.2 serves a server's steps one at a time):
+    Σ_j blocks_j · (prefill_s if tokens > 1 else decode_s) · tokens · sessions_j + rtt_j."""
+    total = 0.0
+    for node, (start, end) in zip(chain.servers, chain.spans):
+        profile, assignment = profiles.get(node), assignments.get(node)
+        if profile is None:
+            continue
+        per_token = profile.prefill_s if tokens > 1 else profile.decode_s
+        held = max(1, (assignment.end - assignment.start) if assignment is not None else 1)
+        sessions = max(1, (assignment.cache_slots if assignment is not None else 1) // held)
+        total += (end - start) * per_token * max(1, tokens) * sessions + (profile.rtt_s or 0.0)
+    return total

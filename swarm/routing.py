@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
@@ -98,6 +99,39 @@ class PrefixSessionFailed(RuntimeError):
         self.peer_id, self.missing = peer_id, missing
 
 
+class SessionAborted(RuntimeError):
+    """The session was stopped from outside (no progress, client gone): it must not retry or reroute."""
+
+
+class SessionControl:
+    """Watch and stop one running session from another thread (the orchestrator's no-progress watchdog).
+
+    The session thread marks progress after every server step and every generated token; ``abort`` makes the
+    session raise :class:`SessionAborted` at its next step, retry or token, and cancels a step it is waiting
+    for, so a server that stopped answering cannot hold the session (or its chain slot) any longer.
+    """
+
+    def __init__(self) -> None:
+        self.last_progress = time.monotonic()
+        self.aborted: str | None = None
+        self.session: "ChainswarmInferenceSession | None" = None
+
+    def progress(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def check(self) -> None:
+        if self.aborted is not None:
+            raise SessionAborted(f"session aborted: {self.aborted}")
+
+    def abort(self, reason: str) -> None:
+        self.aborted = reason
+        session = self.session
+        for server_session in list(getattr(session, "_server_sessions", ())):
+            cancel = getattr(server_session, "cancel_step", None)
+            if cancel is not None:
+                cancel()
+
+
 @dataclass
 class LeaseContext:
     lease: Lease
@@ -105,15 +139,17 @@ class LeaseContext:
     owned: bool  # acquired by the sequence manager itself -> released when the session closes
     failed_peers: list[str] = field(default_factory=list)
     prefix: PrefixPlan | None = None
+    control: SessionControl | None = None
 
 
 _current: ContextVar[LeaseContext | None] = ContextVar("chainswarm_lease", default=None)
 
 
 @contextlib.contextmanager
-def use_lease(lease: Lease, provider: LeaseProvider | None = None) -> Iterator[LeaseContext]:
+def use_lease(lease: Lease, provider: LeaseProvider | None = None,
+              control: SessionControl | None = None) -> Iterator[LeaseContext]:
     """Route every petals session opened in this thread/task inside the block on ``lease``."""
-    context = LeaseContext(lease, provider, owned=False)
+    context = LeaseContext(lease, provider, owned=False, control=control)
     token = _current.set(context)
     try:
         yield context
@@ -171,8 +207,16 @@ class OrchestratedSequenceManager(RemoteSequenceManager):
             metadata[PREFIX_META_KEY] = context.prefix.metadata()
         return metadata
 
+    def on_request_success(self, peer_id: PeerID) -> None:
+        super().on_request_success(peer_id)
+        context = _current.get()
+        if context is not None and context.control is not None:
+            context.control.progress()
+
     def on_request_failure(self, peer_id: PeerID | None) -> None:
         context = _current.get()
+        if context is not None and context.control is not None:
+            context.control.check()  # aborted from outside: leave petals' retry loop at once
         super().on_request_failure(peer_id)
         if context is not None and context.prefix is not None and context.prefix.load_pages > 0:
             # called inside petals' retry loop while the step's exception is being handled
@@ -199,8 +243,16 @@ class ChainswarmInferenceSession(InferenceSession):
     the last position's logits matter for generation), and the position counts the reused tokens.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        context = _current.get()
+        if context is not None and context.control is not None:
+            context.control.session = self
+
     def step(self, inputs, prompts=None, hypo_ids=None):
         context = _current.get()
+        if context is not None and context.control is not None:
+            context.control.check()
         skip = context.prefix.reused_tokens if context is not None and context.prefix is not None else 0
         if self._position > 0 or skip <= 0:
             return super().step(inputs, prompts, hypo_ids)

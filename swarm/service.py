@@ -52,6 +52,12 @@ class OrchestratorOptions:
     prefix_cache_tokens: int = 0
     chain_quantum: float | None = None
     router: str = "jffc"  # "ws-rr": BPRR's per-request WS-RR paths instead of GCA chains + JFFC
+    # No-progress watchdog: abort a session without a step or token for this long (None: 4x the planned step
+    # time of the step in progress, clamped to [10, 60] s); see swarm.completion.
+    stall_timeout_s: float | None = None
+    # The serving dtype, one choice end to end: the engine's embeddings/LM head run in it and only servers that
+    # compute in it are planned (a bfloat16 server behind a float32 head gives text matching neither reference).
+    torch_dtype: str = "float32"
 
 
 def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
@@ -74,7 +80,7 @@ def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
         model_dir=options.model_dir, dht_prefix=options.dht_prefix or dht_prefix_for(options.model_dir),
         num_blocks=model_config.num_hidden_layers, expect=expect, policy=options.policy, quantum=options.quantum,
         refresh_s=options.refresh_s, queue_timeout_s=options.queue_timeout_s, chain_quantum=options.chain_quantum,
-        router=options.router,
+        router=options.router, torch_dtype=options.torch_dtype,
     )
 
 
@@ -104,12 +110,13 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             from swarm.engine import GenerationEngine
 
             engine = await asyncio.to_thread(GenerationEngine, options.model_dir, initial_peers=initial_peers,
-                                             dht_prefix=config.dht_prefix, request_timeout=options.request_timeout_s)
+                                             dht_prefix=config.dht_prefix, request_timeout=options.request_timeout_s,
+                                             torch_dtype=options.torch_dtype)
             if options.use_server_to_server is not None:
                 for client_config in (engine.model.config, engine.manager.config):
                     client_config.use_server_to_server = options.use_server_to_server
         app = create_app(orchestrator, engine, initial_peers=initial_peers, model_name=Path(options.model_dir).name,
-                         api_keys=options.api_keys)
+                         api_keys=options.api_keys, stall_timeout_s=options.stall_timeout_s)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():

@@ -35,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", default=None, help='JSON file {"key": "client", ...}')
     parser.add_argument("--request-timeout", type=float, default=30.0,
                         help="seconds a session step may take before its server counts as failed (default 30)")
+    parser.add_argument("--stall-timeout", type=float, default=None, metavar="S",
+                        help="abort a session that makes no progress (no server step, no token) for S seconds, "
+                        "return its slot and retry it if it produced nothing (default: 4x the planned time of the "
+                        "step in progress, between 10 and 60 s)")
+    parser.add_argument("--torch-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="the swarm's serving dtype: the orchestrator's embeddings and LM head run in it and only "
+                        "servers that compute in it are planned (default float32; mixing dtypes changes greedy "
+                        "answers)")
     parser.add_argument("--prefix-cache-tokens", type=int, default=0,
                         help="prompt-prefix KV budget per served block, in tokens, reserved on every server "
                         "(default 0 = no prefix reuse); pair with --policy swarm for locality-aware chains")
@@ -78,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
         expected_input_tokens=args.expected_input_tokens, expected_output_tokens=args.expected_output_tokens,
         max_length=args.max_length, placement=args.placement, tuning=args.tuning, c=args.c, api_keys=keys,
         request_timeout_s=args.request_timeout, prefix_cache_tokens=args.prefix_cache_tokens,
-        chain_quantum=args.chain_quantum, router=args.router,
-        proxy=not args.no_proxy,
+        chain_quantum=args.chain_quantum, router=args.router, stall_timeout_s=args.stall_timeout,
+        torch_dtype=args.torch_dtype, proxy=not args.no_proxy,
     )
     try:
         from swarm.service import build_config

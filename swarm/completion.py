@@ -1,0 +1,246 @@
+"""One completion, from the central queue to its last token: the piece every completion endpoint shares.
+
+:meth:`CompletionRunner.run` is an async generator. It queues the request with the orchestrator (fairness
+queue, JFFC grant), runs the session on the granted chain in the engine's worker thread, and yields the
+generated token ids as they appear, then one :class:`Finished`. It owns the session's liveness:
+
+* **Client gone.** While queued, the client's connection is checked every ``poll_s``; a client that left is
+  taken out of the queue at once. While generating, the session stops at its next token and its slot is
+  returned once its servers are released.
+* **No progress.** A session that makes no progress (no server step, no token) for longer than its stall
+  limit is aborted (:class:`swarm.routing.SessionControl`): its running step is cancelled, its servers are
+  released, its slot is returned. The stall limit is ``stall_timeout_s`` if set, else ``stall_factor`` × the
+  planned time of the step in progress (:func:`swarm.planning.planned_step_s`), clamped to
+  [``stall_floor_s``, ``stall_cap_s``] — seconds, never minutes. A stuck petals call never holds a slot: if
+  the session thread does not let go within ``release_wait_s`` the slot is returned anyway.
+* **Retry.** A session that failed or stalled before producing a token is queued again (up to
+  ``max_attempts`` sessions); one that already streamed tokens ends with :class:`CompletionFailed` (503).
+
+Every abort is counted by reason in ``SwarmMetrics.aborted``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from swarm.engine import GenerationEngine, SamplingParams
+from swarm.routing import Lease, NoRouteError, SessionControl
+
+logger = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client disconnected; its request has left the queue or its session has been stopped."""
+
+
+class CompletionFailed(Exception):
+    """The swarm could not finish the request (after retries where nothing had been generated yet)."""
+
+
+@dataclass
+class Finished:
+    """The end of a completion: what was generated and how it was served."""
+
+    token_ids: list[int]
+    finish_reason: str
+    chain_id: str
+    servers: list[str]
+    route: list
+    waiting_s: float
+    service_s: float
+    prefix: dict[str, Any] = field(default_factory=dict)
+    attempts: int = 1
+
+
+class _LoopProvider:
+    """Lets a session thread ask the orchestrator (on the event loop) for a replacement route."""
+
+    def __init__(self, orchestrator, loop: asyncio.AbstractEventLoop):
+        self.orchestrator, self.loop = orchestrator, loop
+
+    def acquire(self, *, max_length: int) -> Lease:  # proxied sessions always start with a lease
+        raise NoRouteError("proxied sessions are granted before they start")
+
+    def reroute(self, lease: Lease, start: int, end: int, failed_peers) -> tuple:
+        async def ask():
+            return self.orchestrator.reroute(lease.chain_id, start, end, failed_peers)
+        return asyncio.run_coroutine_threadsafe(ask(), self.loop).result(timeout=30)
+
+    def release(self, lease: Lease, *, processed_tokens: int) -> None:
+        pass  # the runner finishes the request itself
+
+
+class _Stopped(Exception):
+    """The runner stopped a session; ``release()`` returns its slot (called once its outcome is counted)."""
+
+    def __init__(self, reason: str, release: Callable[[], None]):
+        super().__init__(reason)
+        self.reason, self.release = reason, release
+
+
+@dataclass
+class CompletionRunner:
+    orchestrator: Any
+    engine: GenerationEngine
+    metrics: Any
+    stall_timeout_s: float | None = None  # None: stall_factor x the planned step time, clamped
+    stall_factor: float = 4.0
+    stall_floor_s: float = 10.0
+    stall_cap_s: float = 60.0
+    max_attempts: int = 3
+    poll_s: float = 0.5
+    release_wait_s: float = 8.0  # how long a stopped session may take to release its servers
+
+    def stall_limit(self, chain_id: str, tokens: int) -> float:
+        if self.stall_timeout_s is not None:
+            return self.stall_timeout_s
+        planned = self.orchestrator.planned_step_s(chain_id, tokens)
+        return min(self.stall_cap_s, max(self.stall_floor_s, self.stall_factor * planned))
+
+    async def run(self, client: str, input_ids: list[int], params: SamplingParams,
+                  is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[int | Finished]:
+        """Yield generated token ids, then a :class:`Finished`. Raises ``ValueError`` (too long for the swarm),
+        the orchestrator's ``NoChainsError``/``QueueTimeout``, :class:`ClientGone` or :class:`CompletionFailed`."""
+        page_hashes = self.orchestrator.prompt_hashes(input_ids)
+        submitted = time.monotonic()
+        for attempt in range(1, self.max_attempts + 1):
+            grant = await self._admit(client, input_ids, params, page_hashes, is_disconnected)
+            started = time.monotonic()
+            produced: list[int] = []
+            session = self._session(grant, client, input_ids, params, page_hashes, is_disconnected)
+            try:
+                async with contextlib.aclosing(session):
+                    async for item in session:
+                        if isinstance(item, Finished):
+                            item.waiting_s, item.service_s = started - submitted, time.monotonic() - started
+                            item.attempts = attempt
+                            self.metrics.observe(client, "ok", item.waiting_s, item.service_s)
+                            yield item
+                            return
+                        produced.append(item)
+                        yield item
+            except _Stopped as stop:
+                if stop.reason == "client_gone":
+                    self.metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
+                    stop.release()
+                    raise ClientGone("the client disconnected during generation") from None
+                stop.release()
+                failure: BaseException = stop
+            except Exception as exc:  # the session failed on the swarm (its slot is already back)
+                self.metrics.aborted.labels("failed").inc()
+                failure = exc
+            if produced or attempt == self.max_attempts:
+                self.metrics.observe(client, "error", started - submitted, time.monotonic() - started)
+                detail = "no progress" if isinstance(failure, _Stopped) else repr(failure)
+                raise CompletionFailed(f"the session failed on the swarm after {len(produced)} tokens and "
+                                       f"{attempt} attempt(s): {detail}")
+            logger.warning("retrying request of %s (attempt %d) after %r", client, attempt + 1, failure)
+
+    async def _admit(self, client, input_ids, params, page_hashes, is_disconnected):
+        """Wait for a chain slot; a client that disconnects while queued leaves the queue at once."""
+        waiting = asyncio.ensure_future(self.orchestrator.acquire(
+            client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=self.poll_s)
+                if waiting in done:
+                    return waiting.result()
+                if await is_disconnected():
+                    waiting.cancel()  # acquire() takes the request out of the scheduler's queue
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await waiting
+                    self.metrics.requests.labels(client, "left_queue").inc()
+                    raise ClientGone("the client disconnected while queued")
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+
+    async def _session(self, grant, client, input_ids, params, page_hashes, is_disconnected):
+        orchestrator, engine = self.orchestrator, self.engine
+        chain = orchestrator.chain(grant.chain_id)
+        lease = Lease(grant.request_id, grant.chain_id, chain.route, orchestrator.config.expect.max_length)
+        loop = asyncio.get_running_loop()
+        control = SessionControl()
+        tokens: asyncio.Queue = asyncio.Queue()
+        prefix: dict[str, Any] = {"expected": grant.matched_tokens}
+
+        def on_token(token: int) -> None:  # session thread -> event loop
+            control.check()  # stopped from outside: end the session at this token
+            control.progress()
+            loop.call_soon_threadsafe(tokens.put_nowait, token)
+
+        def on_prefix(reused: int) -> None:  # session thread, after the probe and before the prefill
+            loop.call_soon_threadsafe(orchestrator.prefilled, grant.request_id, reused, len(input_ids),
+                                      grant.matched_tokens)
+
+        def generate():
+            return engine.generate(lease, _LoopProvider(orchestrator, loop), input_ids, params, on_token,
+                                   page_hashes=page_hashes or None, on_prefix=on_prefix if page_hashes else None,
+                                   control=control)
+
+        # token callbacks are queued on the loop before the executor future resolves, so once the task is done
+        # every token is already in the queue
+        task = asyncio.ensure_future(loop.run_in_executor(engine.executor, generate))
+        settled = False
+        try:
+            count, checked = 0, time.monotonic()
+            while not task.done() or not tokens.empty():
+                getter = asyncio.ensure_future(tokens.get())
+                done, _ = await asyncio.wait({getter, task}, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    count += 1
+                    orchestrator.tokens(grant.request_id, 1)
+                    self.metrics.tokens.labels(client).inc()
+                    yield getter.result()
+                else:
+                    getter.cancel()
+                if task.done():
+                    continue
+                if time.monotonic() - checked >= self.poll_s:
+                    checked = time.monotonic()
+                    if await is_disconnected():
+                        settled = True
+                        await self._stop(task, control, grant, "client_gone", release=False)
+                        raise _Stopped("client_gone", lambda: orchestrator.abort(grant.request_id))
+                limit = self.stall_limit(grant.chain_id, len(input_ids) if count == 0 else 1)
+                if time.monotonic() - control.last_progress > limit:
+                    settled = True
+                    logger.warning("session %s on chain %s made no progress for %.1f s: aborting",
+                                   grant.request_id, grant.chain_id, limit)
+                    await self._stop(task, control, grant, "stalled", release=False)
+                    raise _Stopped("stalled", lambda: orchestrator.abort(grant.request_id))
+            try:
+                result = task.result()
+            except BaseException:
+                settled = True
+                orchestrator.abort(grant.request_id)
+                raise
+            settled = True
+            orchestrator.finish(grant.request_id, len(result.token_ids))
+            prefix.update(reused=result.reused_tokens, prefill=result.prefill_tokens, restarts=result.restarts)
+            yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
+                           list(chain.route), 0.0, 0.0, prefix)
+        finally:
+            if not settled:  # the consumer went away mid-stream (cancelled / closed): stop in the background
+                asyncio.ensure_future(self._stop(task, control, grant, "client_gone"))
+
+    async def _stop(self, task: asyncio.Future, control: SessionControl, grant, reason: str, *,
+                    release: bool = True) -> None:
+        """Abort a running session and give its servers ``release_wait_s`` to be released; then its slot can be
+        returned (here with ``release``) whatever the session thread is doing."""
+        control.abort(reason)
+        self.metrics.aborted.labels(reason).inc()
+        await asyncio.wait({task}, timeout=self.release_wait_s)
+        if task.done():
+            with contextlib.suppress(BaseException):
+                task.result()  # retrieved: SessionAborted / ClientGone is the expected outcome
+        else:
+            logger.warning("session %s did not stop within %.0f s; returning its slot anyway", grant.request_id,
+                           self.release_wait_s)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if release:
+            self.orchestrator.abort(grant.request_id)
