@@ -2,8 +2,10 @@
 
 Each ``figN(settings)`` computes every number of the figure and returns a JSON-safe dict with a
 ``claims`` list (each claim: text, ``holds`` and the evidence); :func:`write_figure` then writes
-``figN.json``, ``figN.png`` (matplotlib) and ``sections/figN.md`` under the output directory.
-:func:`experiments.report.assemble` turns the sections into ``REPORT.md``.
+``figN.json``, ``figN.png`` (matplotlib) and ``sections/figN.md`` (rendered by
+:mod:`experiments.figure_report`) under the output directory; :func:`replot` re-renders the PNG and the
+section from an existing ``figN.json``. :func:`experiments.report.assemble` turns the sections into
+``REPORT.md``.
 
 Settings (:class:`Settings`): ``runs`` Monte Carlo runs per point (the paper: 20), ``num_jobs`` per run
 (§10.5: ≥ 20,000, first 10% discarded), ``quick`` shrinks every sweep for the test suite.
@@ -21,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from experiments.figure_report import FIGURES, section  # noqa: F401  (FIGURES re-exported)
 from experiments.scenarios import ScenarioConfig, build_scenario, describe
 from experiments.simulator import DEFAULT_WARMUP, poisson_jobs, simulate_chains
 from planner.allocation import gca
@@ -29,7 +32,6 @@ from planner.bounds import exact_mean_response_time, response_time_bounds
 from planner.placement import gbp_cr
 from planner.tuning import iter_candidates
 
-FIGURES = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8")
 C_UNIT = 7
 """The cache reservation of the unit tests and of "Proposed" in the draft's Fig. 8 (§10.3, §15.3)."""
 
@@ -723,19 +725,29 @@ PLOT = {"fig3": plot_fig3, "fig4": plot_fig4, "fig5": plot_fig5, "fig6": plot_fi
 
 def write_figure(name: str, settings: Settings, out_dir: Path) -> dict:
     """Compute figure ``name``, write ``name.json``, ``name.png`` and ``sections/name.md``; return the data."""
-    from experiments import report
-
     out_dir = Path(out_dir)
-    (out_dir / "sections").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     data = COMPUTE[name](settings)
     data["elapsed_s"] = time.perf_counter() - t0
     data["settings"] = asdict(settings)
     data = _jsonable(data)
     (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1))
+    _render(name, data, out_dir)
+    return data
+
+
+def replot(name: str, out_dir: Path) -> dict:
+    """Re-render ``name.png`` and ``sections/name.md`` from an existing ``name.json`` (nothing recomputed)."""
+    out_dir = Path(out_dir)
+    data = json.loads((out_dir / f"{name}.json").read_text())
+    _render(name, data, out_dir)
+    return data
+
+
+def _render(name: str, data: dict, out_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     PLOT[name](data, out_dir / f"{name}.png")
-    (out_dir / "sections" / f"{name}.md").write_text(report.section(name, data))
-    return data
+    (out_dir / "sections").mkdir(parents=True, exist_ok=True)
+    (out_dir / "sections" / f"{name}.md").write_text(section(name, data))

@@ -1,10 +1,12 @@
 """``chainswarm simulate``: run the model-driven simulations and regenerate the paper figures and report.
 
-    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|all|fairness [--runs N] [--quick] [--out DIR]
+    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|all|fairness [--runs N] [--quick] [--out DIR] [--replot]
 
 Each figure writes ``<out>/figN.json`` (every number), ``<out>/figN.png`` and ``<out>/sections/figN.md``,
-then ``<out>/REPORT.md`` is reassembled from all sections present. ``fairness`` is delegated to
-``experiments.fairness_sim.run_cli(args)`` (options it does not share with the figures pass through).
+then ``<out>/REPORT.md`` is reassembled from all sections present. ``--replot`` recomputes nothing: it
+re-renders the PNGs and sections from the JSON already in ``<out>`` and reassembles the report.
+``fairness`` is delegated to ``experiments.fairness_sim.run_cli(args)`` (options it does not share with
+the figures pass through).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comm-model", choices=("per-token", "literal", "authors"), default="per-token",
                         help="τc from RTT (spec §10.2): l̄_O·(RTT+18ms) (default), RTT+18ms, or the authors' MATLAB")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--replot", action="store_true",
+                        help="re-render PNGs and report sections from the JSON in --out (no simulation)")
     # options of the fairness simulations, passed along untouched
     parser.add_argument("--workload", default=None, help="(fairness only) workload name")
     parser.add_argument("--policies", default=None, help="(fairness only) comma-separated schedulers")
@@ -47,10 +51,12 @@ def run(args: argparse.Namespace) -> int:
     from experiments import report
     from experiments.figures import FIGURES, Settings, write_figure
 
-    settings = Settings.make(runs=args.runs, quick=args.quick, workers=args.workers,
-                             progress=not args.no_progress and sys.stderr.isatty(), comm_model=args.comm_model)
     names = FIGURES if args.target == "all" else (args.target,)
     out = Path(args.out)
+    if args.replot:
+        return _replot(out, names)
+    settings = Settings.make(runs=args.runs, quick=args.quick, workers=args.workers,
+                             progress=not args.no_progress and sys.stderr.isatty(), comm_model=args.comm_model)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     for name in names:
@@ -63,6 +69,23 @@ def run(args: argparse.Namespace) -> int:
             print(f"  [{'ok' if c['holds'] else 'NO'}] {c['claim']}: {c['detail']}")
     path = report.assemble(out)
     print(f"report: {path} ({time.perf_counter() - t_all:.1f} s)")
+    return 0
+
+
+def _replot(out: Path, names) -> int:
+    """Re-render the figures' PNGs and sections from their JSON in ``out``; reassemble the report."""
+    from experiments import report
+    from experiments.figures import replot
+
+    missing = [n for n in names if not (out / f"{n}.json").exists()]
+    if missing:
+        print(f"chainswarm simulate: --replot: no {', '.join(f'{n}.json' for n in missing)} in {out}", file=sys.stderr)
+        return 2
+    for name in names:
+        data = replot(name, out)
+        print(f"{name}: {sum(c['holds'] for c in data['claims'])}/{len(data['claims'])} claims hold -> "
+              f"{out / 'sections' / (name + '.md')}")
+    print(f"report: {report.assemble(out)}")
     return 0
 
 
