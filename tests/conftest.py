@@ -34,3 +34,11 @@ def reference_generate(tiny_model):
             )
 
     return generate
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct as a float32 checkpoint from the model cache (see tests/real_model.py)."""
+    from real_model import smollm2_checkpoint
+
+    return smollm2_checkpoint("float32")
