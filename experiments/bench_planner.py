@@ -7,7 +7,10 @@ rest low-performance (20 GB, τp = 175.2 ms), τc = l̄_O·(RTT + 18 ms) with l�
 default J = 20, λ = 0.2) and ρ̄ = 0.7. Planning uses the default tuning (Theorem 3.7 lower bound over all
 c in [c_max] = 1..351).
 
-    python -m experiments.bench_planner [--sizes 10 100 1000 10000] [--repeats 3]
+It also times ``placement="auto"`` (planner/auto.py: every candidate, scoring and the local search;
+target < 1 s at J = 1,000) at the sizes given by ``--auto-sizes``.
+
+    python -m experiments.bench_planner [--sizes 10 100 1000 10000] [--repeats 3] [--auto-sizes 10 100 1000]
 """
 from __future__ import annotations
 
@@ -46,12 +49,12 @@ def bloom_swarm(num_servers: int, seed: int = 0, eta: float = 0.2) -> list[Serve
     return servers
 
 
-def time_plan(num_servers: int, repeats: int) -> tuple[float, object]:
+def time_plan(num_servers: int, repeats: int, placement: str = "gbp-cr") -> tuple[float, object]:
     servers = bloom_swarm(num_servers)
     best, result = math.inf, None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        result = plan(BLOOM, servers, 0.01 * num_servers, target_load=0.7)
+        result = plan(BLOOM, servers, 0.01 * num_servers, target_load=0.7, placement=placement)
         best = min(best, time.perf_counter() - t0)
     return best, result
 
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1000, 10000])
     parser.add_argument("--repeats", type=int, default=3, help="best of N for sizes <= 1000")
     parser.add_argument("--chains", type=int, default=1000)
+    parser.add_argument("--auto-sizes", type=int, nargs="*", default=[10, 100, 1000])
     args = parser.parse_args(argv)
 
     print(f"Planning time, BLOOM-176B swarm, lambda = 0.01*J, default tuning (lower bound over c = 1..351)")
@@ -118,6 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     if 1000 in sizes:
         t1000 = times[sizes.index(1000)]
         print(f"target 1000 servers < 1 s: {'met' if t1000 < 1 else 'MISSED'} ({t1000:.3f} s)")
+
+    if args.auto_sizes:
+        print("placement=auto (candidates, score, local search), same swarms; best of --repeats")
+        print(f"{'J':>7} {'time (s)':>10} {'gbp-cr lower':>12} {'auto lower':>10}  winner")
+    for n in args.auto_sizes:
+        seconds, result = time_plan(n, args.repeats, "auto")
+        _, star = time_plan(n, 1)
+        fmt = lambda p: "inf" if p.bounds is None else f"{p.bounds.lower:.3f}"  # noqa: E731
+        print(f"{n:>7} {seconds:>10.3f} {fmt(star):>12} {fmt(result):>10}  {result.tuning}")
+        if n == 1000:
+            print(f"target auto at 1000 servers < 1 s: {'met' if seconds < 1 else 'MISSED'} ({seconds:.3f} s)")
 
     rate = jffc_decisions_per_second(args.chains)
     print(f"JFFC with {args.chains} chains: {rate:,.0f} decisions/s "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from planner.allocation import Allocation, gca
+from planner.auto import auto_placement
 from planner.baselines import bprr_reservation, cg_bp, petals_placement, random_order, whole_model_placement
 from planner.bounds import ResponseTimeBounds, response_time_bounds
 from planner.dispatch import Dispatcher, make_dispatcher
@@ -19,7 +20,7 @@ from planner.model import Chain, ModelSpec, Placement, Server, Span, validate_se
 from planner.placement import DEFAULT_TARGET_LOAD, SwarmArrays, validate_load
 from planner.tuning import TUNINGS, Candidate, InfeasibleError, evaluate_c, tune_c
 
-PLACEMENTS = ("gbp-cr", "petals", "bprr", "whole-model", "random")
+PLACEMENTS = ("gbp-cr", "petals", "bprr", "whole-model", "random", "auto")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class Plan:
     c: int | None
     """The cache reservation used (R for BPRR); None for placements without one (PETALS, whole-model)."""
     tuning: str | None
-    """How c was chosen: "lower-bound", "surrogate", "upper-bound", "fixed", "bprr-heuristic" or None."""
+    """How c was chosen: "lower-bound", "surrogate", "upper-bound", "fixed", "bprr-heuristic",
+    "auto: <candidate>" or None."""
     candidates: tuple[Candidate, ...]
     """The c-tuning table (one row for a fixed c; empty when there is no c)."""
     placement: Placement
@@ -146,6 +148,9 @@ def plan(
     * ``"petals"``: petals 2.2 block selection in input order; GCA limited to each server's fixed pool.
     * ``"bprr"``: CG-BP with R = ``c`` or the §12.2 heuristic.
     * ``"whole-model"``: every server that can hosts all blocks ("JFFC only").
+    * ``"auto"``: the candidate (GBP-CR for every c, hop-min, PETALS-style, whole-model, local-search
+      moves) with the lowest predicted mean response time (:mod:`planner.auto`); ``tuning`` reads
+      ``"auto: <winning candidate>"``.
 
     ``target_load`` ρ̄ defaults to 0.7. Raises ValueError on bad input and InfeasibleError (a ValueError)
     when no chain can be formed.
@@ -177,6 +182,11 @@ def plan(
         how = "fixed" if c is not None else "bprr-heuristic"
         layout = cg_bp(model, servers, chosen_c).placement
         allocation = gca(model, servers, layout)
+    elif placement == "auto":
+        _no_c(c, placement)
+        best = auto_placement(model, servers, arrival_rate, rho).best
+        chosen_c, how = best.c, f"auto: {best.label}"
+        layout, allocation = best.placement, best.allocation
     elif placement == "petals":
         _no_c(c, placement)
         petals = petals_placement(model, servers)

@@ -1,7 +1,7 @@
 """``chainswarm plan``: plan block placement, chains and capacities for a swarm described in JSON.
 
     chainswarm plan --swarm FILE.json [--c N | --tuning lower-bound|surrogate|upper-bound]
-                    [--placement gbp-cr|petals|bprr|whole-model|random] [--json]
+                    [--placement gbp-cr|petals|bprr|whole-model|random|auto] [--json]
 
 Bad input prints one line on stderr and exits with code 2.
 """
@@ -15,7 +15,7 @@ import sys
 HELP = "Plan block placement (GBP-CR), chains and cache slots (GCA) and JFFC bounds for a swarm file."
 
 _TUNINGS = ("lower-bound", "surrogate", "upper-bound")
-_PLACEMENTS = ("gbp-cr", "petals", "bprr", "whole-model", "random")
+_PLACEMENTS = ("gbp-cr", "petals", "bprr", "whole-model", "random", "auto")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
