@@ -1,12 +1,19 @@
-"""Per-token latency of the orchestrated swarm vs vanilla petals, same model, same machine, one run.
+"""Time to first token and per-token latency: vanilla petals vs the orchestrated swarm, same servers, one run.
 
-Both swarms split the model over two servers ([0, L/2) and [L/2, L)). Measured:
-* vanilla petals: petals' own routing, `model.generate` (client relays between the servers);
-* Chainswarm, HTTP: `POST /v1/completions` through the orchestrator (the orchestrator runs the session);
-* Chainswarm, direct: `DirectSwarmModel` (a lease from the orchestrator, the client drives the chain).
-Prints ms/token (median of --repeats) and the ratios to vanilla; writes experiments/results/bench_runtime.json.
+For each split (the model's blocks over 2 and over 3 orchestrated server nodes, one chain), three clients
+generate the same greedy tokens from the same servers:
 
-    python -m experiments.bench_runtime [--model DIR] [--tokens 64] [--repeats 5]
+* ``vanilla_petals`` — petals 2.2's own client and routing (``AutoDistributedModelForCausalLM.generate``);
+* ``chainswarm_http`` — ``POST /v1/completions`` with ``stream: true`` through the orchestrator, which runs
+  the session on its granted chain (the client sees SSE chunks);
+* ``chainswarm_direct`` — ``client.DirectSwarmModel``: a lease from the orchestrator, the client drives the chain.
+
+Every generated token is timestamped as it arrives (a transformers streamer for the petals models, SSE chunks
+for HTTP): TTFT = request start → first token, per-token = mean gap between later tokens. Medians over
+``--repeats`` runs after a warm-up; ratios are to vanilla petals measured in the same run on the same servers.
+Writes ``experiments/results/bench_runtime.json`` (and the markdown table it prints).
+
+    python -m experiments.bench_runtime [--model DIR] [--splits 2,3] [--tokens 32] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -16,83 +23,161 @@ import statistics
 import time
 from pathlib import Path
 
+DTYPE = "float32"
+PROMPT = "The history of the bicycle begins in the early nineteenth century, when"
+SETUPS = ("vanilla_petals", "chainswarm_http", "chainswarm_direct")
 
-def _median_ms_per_token(fn, tokens: int, repeats: int) -> float:
-    fn()  # warm-up (opens connections, first allocation)
-    samples = []
+
+class _Stamps:
+    """A transformers streamer that records when each generated token arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.extend([time.perf_counter()] * value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+def _latencies(start: float, stamps: list[float]) -> tuple[float, float]:
+    """(TTFT, mean per-token gap after the first) in milliseconds."""
+    ttft = stamps[0] - start
+    gaps = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+    return 1000 * ttft, 1000 * gaps
+
+
+def _measure(run_once, repeats: int) -> dict:
+    run_once()  # warm-up: connections, first allocations
+    ttfts, per_token = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        produced = fn()
-        samples.append(1000 * (time.perf_counter() - t0) / produced)
-    return statistics.median(samples)
+        ttft, gap = run_once()
+        ttfts.append(ttft)
+        per_token.append(gap)
+    return {"ttft_ms": statistics.median(ttfts), "per_token_ms": statistics.median(per_token),
+            "ttft_samples": ttfts, "per_token_samples": per_token}
+
+
+def _petals_runner(model, ids, tokens: int):
+    import torch
+
+    def once():
+        stamps = _Stamps()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           streamer=stamps)
+        return _latencies(start, stamps.times)
+    return once
+
+
+def _http_runner(http, tokens: int):
+    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}
+
+    def once():
+        stamps = []
+        start = time.perf_counter()
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]" and '"text": ""' not in line:
+                    stamps.append(time.perf_counter())
+        return _latencies(start, stamps)
+    return once
+
+
+def _budgets(model_dir: str, servers: int, max_length: int) -> list[float]:
+    """Memory budgets that fit 1/servers of the model plus a few sessions each: the plan is one chain."""
+    import torch
+    from petals.server.block_utils import get_block_size
+
+    from server.profiling import cache_bytes_per_token
+    from swarm.compat import petals
+
+    config = petals.AutoDistributedConfig.from_pretrained(model_dir)
+    block = get_block_size(config, "memory", dtype=getattr(torch, DTYPE))
+    per_token = cache_bytes_per_token(config, getattr(torch, DTYPE))
+    share = -(-config.num_hidden_layers // servers)
+    return [share * (block + 4 * per_token * max_length) / 1e9] * servers
+
+
+def bench_split(model_dir: str, servers: int, tokens: int, repeats: int, progress) -> dict:
+    import httpx
+    from transformers import AutoTokenizer
+
+    from client.direct import DirectSwarmModel
+    from server.local_swarm import LocalSwarm
+    from swarm.petals_client import open_distributed_model
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    max_length = 256
+    results = {}
+    with LocalSwarm(model_dir) as swarm:
+        url = swarm.add_orchestrator(expected_rate=0.2, max_length=max_length, expected_input_tokens=32,
+                                     expected_output_tokens=tokens, refresh_s=0.5, torch_dtype=DTYPE).info["url"]
+        nodes = [swarm.add_node(node_id=f"n{i}", memory_gb=gb, wait=False, num_handlers=1, torch_dtype=DTYPE)
+                 for i, gb in enumerate(_budgets(model_dir, servers, max_length))]
+        for node in nodes:
+            swarm.wait_profiled(node, timeout=180)
+        status = swarm.wait_chains_ready(timeout=300)
+        chains = [[list(span) for span in c["spans"]] for c in status["chains"]]
+        import torch
+
+        with open_distributed_model(model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                    torch_dtype=getattr(torch, DTYPE)) as model:
+            results["vanilla_petals"] = _measure(_petals_runner(model, ids, tokens), repeats)
+        progress.update()
+        with httpx.Client(base_url=url, timeout=300) as http:
+            results["chainswarm_http"] = _measure(_http_runner(http, tokens), repeats)
+        progress.update()
+        with DirectSwarmModel.from_pretrained(model_dir, orchestrator=url, torch_dtype=getattr(torch, DTYPE)) as model:
+            results["chainswarm_direct"] = _measure(_petals_runner(model, ids, tokens), repeats)
+        progress.update()
+    base = results["vanilla_petals"]
+    for name, r in results.items():
+        r["ttft_ratio"] = r["ttft_ms"] / base["ttft_ms"]
+        r["per_token_ratio"] = r["per_token_ms"] / base["per_token_ms"]
+    return {"servers": servers, "chains": chains, "results": results}
+
+
+def markdown(report: dict) -> str:
+    lines = ["| split | client | TTFT ms | × vanilla | per-token ms | × vanilla |", "|---|---|---|---|---|---|"]
+    for split in report["splits"]:
+        for name in SETUPS:
+            r = split["results"][name]
+            lines.append(f"| {split['servers']} servers | {name} | {r['ttft_ms']:.0f} | {r['ttft_ratio']:.2f} | "
+                         f"{r['per_token_ms']:.1f} | {r['per_token_ratio']:.2f} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, cached)")
+    parser.add_argument("--splits", default="2,3", help="numbers of servers to split the model over (default 2,3)")
+    parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="experiments/results/bench_runtime.json")
     args = parser.parse_args(argv)
-
-    import httpx
-    import torch
     from tqdm import tqdm
-    from transformers import AutoConfig, AutoTokenizer
 
-    from client.direct import DirectSwarmModel
-    from server.local_swarm import LocalSwarm
-    from swarm.checkpoint import TinyLlamaSpec, make_random_llama
-    from swarm.petals_client import open_distributed_model
+    from swarm.model_store import DEFAULT_MODEL, ensure_model
 
-    model_dir = args.model or str(make_random_llama(Path("runs/bench-model"), TinyLlamaSpec(seed=0)))
-    layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    half = layers // 2
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt = "The quick brown fox jumps over the lazy dog."
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    gen = dict(max_new_tokens=args.tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    results = {}
-    progress = tqdm(total=3, desc="setups")
-
-    with LocalSwarm(model_dir) as swarm:
-        swarm.add_server((0, half), num_handlers=1)
-        swarm.add_server((half, layers), num_handlers=1)
-        with open_distributed_model(model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix) as m:
-            results["vanilla_petals"] = _median_ms_per_token(lambda: m.generate(ids, **gen).shape[1] - ids.shape[1],
-                                                             args.tokens, args.repeats)
-    progress.update()
-
-    with LocalSwarm(model_dir) as swarm:
-        orchestrator = swarm.add_orchestrator(expected_rate=1.0, max_length=256, expected_input_tokens=64,
-                                              expected_output_tokens=args.tokens, refresh_s=0.5)
-        url = orchestrator.info["url"]
-        # budgets that fit half of the model with a few sessions each: the plan is one 2-server chain
-        nodes = [swarm.add_node(node_id=f"n{i}", memory_gb=0.0012, wait=False, num_handlers=1) for i in range(2)]
-        for node in nodes:
-            swarm.wait_profiled(node)
-        status = swarm.wait_chains_ready()
-        chain = [c["spans"] for c in status["chains"]]
-        body = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0}
-        with httpx.Client(base_url=url, timeout=120) as http:
-            def via_http():
-                return http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"]
-            results["chainswarm_http"] = _median_ms_per_token(via_http, args.tokens, args.repeats)
-        progress.update()
-        with DirectSwarmModel.from_pretrained(model_dir, orchestrator=url) as model:
-            results["chainswarm_direct"] = _median_ms_per_token(
-                lambda: model.generate(ids, **gen).shape[1] - ids.shape[1], args.tokens, args.repeats)
-        progress.update()
+    model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
+    splits = [int(s) for s in args.splits.split(",")]
+    progress = tqdm(total=3 * len(splits), desc="bench_runtime")
+    report = {"model": Path(model_dir).name, "dtype": DTYPE, "prompt": PROMPT, "tokens": args.tokens,
+              "repeats": args.repeats, "splits": [bench_split(model_dir, n, args.tokens, args.repeats, progress)
+                                                  for n in splits]}
     progress.close()
-
-    base = results["vanilla_petals"]
-    report = {"model": model_dir, "tokens": args.tokens, "repeats": args.repeats, "chains": chain,
-              "ms_per_token": results, "ratio_to_vanilla": {k: v / base for k, v in results.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"{'setup':<20} {'ms/token':>9} {'x vanilla':>10}")
-    for name, value in results.items():
-        print(f"{name:<20} {value:9.1f} {value / base:10.2f}")
+    print(markdown(report))
     return 0
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from swarm.prefix import PAGE_TOKENS, reusable_pages
+from swarm.sampling import SamplingParams, TokenChooser, TokenLogprob
 from swarm.routing import (
     Lease, LeaseProvider, PrefixPlan, PrefixSessionFailed, SessionControl, install, probe_route, use_lease,
 )
@@ -23,20 +24,18 @@ from swarm.routing import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
+class StopGeneration(Exception):
+    """Raised by a token callback when the request is complete (a stop string matched): not a failure."""
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    finish_reason: str  # "stop" (end-of-sequence token or a stop string) or "length"
     reused_tokens: int = 0  # prompt positions whose KV came from the servers' prefix stores
     prefill_tokens: int = 0  # prompt positions actually computed (summed over restarts)
     restarts: int = 0  # prefix-reuse sessions restarted from the full tokens after a failure
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when requested
 
 
 class _TokenSink:
@@ -113,8 +112,12 @@ class GenerationEngine:
             on_prefix(reused)
         restarts = 0
         prefill = len(input_ids) - reused
+        chooser = None if params.plain_greedy else TokenChooser(params, self.model.config.vocab_size)
         try:
-            self._run(lease, provider, input_ids, params.max_new_tokens, params, sink, plan, control)
+            self._run(lease, provider, input_ids, params.max_new_tokens, chooser, sink, plan, control)
+        except StopGeneration:
+            return GenerationResult(produced, "stop", reused, prefill, restarts,
+                                    chooser.logprobs[:len(produced)] if chooser else [])
         except PrefixSessionFailed as exc:
             restarts = 1
             logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
@@ -125,16 +128,25 @@ class GenerationEngine:
             if remaining > 0 and not stopped:
                 prompt = list(input_ids) + produced
                 prefill += len(prompt)
-                self._run(lease, provider, prompt, remaining, params, sink, None, control)
+                if chooser is not None:  # it chose one more token than the failed session delivered
+                    del chooser.generated[len(produced):], chooser.logprobs[len(produced):]
+                try:
+                    self._run(lease, provider, prompt, remaining, chooser, sink, None, control)
+                except StopGeneration:
+                    return GenerationResult(produced, "stop", reused, prefill, restarts,
+                                            chooser.logprobs[:len(produced)] if chooser else [])
         stopped = bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
-        return GenerationResult(produced, "stop" if stopped else "length", reused, prefill, restarts)
+        return GenerationResult(produced, "stop" if stopped else "length", reused, prefill, restarts,
+                                chooser.logprobs[:len(produced)] if chooser else [])
 
-    def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, params: SamplingParams,
+    def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
              sink: Callable[[int], None], plan: PrefixPlan | None, control: SessionControl | None = None) -> None:
+        from transformers import LogitsProcessorList
+
         ids = torch.tensor([input_ids], dtype=torch.long)
-        sampling = dict(do_sample=False)
-        if params.temperature > 0:
-            sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p)
+        sampling: dict = dict(do_sample=False)  # the chooser picks every token; greedy search then emits it
+        if chooser is not None:
+            sampling["logits_processor"] = LogitsProcessorList([chooser])
         # petals' generate() opens the InferenceSession in a ``with`` block on this thread and closes it (and
         # every server session) here on every path: success, error, abort, failover (swarm.server_sessions)
         with use_lease(lease, provider, control) as context, torch.inference_mode():
