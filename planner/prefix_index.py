@@ -19,7 +19,9 @@ Operations (L = pages in the query):
 * ``remove(holder, hashes)`` — asynchronous eviction report: the holder loses
   those pages and everything below them (a later page is useless without its
   prefix); O(removed + node length);
-* ``evict(holder, pages)``, ``lock``/``unlock``, ``remove_holder``.
+* ``evict(holder, pages)``, ``lock``/``unlock``, ``remove_holder``;
+* ``pages_held_by_all(holders)`` — pages every one of the holders holds (what a
+  chain of servers could reuse), O(nodes they share).
 
 Pure Python, no clocks: every time stamp is passed in.
 """
@@ -95,6 +97,19 @@ class PrefixIndex:
 
     def holders(self) -> list:
         return [h for h, n in self._held.items() if n > 0]
+
+    def pages_held_by_all(self, holders: Iterable) -> int:
+        """Pages that every one of ``holders`` holds (summed over all prefixes): O(nodes they share)."""
+        holders = tuple(holders)
+        total = 0
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                if all(h in child.holders for h in holders):
+                    total += len(child.pages)
+                    stack.append(child)
+        return total
 
     def node_count(self) -> int:
         return sum(1 for _ in self._iter_nodes()) - 1

@@ -15,8 +15,10 @@
    plan id: adopted in place.
    Another layout: state ``draining`` (petals sees the server as JOINING, so its routing opens no new
    sessions here), wait until every open session has ended (bounded by ``drain_timeout``), then let petals
-   reload with the new range. Malformed or impossible assignments are logged and ignored; an assignment
-   whose blocks fail to load sends the node back to ``waiting`` until the orchestrator assigns another.
+   reload with the new range. A malformed assignment (a bad record, or blocks beyond the model's) is logged
+   once and ignored; one that needs more memory than the node's budget, or has blocks but neither KV slots
+   nor a prefix store, is only warned about and loaded as assigned. An assignment whose blocks fail to load
+   sends the node back to ``waiting`` until the orchestrator assigns another.
 
 petals' own block selection and rebalancing never run. A launcher can follow a node through ``report``, a
 ``multiprocessing`` connection that receives ``("profiled", node_id, peer_id, profile_dict)`` once and

@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 from planner.model import ModelSpec, Placement, Server, free_slots
 from planner.plan import Plan, plan, plan_for_placement
 from planner.tuning import InfeasibleError
+from swarm.options import OrchestratorOptions
 from swarm.records import SERVING, Assignment, ServerProfile
 
 BYTES_PER_GB = 10**9
@@ -28,20 +29,21 @@ BYTES_PER_GB = 10**9
 
 @dataclass(frozen=True)
 class Expectations:
-    """What the orchestrator plans for: request lengths, arrival rate and planner settings."""
+    """What the orchestrator plans for: request lengths, arrival rate and planner settings (the planner
+    settings' defaults are the options', :class:`swarm.options.OrchestratorOptions`)."""
 
     max_length: int  # tokens per session (prompt + output); one KV slot holds this many tokens
     input_tokens: float  # l̄_I, mean prompt length
     output_tokens: float  # l̄_O, mean generated tokens
     arrival_rate: float  # λ, requests per second
-    target_load: float = 0.7  # ρ̄
+    target_load: float = OrchestratorOptions.target_load  # ρ̄
     hop_overhead_s: float = 0.018  # per relayed round trip (petals' per-hop serialisation constant)
     block_overhead_s: float = 0.001  # t_o, per block per job
-    placement: str = "gbp-cr"
-    tuning: str = "lower-bound"
-    c: int | None = None
-    replan_tolerance: float = 0.05  # keep current ranges unless a fresh plan is this much better
-    prefix_cache_tokens: int = 0  # prefix-store budget per served block (tokens), reserved before KV slots
+    placement: str = OrchestratorOptions.placement
+    tuning: str = OrchestratorOptions.tuning
+    c: int | None = OrchestratorOptions.c
+    replan_tolerance: float = OrchestratorOptions.replan_tolerance  # keep ranges unless a fresh plan is better
+    prefix_cache_tokens: int = OrchestratorOptions.prefix_cache_tokens  # prefix store per served block, tokens
 
     def __post_init__(self) -> None:
         if self.max_length < 2 or self.input_tokens < 1 or self.output_tokens < 1:
@@ -52,6 +54,21 @@ class Expectations:
             raise ValueError("the expected arrival rate must be > 0")
         if self.prefix_cache_tokens < 0:
             raise ValueError("prefix_cache_tokens must be >= 0")
+
+
+def expectations(options: OrchestratorOptions, model_config) -> Expectations:
+    """What an orchestrator with these options plans for on this model (a transformers config): the session
+    length defaults to the model's context, at most 2,048 tokens; the mean request lengths follow the Azure code
+    trace (2,048 input / 28 output tokens), clipped to the session length."""
+    max_length = options.max_length or min(getattr(model_config, "max_position_embeddings", 2048), 2048)
+    output_tokens = options.expected_output_tokens or min(28.0, max(1.0, max_length / 8))
+    input_tokens = options.expected_input_tokens or min(2048.0, max(1.0, max_length / 2))
+    return Expectations(
+        max_length=max_length, input_tokens=input_tokens, output_tokens=output_tokens,
+        arrival_rate=options.expected_rate, target_load=options.target_load, placement=options.placement,
+        tuning=options.tuning, c=options.c, replan_tolerance=options.replan_tolerance,
+        prefix_cache_tokens=options.prefix_cache_tokens,
+    )
 
 
 def planner_inputs(
@@ -194,6 +211,13 @@ def routable_chains(
         chains.append(RoutableChain(f"{plan_id}/{index}", index, tuple(ch.servers), tuple(ch.spans),
                                     ch.capacity, ch.service_time, route, ready))
     return chains
+
+
+def chain_prefill_s(chain: RoutableChain, profiles: Mapping[str, ServerProfile]) -> float:
+    """Measured prefill time of one prompt token through ``chain``: Σ_j blocks_j · prefill_s_j (the servers'
+    per-block per-token prefill, summed over the chain's blocks like the planner's compute time)."""
+    return sum((end - start) * profiles[node].prefill_s
+               for node, (start, end) in zip(chain.servers, chain.spans) if node in profiles)
 
 
 def planned_step_s(chain: RoutableChain, profiles: Mapping[str, ServerProfile],

@@ -2,86 +2,32 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm import planning
+from swarm.options import OrchestratorOptions
 from swarm.orchestrator import Orchestrator, OrchestratorConfig
-from swarm.planning import Expectations
+
+__all__ = ["OrchestratorOptions", "build_config", "serve", "run", "orchestrator_process_main"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class OrchestratorOptions:
-    """Everything ``chainswarm orchestrator`` accepts (also used by the local swarm launcher)."""
-
-    model_dir: str
-    initial_peers: list[str] = field(default_factory=list)  # empty: this orchestrator starts the DHT
-    dht_host: str = "127.0.0.1"
-    dht_port: int = 0
-    dht_announce_port: int | None = None  # announce another port than dht_port (a WAN-emulation proxy)
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    dht_prefix: str | None = None
-    policy: str = "dlpm"
-    quantum: float = 8192.0
-    target_load: float = 0.7
-    expected_rate: float = 1.0
-    expected_input_tokens: float | None = None
-    expected_output_tokens: float | None = None
-    max_length: int | None = None
-    placement: str = "gbp-cr"
-    tuning: str = "lower-bound"
-    c: int | None = None
-    replan_tolerance: float = 0.05
-    refresh_s: float = 1.0
-    queue_timeout_s: float = 600.0
-    # A server that vanishes without closing its connections (killed machine, network partition) is noticed
-    # by a session only when a step times out; then the session fails over to another chain.
-    request_timeout_s: float = 30.0
-    api_keys: dict[str, str] = field(default_factory=dict)  # key -> client id
-    proxy: bool = True  # load the client-side model and serve /v1/completions
-    # The proxy's petals client: None keeps petals' default (server-to-server push on); False relays every
-    # hop's activations through the orchestrator (the paper's model).
-    use_server_to_server: bool | None = None
-    # Prompt-prefix reuse: per-block prefix-store budget in tokens on every server (0 = off), reserved by the
-    # planner; chain_quantum = per-client per-chain stickiness Q^w of the ``swarm`` policy (None = its default).
-    prefix_cache_tokens: int = 0
-    chain_quantum: float | None = None
-    router: str = "jffc"  # "ws-rr": BPRR's per-request WS-RR paths instead of GCA chains + JFFC
-    # No-progress watchdog: abort a session without a step or token for this long (None: 4x the planned step
-    # time of the step in progress, clamped to [10, 60] s); see swarm.completion.
-    stall_timeout_s: float | None = None
-    # The serving dtype, one choice end to end: the engine's embeddings/LM head run in it and only servers that
-    # compute in it are planned (a bfloat16 server behind a float32 head gives text matching neither reference).
-    torch_dtype: str = "float32"
-
-
 def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
+    """The options resolved for their model: its blocks, the planner's expectations and the DHT prefix."""
     from transformers import AutoConfig
 
     from swarm.checkpoint import dht_prefix_for
 
     model_config = AutoConfig.from_pretrained(options.model_dir)
-    max_length = options.max_length or min(getattr(model_config, "max_position_embeddings", 2048), 2048)
-    # Defaults follow the Azure code trace (mean 2,048 input / 28 output tokens), clipped to the session length.
-    output_tokens = options.expected_output_tokens or min(28.0, max(1.0, max_length / 8))
-    input_tokens = options.expected_input_tokens or min(2048.0, max(1.0, max_length / 2))
-    expect = Expectations(
-        max_length=max_length, input_tokens=input_tokens, output_tokens=output_tokens,
-        arrival_rate=options.expected_rate, target_load=options.target_load, placement=options.placement,
-        tuning=options.tuning, c=options.c, replan_tolerance=options.replan_tolerance,
-        prefix_cache_tokens=options.prefix_cache_tokens,
-    )
-    return OrchestratorConfig(
-        model_dir=options.model_dir, dht_prefix=options.dht_prefix or dht_prefix_for(options.model_dir),
-        num_blocks=model_config.num_hidden_layers, expect=expect, policy=options.policy, quantum=options.quantum,
-        refresh_s=options.refresh_s, queue_timeout_s=options.queue_timeout_s, chain_quantum=options.chain_quantum,
-        router=options.router, torch_dtype=options.torch_dtype,
-    )
+    given = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    given["dht_prefix"] = options.dht_prefix or dht_prefix_for(options.model_dir)
+    return OrchestratorConfig(**given, num_blocks=model_config.num_hidden_layers,
+                              expect=planning.expectations(options, model_config))
 
 
 async def serve(options: OrchestratorOptions, report=None) -> None:

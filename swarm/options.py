@@ -1,0 +1,135 @@
+"""The orchestrator's options: one dataclass from the command line to the orchestrator.
+
+:class:`OrchestratorOptions` is the single source of every option of an orchestrator process: its default and
+its help text live on its field. ``chainswarm orchestrator`` generates its arguments from the fields
+(:func:`arguments`, :func:`from_arguments`); :class:`server.local_swarm.LocalSwarm` passes them as keywords;
+:func:`swarm.service.build_config` resolves them against the model into the orchestrator's
+:class:`~swarm.orchestrator.OrchestratorConfig` (a subclass that adds what the model decides), deriving the
+planner's :class:`~swarm.planning.Expectations` in one function (:func:`swarm.planning.expectations`).
+
+Fields marked ``cli=False`` have no generated argument: the command line writes them by hand (``--http
+HOST:PORT``, ``--api-key``, ``--api-keys-file``, ``--no-proxy``) or leaves them to programs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import MISSING, dataclass
+from typing import Any, Iterator
+
+POLICIES = ("dlpm", "vtc", "fcfs", "lpm", "swarm", "bfio", "lcf")
+PLACEMENTS = ("gbp-cr", "petals", "bprr", "whole-model", "random")
+TUNINGS = ("lower-bound", "surrogate", "upper-bound")
+ROUTER_NAMES = ("jffc", "ws-rr")  # the table of implementations is swarm.routers.ROUTERS
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def option(default: Any = MISSING, *, help: str, flag: str | None = None, cli: bool = True,
+           default_factory: Any = MISSING, **argparse_kwargs: Any) -> Any:
+    """A field with its help text; ``flag`` (default ``--field-name``) and ``argparse_kwargs`` (``choices``,
+    ``metavar``, ``nargs``) shape its command-line argument, ``cli=False`` leaves it out."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"help": help, "flag": flag, "cli": cli, "argparse": argparse_kwargs})
+
+
+@dataclass
+class OrchestratorOptions:
+    """Everything ``chainswarm orchestrator`` accepts (also the keywords of ``LocalSwarm.add_orchestrator``)."""
+
+    model_dir: str = option(flag="--model", help="local checkpoint directory (the model the swarm serves)")
+    initial_peers: list[str] = option(default_factory=list, nargs="*", metavar="MADDR",
+                                      help="join an existing DHT (default: start one; servers join with its address)")
+    dht_host: str = option("127.0.0.1", flag="--host", help="address of the orchestrator's DHT peer")
+    dht_port: int = option(0, help="TCP port of the DHT peer (default: any free)")
+    dht_announce_port: int | None = option(None, cli=False,
+                                           help="announce another port than dht_port (a WAN-emulation proxy)")
+    http_host: str = option("127.0.0.1", cli=False, help="HTTP API address (--http HOST:PORT)")
+    http_port: int = option(8000, cli=False, help="HTTP API port (0: any free)")
+    dht_prefix: str | None = option(None, help="DHT prefix (default: derived from the model dir name)")
+    policy: str = option("dlpm", choices=POLICIES, help="fairness policy for the central queue (default dlpm)")
+    quantum: float = option(8192.0, help="DLPM quantum Q^u in cost units (w_e·input + w_q·output tokens)")
+    target_load: float = option(0.7, help="planner's target load rho (default 0.7)")
+    expected_rate: float = option(1.0, help="planning arrival rate, requests/s")
+    expected_input_tokens: float | None = option(
+        None, help="planning mean prompt length (default: 2048, at most half the session length)")
+    expected_output_tokens: float | None = option(
+        None, help="planning mean generated tokens (default: 28, at most an eighth of the session length)")
+    max_length: int | None = option(None, help="max tokens per session (KV slot size)")
+    placement: str = option("gbp-cr", choices=PLACEMENTS, help="block placement (default gbp-cr)")
+    router: str = option("jffc", choices=ROUTER_NAMES,
+                         help="jffc (default): GCA chains, the fairness queue and JFFC; ws-rr: BPRR's per-request "
+                         "WS-RR paths over the placement (FCFS, no chains; pair with --placement bprr)")
+    tuning: str = option("lower-bound", choices=TUNINGS, help="how c is tuned (default lower-bound)")
+    c: int | None = option(None, help="fix the cache reservation c instead of tuning it")
+    replan_tolerance: float = option(0.05, cli=False,
+                                     help="keep the current block ranges unless a fresh plan is this much better")
+    refresh_s: float = option(1.0, cli=False, help="seconds between reads of the servers' records")
+    queue_timeout_s: float = option(600.0, cli=False, help="longest wait for a chain slot")
+    # A server that vanishes without closing its connections (killed machine, network partition) is noticed
+    # by a session only when a step times out; then the session fails over to another chain.
+    request_timeout_s: float = option(30.0, flag="--request-timeout",
+                                      help="seconds a session step may take before its server counts as failed "
+                                      "(default 30)")
+    stall_timeout_s: float | None = option(
+        None, flag="--stall-timeout", metavar="S",
+        help="abort a session that makes no progress (no server step, no token) for S seconds, return its slot and "
+        "retry it if it produced nothing (default: 4x the planned time of the step in progress, between 10 and 60 s)")
+    torch_dtype: str = option("float32", choices=DTYPES,
+                              help="the swarm's serving dtype: the orchestrator's embeddings and LM head run in it and "
+                              "only servers that compute in it are planned (default float32; mixing dtypes changes "
+                              "greedy answers)")
+    prefix_cache_tokens: int = option(0, help="prompt-prefix KV budget per served block, in tokens, reserved on every "
+                                      "server (default 0 = no prefix reuse); pair with --policy swarm for "
+                                      "locality-aware chains")
+    chain_quantum: float | None = option(None, help="swarm policy: per-client per-chain stickiness quantum Q^w "
+                                         "(default 16384)")
+    api_keys: dict[str, str] = option(default_factory=dict, cli=False,
+                                      help="API key -> client id (--api-key KEY=CLIENT, --api-keys-file)")
+    proxy: bool = option(True, cli=False, help="load the client-side model and serve /v1/completions (--no-proxy)")
+    use_server_to_server: bool | None = option(
+        None, cli=False, help="the proxy's petals client: None keeps petals' default (server-to-server push on); "
+        "False relays every hop's activations through the orchestrator (the paper's model)")
+    log_level: str = option("INFO", help="logging level of the orchestrator process")
+
+
+def _argument_type(annotation: Any) -> Any:
+    """The scalar type argparse converts to: ``float | None`` -> float, ``list[str]`` -> str."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is list:
+        (annotation,) = typing.get_args(annotation)
+    return annotation
+
+
+def arguments() -> Iterator[tuple[str, dict[str, Any]]]:
+    """(flag, ``add_argument`` keywords) of every option with a generated argument, in field order."""
+    hints = typing.get_type_hints(OrchestratorOptions)
+    for f in dataclasses.fields(OrchestratorOptions):
+        meta = f.metadata
+        if not meta["cli"]:
+            continue
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"], **meta["argparse"]}
+        if "choices" not in kwargs:
+            kwargs.setdefault("metavar", flag[2:].replace("-", "_").upper())
+        if f.default is MISSING and f.default_factory is MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = f.default if f.default_factory is MISSING else f.default_factory()
+        kind = _argument_type(hints[f.name])
+        if kind is not str:
+            kwargs["type"] = kind
+        yield flag, kwargs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, kwargs in arguments():
+        parser.add_argument(flag, **kwargs)
+
+
+def from_arguments(args: argparse.Namespace, **others: Any) -> OrchestratorOptions:
+    """The options parsed by :func:`add_arguments`, plus the hand-written ones in ``others``."""
+    return OrchestratorOptions(**{kwargs["dest"]: getattr(args, kwargs["dest"]) for _, kwargs in arguments()},
+                               **others)
