@@ -67,7 +67,7 @@ def settings(quick: bool) -> dict:
 
 
 def wan_config(num_servers: int, seed: int):
-    from swarm.wan import WanConfig
+    from wan import WanConfig
 
     return WanConfig.from_ripe_atlas(num_servers=num_servers, seed=seed, eta=ETA if num_servers >= 3 else None)
 

@@ -29,7 +29,7 @@ BLOCK_OVERHEAD_S = 0.001
 
 
 def predictions(table1: dict, config_name: str = "relay") -> list[dict]:
-    from swarm.wan import WanConfig
+    from wan import WanConfig
 
     wan = WanConfig.from_dict(table1["wan"])
     rows = []

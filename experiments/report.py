@@ -49,7 +49,7 @@ def _intro(out_dir: Path) -> str:
         "Model (§10.1–10.2): BLOOM-176B, L = 70 blocks of 1.32 GB, 0.11 GB KV cache per block per job; "
         "high-performance GPUs 40 GB / τp = 108.9 ms, low-performance 20 GB / τp = 175.2 ms; τc_j = l̄_O·(RTT(o, j) + "
         "18 ms) with l̄_O = 20 and RTT(o, j) from the RIPE Atlas EU anchors (orchestrator and servers drawn per "
-        "scenario seed, `swarm.wan.WanConfig.from_ripe_atlas`); Poisson arrivals, Exp(1) job sizes; exact "
+        "scenario seed, `wan.WanConfig.from_ripe_atlas`); Poisson arrivals, Exp(1) job sizes; exact "
         "event-driven simulation with the central queue served at completion instants (`experiments/simulator.py`).",
         "",
         "Computation time: " + (", ".join(timing) if timing else "–") + ".",

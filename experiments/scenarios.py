@@ -7,7 +7,7 @@ planner's :class:`~planner.model.Server` list with
 * τp_j from the GPU type (footnote 11: ``t_o + (F/f_j)·l̄_I + (s_m/b_j)·(l̄_O − 1)``),
 * τc_j from the orchestrator–server RTT (§10.2; default ``l̄_O·(RTT + 18 ms)``, configurable).
 
-The RTTs come from :meth:`swarm.wan.WanConfig.from_ripe_atlas` (the same derivation and the same seeded
+The RTTs come from :meth:`wan.WanConfig.from_ripe_atlas` (the same derivation and the same seeded
 choice of anchors that the live WAN emulation uses, §13.3): ``RTT(i, j) = 0.3·base_i + 0.3·base_j +
 0.01 ms/km·haversine(i, j)``. Everything here is pure except that one file read, which is cached.
 """
@@ -158,7 +158,7 @@ class Scenario:
 
 @functools.lru_cache(maxsize=4096)
 def _ripe_draw(num_servers: int, seed: int, eta: float, orchestrator: str):
-    from swarm.wan import WanConfig  # standard library only; no torch
+    from wan import WanConfig  # standard library only; no torch
 
     wan = WanConfig.from_ripe_atlas(num_servers=num_servers, seed=seed, eta=eta, orchestrator=orchestrator)
     names = wan.names  # client first, then s0..s{J-1}

@@ -9,7 +9,7 @@ group with a watchdog on the launcher, so nothing outlives the swarm, even when 
 Environment variables that should reach the servers must be set before the first swarm starts (the
 forkserver keeps the environment it was started with).
 
-With ``wan=`` (a :class:`swarm.wan.WanConfig`) the swarm runs behind the WAN emulator: the emulator starts
+With ``wan=`` (a :class:`wan.WanConfig`) the swarm runs behind the WAN emulator: the emulator starts
 with the DHT, every server or node takes the next server host of the config (``127.0.0.k``; or the one named
 by ``wan_host=``), listens on its real port and announces the emulator's proxy port, and the orchestrator's
 DHT peer sits on the client host (127.0.0.1) behind a proxy of its own, so that every path — orchestrator
@@ -92,9 +92,9 @@ class LocalSwarm:
         self.orchestrator: Peer | None = None
         self.servers: list[Peer] = []
         self._ctx = _context()
-        self.wan = wan  # swarm.wan.WanConfig or None
+        self.wan = wan  # wan.WanConfig or None
         self.wan_backend = wan_backend
-        self.emulator = None  # swarm.wan.WanEmulator while running
+        self.emulator = None  # wan.WanEmulator while running
         self._wan_taken: set[str] = set()
         if wan is not None and wan.ip(wan.client) != host:
             raise ValueError(f"the WAN config's client host is {wan.ip(wan.client)}, the swarm's host {host}")
@@ -114,7 +114,7 @@ class LocalSwarm:
         if self.dht is not None:
             return self.initial_peers
         if self.wan is not None and self.emulator is None:
-            from swarm.wan import WanEmulator
+            from wan import WanEmulator
 
             # the client host gets a proxy too: the orchestrator's DHT peer announces it (see the module doc)
             self.emulator = WanEmulator(self.wan, backend=self.wan_backend,
@@ -139,7 +139,7 @@ class LocalSwarm:
     # -- WAN emulation ---------------------------------------------------------------------------------
     @property
     def wan_endpoints(self) -> dict:
-        """``{host: swarm.wan.Endpoint}`` of the running emulator (empty without ``wan``)."""
+        """``{host: wan.Endpoint}`` of the running emulator (empty without ``wan``)."""
         return dict(self.emulator.endpoints) if self.emulator is not None else {}
 
     def _network_options(self, wan_host: str | None, options: dict) -> tuple[dict, str | None]:

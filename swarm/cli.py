@@ -23,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("swarm.commands.plan", "plan block placement (GBP-CR) and chains (GCA) for a swarm description"),
     "simulate": ("experiments.simulate_cli", "run the model-driven simulations and regenerate the paper figures and report"),
     "experiment": ("experiments.live_cli", "run a live-swarm experiment (Table 1 replay, fairness, model validation)"),
-    "wan": ("swarm.commands.wan", "emulate WAN latency between loopback hosts: config, run, measure"),
+    "wan": ("wan.cli", "emulate WAN latency between loopback hosts: config, run, measure"),
 }
 
 

@@ -11,26 +11,44 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 
-def become_group_leader(launcher_pid: int, poll_s: float = 1.0) -> None:
-    """Make this process a process-group leader that exits cleanly on SIGTERM and dies with its launcher."""
+def become_group_leader(launcher_pid: int, poll_s: float = 1.0, *, child_of_launcher: bool = False) -> None:
+    """Make this process a process-group leader that exits cleanly on SIGTERM and dies with its launcher.
+
+    With ``child_of_launcher`` (the launcher forked this process) the watchdog watches the parent id
+    instead, which changes the moment the launcher exits, before it is reaped (a zombie still answers
+    ``kill(pid, 0)``).
+    """
     os.setpgrp()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    def launcher_gone() -> bool:
+        if child_of_launcher:
+            return os.getppid() != launcher_pid
+        try:
+            os.kill(launcher_pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
 
     def watchdog() -> None:
         while True:
             time.sleep(poll_s)
-            try:
-                os.kill(launcher_pid, 0)
-            except ProcessLookupError:
+            if launcher_gone():
                 os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watchdog, name="launcher-watchdog", daemon=True).start()
 
 
-def stop_process_group(process, timeout: float = 10.0) -> None:
-    """SIGTERM a peer started by ``become_group_leader``, wait up to ``timeout``, then SIGKILL what is left."""
+def stop_process_group(process, timeout: float = 10.0, *,
+                       drain: Callable[[float], object] | None = None) -> None:
+    """SIGTERM a peer started by ``become_group_leader``, wait up to ``timeout``, then SIGKILL what is left.
+
+    ``drain(timeout)``, when given, runs right after the SIGTERM and before the wait, e.g. to read the
+    last message the peer sends on a pipe as it shuts down.
+    """
     if process.pid is None:
         return
     if process.is_alive():
@@ -38,6 +56,8 @@ def stop_process_group(process, timeout: float = 10.0) -> None:
             os.kill(process.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+        if drain is not None:
+            drain(timeout)
         process.join(timeout)
     try:  # whatever is left of the group: handlers, DHT, p2pd
         os.killpg(process.pid, signal.SIGKILL)

@@ -169,7 +169,7 @@ def test_bloom_parameters():
 
 
 def test_scenario_matches_wan_config_and_is_deterministic():
-    from swarm.wan import WanConfig
+    from wan import WanConfig
 
     cfg = ScenarioConfig(num_servers=10, eta=0.3)
     a, b = build_scenario(cfg, seed=7), build_scenario(cfg, seed=7)

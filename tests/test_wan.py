@@ -1,4 +1,4 @@
-"""WAN emulation (swarm.wan): real proxy and echo processes on loopback addresses."""
+"""WAN emulation (the wan package): real proxy and echo processes on loopback addresses."""
 from __future__ import annotations
 
 import hashlib
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from swarm import wan
-from swarm.wan import EchoServers, WanConfig, WanEmulator, measure_rtt
+import wan
+from wan import EchoServers, WanConfig, WanEmulator, measure_rtt
 
 RTT_S0, RTT_S1, RTT_S0_S1 = 40.0, 80.0, 20.0
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from server.local_swarm import LocalSwarm
-from swarm.wan import WanConfig
+from wan import WanConfig
 from helpers import wait_for
 
 pytestmark = pytest.mark.swarm

@@ -1,4 +1,4 @@
-"""``chainswarm wan``: configure, run and measure the emulated WAN (see :mod:`swarm.wan`)."""
+"""``chainswarm wan``: configure, run and measure the emulated WAN (see :mod:`wan`)."""
 from __future__ import annotations
 
 import argparse
@@ -83,7 +83,7 @@ def _parse_ports(items: list[str]) -> dict[str, int | tuple[int, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm import wan
+    import wan
 
     action = getattr(args, "wan_command", None)
     if action is None:
