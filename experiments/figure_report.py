@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIGURES = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8")
+FIGURES = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9")
 PAPER_GAIN = (0.08, 0.83)  # the paper's headline: 8%–83% lower mean response time than the state of the art
 
 TITLE = {
@@ -26,6 +26,7 @@ TITLE = {
     "fig6": "Fig. 6 — tuning the cache reservation c",
     "fig7": "Fig. 7 — the optimal c* against the arrival rate",
     "fig8": "Fig. 8 — overall comparison with PETALS and BPRR",
+    "fig9": "Fig. 9 — placement=auto at higher loads and on the Azure trace's arrivals",
 }
 
 
@@ -418,5 +419,17 @@ def _body_fig8(d: dict) -> list[str]:
     return out
 
 
+def _body_fig8_auto(d: dict) -> list[str]:
+    from experiments.auto_report import auto_lines
+
+    return _body_fig8(d) + ([""] + auto_lines(d) if "auto" in d else [])
+
+
+def _body_fig9(d: dict) -> list[str]:
+    from experiments.auto_report import auto_lines
+
+    return auto_lines(d)
+
+
 BODY = {"fig3": _body_fig3, "fig4": _body_fig4, "fig5": _body_fig5, "fig6": _body_fig6, "fig7": _body_fig7,
-        "fig8": _body_fig8}
+        "fig8": _body_fig8_auto, "fig9": _body_fig9}

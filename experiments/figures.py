@@ -558,55 +558,80 @@ def plot_fig7(data: dict, path: Path) -> None:
 # Fig. 8: overall comparison against PETALS and BPRR
 # ================================================================================================
 
-METHODS_FIG8 = ("proposed (c=7)", "proposed (c*)", "PETALS", "BPRR")
+METHODS_FIG8 = ("proposed (c=7)", "proposed (c*)", "PETALS", "BPRR", "auto")
+
+
+PLAN_METHODS = {"proposed (c=7)": {"c": C_UNIT}, "proposed (c*)": {}, "auto": {"placement": "auto"}}
+
+
+def plan_methods(sc, names) -> dict:
+    """The plans of the chain-composing ``names`` (keys of PLAN_METHODS) on one scenario (None: infeasible)."""
+    from planner.plan import plan
+
+    plans = {}
+    for name in names:
+        try:
+            plans[name] = plan(sc.model, sc.servers, sc.arrival_rate, target_load=sc.target_load, **PLAN_METHODS[name])
+        except ValueError:
+            plans[name] = None
+    return plans
+
+
+def run_methods(sc, s: int, plans: dict, jobs, base_jobs: int, out: dict, extra: dict) -> None:
+    """Simulate every plan in ``plans`` and the PETALS and BPRR baselines on ``jobs`` (scenario seed ``s``);
+    append the summaries to ``out[method]`` and the bookkeeping to ``extra``."""
+    from experiments.baseline_sim import simulate_bprr, simulate_petals
+
+    for name, p in plans.items():
+        if p is None:
+            out[name].append(None)
+            continue
+        if name == "proposed (c*)":
+            extra["c_star"].append(p.c)
+        if name == "auto":
+            extra.setdefault("auto_choice", []).append(p.tuning)
+        if p.overloaded:
+            extra["unstable"][name] += 1
+        res = simulate_chains([ch.service_time for ch in p.chains], [ch.capacity for ch in p.chains], jobs)
+        out[name].append(res.summary().to_dict())
+    bjobs = jobs.head(base_jobs)
+    try:
+        res, info = simulate_petals(sc.model, sc.servers, sc.rtt_ms, bjobs, join_seed=s,
+                                    mean_output=sc.config.mean_output, max_retries_per_job=200)
+        extra["petals_retries"].append(info["retries"])
+        out["PETALS"].append(res.summary().to_dict())
+    except (ValueError, OverflowError) as exc:
+        extra["unstable"]["PETALS"] += 1
+        out["PETALS"].append({"unstable": str(exc)})
+    try:
+        res, info = simulate_bprr(sc.model, sc.servers, bjobs, sc.arrival_rate)
+        extra["bprr_R"].append(info["reservation"])
+        extra["bprr_surprises"].append(info["surprise_failures"])
+        out["BPRR"].append(res.summary().to_dict())
+    except ValueError as exc:
+        extra["unstable"]["BPRR"] += 1
+        out["BPRR"].append({"unstable": str(exc)})
+
+
+def empty_cell(methods) -> tuple[dict, dict]:
+    return ({m: [] for m in methods}, {"c_star": [], "bprr_R": [], "petals_retries": [], "bprr_surprises": [],
+                                       "unstable": {m: 0 for m in methods}})
 
 
 def _fig8_cell(args):
-    from experiments.baseline_sim import simulate_bprr, simulate_petals
-    from planner.plan import plan
-
     J, eta, settings, base_jobs = args
-    out = {m: [] for m in METHODS_FIG8}
-    extra = {"c_star": [], "bprr_R": [], "petals_retries": [], "bprr_surprises": [], "unstable": {m: 0 for m in METHODS_FIG8}}
+    out, extra = empty_cell(METHODS_FIG8)
     for s in range(settings.runs):
         sc = build_scenario(settings.config(num_servers=J, eta=eta), s)
-        lam = sc.arrival_rate
-        jobs = poisson_jobs(lam, settings.num_jobs, seed=1000 + s)
-        for name, kwargs in (("proposed (c=7)", {"c": C_UNIT}), ("proposed (c*)", {})):
-            try:
-                p = plan(sc.model, sc.servers, lam, target_load=sc.target_load, **kwargs)
-            except ValueError:
-                out[name].append(None)
-                continue
-            if name == "proposed (c*)":
-                extra["c_star"].append(p.c)
-            if p.overloaded:
-                extra["unstable"][name] += 1
-            res = simulate_chains([ch.service_time for ch in p.chains], [ch.capacity for ch in p.chains], jobs)
-            out[name].append(res.summary().to_dict())
-        bjobs = jobs.head(base_jobs)
-        try:
-            res, info = simulate_petals(sc.model, sc.servers, sc.rtt_ms, bjobs, join_seed=s,
-                                        mean_output=sc.config.mean_output, max_retries_per_job=200)
-            extra["petals_retries"].append(info["retries"])
-            out["PETALS"].append(res.summary().to_dict())
-        except (ValueError, OverflowError) as exc:
-            extra["unstable"]["PETALS"] += 1
-            out["PETALS"].append({"unstable": str(exc)})
-        try:
-            res, info = simulate_bprr(sc.model, sc.servers, bjobs, lam)
-            extra["bprr_R"].append(info["reservation"])
-            extra["bprr_surprises"].append(info["surprise_failures"])
-            out["BPRR"].append(res.summary().to_dict())
-        except ValueError as exc:
-            extra["unstable"]["BPRR"] += 1
-            out["BPRR"].append({"unstable": str(exc)})
+        jobs = poisson_jobs(sc.arrival_rate, settings.num_jobs, seed=1000 + s)
+        plans = plan_methods(sc, [m for m in METHODS_FIG8 if m in PLAN_METHODS])
+        run_methods(sc, s, plans, jobs, base_jobs, out, extra)
     return {"J": J, "eta": eta, "runs": out, **extra}
 
 
-def _cell_stats(cell: dict) -> dict:
+def _cell_stats(cell: dict, methods=METHODS_FIG8) -> dict:
     stats = {}
-    for m in METHODS_FIG8:
+    for m in methods:
         ok = [r for r in cell["runs"][m] if r and "response" in r]
         mean = [r["response"]["mean"] for r in ok]
         p95 = [r["response"]["p95"] for r in ok]
@@ -614,8 +639,11 @@ def _cell_stats(cell: dict) -> dict:
                     "p95": float(np.mean(p95)) if p95 else None, "waiting": float(np.mean([r["waiting"]["mean"] for r in ok])) if ok else None,
                     "service": float(np.mean([r["service"]["mean"] for r in ok])) if ok else None,
                     "valid_runs": len(ok)}
-    for prop in ("proposed (c=7)", "proposed (c*)"):
-        for base in ("PETALS", "BPRR"):
+    for prop, bases in (("proposed (c=7)", ("PETALS", "BPRR")), ("proposed (c*)", ("PETALS", "BPRR")),
+                        ("auto", ("PETALS", "BPRR", "proposed (c*)", "proposed (c=7)"))):
+        for base in bases:
+            if prop not in methods or base not in methods:
+                continue
             pairs = [(a, b) for a, b in zip(cell["runs"][prop], cell["runs"][base])
                      if a and b and "response" in a and "response" in b]
             red = [1 - a["response"]["mean"] / b["response"]["mean"] for a, b in pairs]
@@ -674,9 +702,13 @@ def fig8(settings: Settings) -> dict:
                          jd[0] >= jd[-1] and ed[0] >= ed[-1],
                          f"mean reduction vs BPRR by J: {', '.join(f'{J}: {100 * v:.1f}%' for J, v in by_J.items())}; "
                          f"by η: {', '.join(f'{e}: {100 * v:.1f}%' for e, v in by_eta.items())}"))
+    from experiments.fig_auto import auto_verdict, exhaustive_for_missed
+
+    verdict = auto_verdict(cells)
+    verdict["exhaustive"] = exhaustive_for_missed(verdict, settings, limit=1 if settings.quick else 3)
     return {"figure": "fig8", "Js": Js, "etas": etas, "config": describe(settings.config()), "runs": settings.runs,
             "num_jobs": settings.num_jobs, "baseline_jobs": base_jobs, "cells": cells, "summary": summary,
-            "claims": claims}
+            "claims": claims, "auto": verdict}
 
 
 def plot_fig8(data: dict, path: Path) -> None:
@@ -684,8 +716,9 @@ def plot_fig8(data: dict, path: Path) -> None:
 
     Js, etas = data["Js"], data["etas"]
     fig, axes = plt.subplots(1, len(Js), figsize=(4.0 * len(Js), 4.2), sharey=True)
-    colors = {"proposed (c=7)": "tab:green", "proposed (c*)": "tab:olive", "PETALS": "tab:red", "BPRR": "tab:blue"}
-    width = 0.2
+    colors = {"proposed (c=7)": "tab:green", "proposed (c*)": "tab:olive", "PETALS": "tab:red", "BPRR": "tab:blue",
+              "auto": "tab:purple"}
+    width = 0.8 / len(METHODS_FIG8)
     for ax, J in zip(np.atleast_1d(axes), Js):
         for m_i, m in enumerate(METHODS_FIG8):
             ys, es = [], []
@@ -694,7 +727,7 @@ def plot_fig8(data: dict, path: Path) -> None:
                 st = cell["stats"][m]
                 ys.append(np.nan if st["mean"] is None else st["mean"])
                 es.append(0 if st["mean_std"] is None else st["mean_std"])
-            ax.bar(np.arange(len(etas)) + (m_i - 1.5) * width, ys, width, yerr=es, capsize=2, color=colors[m], label=m)
+            ax.bar(np.arange(len(etas)) + (m_i - (len(METHODS_FIG8) - 1) / 2) * width, ys, width, yerr=es, capsize=2, color=colors[m], label=m)
         ax.set_xticks(range(len(etas)), [f"η={e}" for e in etas])
         ax.set_title(f"J = {J}")
         ax.set_yscale("log")
@@ -719,8 +752,21 @@ def _map(fn: Callable, args: list, settings: Settings, desc: str) -> list:
     return [fn(a) for a in _bar(args, settings, desc)]
 
 
-COMPUTE = {"fig3": fig3, "fig4": fig4, "fig5": fig5, "fig6": fig6, "fig7": fig7, "fig8": fig8}
-PLOT = {"fig3": plot_fig3, "fig4": plot_fig4, "fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig8": plot_fig8}
+def _fig9(settings: Settings) -> dict:
+    from experiments.fig_auto import fig9
+
+    return fig9(settings)
+
+
+def _plot_fig9(data: dict, path: Path) -> None:
+    from experiments.fig_auto import plot_fig9
+
+    plot_fig9(data, path)
+
+
+COMPUTE = {"fig3": fig3, "fig4": fig4, "fig5": fig5, "fig6": fig6, "fig7": fig7, "fig8": fig8, "fig9": _fig9}
+PLOT = {"fig3": plot_fig3, "fig4": plot_fig4, "fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig8": plot_fig8,
+        "fig9": _plot_fig9}
 
 
 def write_figure(name: str, settings: Settings, out_dir: Path) -> dict:

@@ -1,6 +1,6 @@
 """``chainswarm simulate``: run the model-driven simulations and regenerate the paper figures and report.
 
-    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|all|fairness [--runs N] [--quick] [--out DIR] [--replot]
+    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|fig9|all|fairness [--runs N] [--quick] [--out DIR] [--replot]
 
 Each figure writes ``<out>/figN.json`` (every number), ``<out>/figN.png`` and ``<out>/sections/figN.md``,
 then ``<out>/REPORT.md`` is reassembled from all sections present. ``--replot`` recomputes nothing: it
@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "all", "fairness")
+TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "all", "fairness")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("target", choices=TARGETS, help="which figure to regenerate ('all': fig3..fig8)")
+    parser.add_argument("target", choices=TARGETS, help="which figure to regenerate ('all': fig3..fig9)")
     parser.add_argument("--runs", type=int, default=None,
                         help="Monte Carlo runs per point (default 20; 2 with --quick)")
     parser.add_argument("--quick", action="store_true",
