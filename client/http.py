@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -28,6 +29,16 @@ class Completion:
     raw: dict | None = None
 
 
+def _retry_after(response: httpx.Response) -> float | None:
+    """Seconds the orchestrator asked us to wait before retrying (None: do not retry)."""
+    if response.status_code not in (429, 503):
+        return None
+    try:
+        return max(0.0, float(response.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return None
+
+
 def _raise_for(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
@@ -48,13 +59,25 @@ class SwarmClient:
     """
 
     def __init__(self, url: str, api_key: str | None = None, *, client_id: str | None = None,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, retries: int = 3, max_retry_wait_s: float = 60.0):
         headers = {}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
         if client_id:
             headers["X-Client-Id"] = client_id
         self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self.retries, self.max_retry_wait_s = retries, max_retry_wait_s
+
+    def _post(self, path: str, body: dict) -> httpx.Response:
+        """POST, honouring the orchestrator's Retry-After on 429 (queue full) and 503 (queue timeout): wait as
+        told (at most ``max_retry_wait_s``) and try again, up to ``retries`` times."""
+        for attempt in range(self.retries + 1):
+            response = self._http.post(path, json=body)
+            wait = _retry_after(response)
+            if wait is None or attempt == self.retries or wait > self.max_retry_wait_s:
+                return response
+            time.sleep(wait)
+        return response  # pragma: no cover - the loop always returns
 
     def close(self) -> None:
         self._http.close()
@@ -71,8 +94,7 @@ class SwarmClient:
 
     def generate(self, prompt: str, max_new_tokens: int = 32, *, temperature: float = 1.0,
                  top_p: float = 1.0) -> Completion:
-        response = self._http.post("/v1/completions", json=self._body(prompt, max_new_tokens, temperature, top_p,
-                                                                       False))
+        response = self._post("/v1/completions", self._body(prompt, max_new_tokens, temperature, top_p, False))
         _raise_for(response)
         doc = response.json()
         choice, usage, swarm = doc["choices"][0], doc["usage"], doc.get("chainswarm", {})
@@ -111,7 +133,7 @@ class SwarmClient:
         body: dict[str, Any] = {"input_tokens": input_tokens, "max_new_tokens": max_new_tokens}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
-        response = self._http.post("/v1/leases", json=body)
+        response = self._post("/v1/leases", body)
         _raise_for(response)
         return response.json()
 

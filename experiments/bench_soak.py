@@ -149,7 +149,7 @@ def plot(report: dict, path: Path) -> None:
     top.plot(t, [s["queue"] for s in samples], label="queue length")
     top.set_ylabel("sessions / requests")
     top.set_yscale("symlog")
-    top.legend(loc="upper left")
+    top.legend(loc="center right")
     colours = {200: "tab:green", 429: "tab:orange", 503: "tab:red", None: "black"}
     for status, colour in colours.items():
         rs = [r for r in report["requests"] if r["status"] == status]
@@ -158,11 +158,12 @@ def plot(report: dict, path: Path) -> None:
                            label={200: "answered", 429: "refused 429", 503: "refused 503", None: "lost"}[status])
     bottom.set_ylabel("response time (s)")
     bottom.set_xlabel("time since start (s)")
-    bottom.legend(loc="upper left")
-    for phase in report["phases"]:
+    bottom.legend(loc="upper right")
+    for i, phase in enumerate(report["phases"]):
         for ax in (top, bottom):
             ax.axvline(phase["start"], color="grey", lw=0.5)
-        top.annotate(phase["name"], (phase["start"], 1), fontsize=8, rotation=90, va="bottom")
+        top.annotate(f" {phase['name']}", (phase["start"], 0.97 - 0.08 * (i % 2)), xycoords=("data", "axes fraction"),
+                     fontsize=8, va="top")
     fig.suptitle(f"Soak on {report['model']}: ν = {report['planned_rate']:.2f} req/s, capacity "
                  f"{report['capacity']} sessions; lost {report['summary']['total']['lost']}")
     fig.tight_layout()
@@ -177,7 +178,12 @@ def main(argv=None) -> int:
     parser.add_argument("--client-timeout", type=float, default=900.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="experiments/results/bench_soak.json")
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON at --out; run nothing")
     args = parser.parse_args(argv)
+    if args.replot:
+        out = Path(args.out)
+        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+        return 0
     import httpx
     from tqdm import tqdm
 

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.figures import (PLAN_METHODS, Settings, _cell_stats, _map, build_scenario, empty_cell,
-                                 plan_methods, poisson_jobs, run_methods)
+from experiments.fig_baselines import PLAN_METHODS, _cell_stats, empty_cell, plan_methods, run_methods
+from experiments.figure_common import Settings, _map
+from experiments.scenarios import build_scenario
+from experiments.simulator import poisson_jobs
 from experiments.simulator import Jobs, load_trace
 from planner.allocation import gca
 from planner.bounds import exact_mean_response_time

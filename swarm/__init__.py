@@ -1,4 +1,4 @@
-"""Chainswarm's control plane: orchestrator, DHT records, wire schemas, HTTP API, petals compatibility, WAN emulation."""
+"""Chainswarm's control plane: orchestrator, DHT records, wire schemas, HTTP API, models, petals compatibility."""
 import os as _os
 import warnings as _warnings
 

@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from swarm.engine import GenerationEngine, SamplingParams
+from swarm.engine import GenerationEngine, StopGeneration
 from swarm.routing import Lease, NoRouteError, SessionControl
+from swarm.sampling import SamplingParams, StopMatcher, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Finished:
     service_s: float
     prefix: dict[str, Any] = field(default_factory=dict)
     attempts: int = 1
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class _LoopProvider:
@@ -107,6 +109,7 @@ class CompletionRunner:
         the orchestrator's ``NoChainsError``/``QueueTimeout``, :class:`ClientGone` or :class:`CompletionFailed`."""
         page_hashes = self.orchestrator.prompt_hashes(input_ids)
         submitted = time.monotonic()
+        last_token: float | None = None
         for attempt in range(1, self.max_attempts + 1):
             grant = await self._admit(client, input_ids, params, page_hashes, is_disconnected)
             started = time.monotonic()
@@ -119,8 +122,17 @@ class CompletionRunner:
                             item.waiting_s, item.service_s = started - submitted, time.monotonic() - started
                             item.attempts = attempt
                             self.metrics.observe(client, "ok", item.waiting_s, item.service_s)
+                            logger.info("completion client=%s chain=%s tokens=%d waiting=%.3fs service=%.3fs "
+                                        "attempts=%d finish=%s", client, item.chain_id, len(item.token_ids),
+                                        item.waiting_s, item.service_s, attempt, item.finish_reason)
                             yield item
                             return
+                        now = time.monotonic()
+                        if last_token is None:
+                            self.metrics.ttft.labels(client).observe(now - submitted)
+                        else:
+                            self.metrics.itl.labels(client).observe(now - last_token)
+                        last_token = now
                         produced.append(item)
                         yield item
             except _Stopped as stop:
@@ -168,10 +180,16 @@ class CompletionRunner:
         tokens: asyncio.Queue = asyncio.Queue()
         prefix: dict[str, Any] = {"expected": grant.matched_tokens}
 
+        matcher = StopMatcher(params.stop) if params.stop else None
+        generated: list[int] = []
+
         def on_token(token: int) -> None:  # session thread -> event loop
             control.check()  # stopped from outside: end the session at this token
             control.progress()
             loop.call_soon_threadsafe(tokens.put_nowait, token)
+            generated.append(token)
+            if matcher is not None and matcher.check(engine.decode(generated))[1]:
+                raise StopGeneration()  # a stop string is complete: the request is done
 
         def on_prefix(reused: int) -> None:  # session thread, after the probe and before the prefill
             loop.call_soon_threadsafe(orchestrator.prefilled, grant.request_id, reused, len(input_ids),
@@ -223,7 +241,7 @@ class CompletionRunner:
             orchestrator.finish(grant.request_id, len(result.token_ids))
             prefix.update(reused=result.reused_tokens, prefill=result.prefill_tokens, restarts=result.restarts)
             yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
-                           list(chain.route), 0.0, 0.0, prefix)
+                           list(chain.route), 0.0, 0.0, prefix, logprobs=result.logprobs)
         finally:
             if not settled:  # the consumer went away mid-stream (cancelled / closed): stop in the background
                 asyncio.ensure_future(self._stop(task, control, grant, "client_gone"))

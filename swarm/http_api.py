@@ -1,48 +1,74 @@
 """The orchestrator's HTTP API (FastAPI): completions, leases, swarm status, Prometheus metrics.
 
-* ``POST /v1/completions`` — OpenAI-compatible; the orchestrator runs the session on the granted chain
-  (the paper's proxying orchestrator); ``stream: true`` answers with server-sent events.
+* ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
+  (:mod:`swarm.openai_api`); the orchestrator runs each session on its granted chain (the paper's proxying
+  orchestrator); ``stream: true`` answers with server-sent events.
 * ``POST /v1/leases`` / ``POST /v1/leases/{id}/reroute`` / ``DELETE /v1/leases/{id}`` — for clients that
   drive the chain themselves (``client.DirectSwarmModel``).
 * ``GET /v1/swarm`` — plan, servers, chains with capacity and active sessions, queue per client.
-* ``GET /metrics`` — Prometheus; ``GET /`` — a small status page; ``GET /docs`` — the OpenAPI UI.
+* ``GET /metrics`` — Prometheus; ``GET /health``, ``GET /ready``; ``GET /`` — a small status page;
+  ``GET /docs`` — the OpenAPI UI. Every response carries ``X-Request-Id``.
 
-Errors are JSON ``{"error": {"type", "message"}}`` with a 4xx status for bad input (400 too long, 401 bad
-key, 404 unknown lease, 422 malformed/unknown fields) and 503 when the swarm cannot serve.
+Errors are JSON ``{"error": {"type", "message"}}`` with a 4xx status for bad input (400 too long or an
+unsupported OpenAI field, 401 bad key, 404 unknown lease or model, 422 malformed/unknown fields), 429 with
+``Retry-After`` when the queue is at its bound, and 503 (with ``Retry-After`` after a queue timeout) when the
+swarm cannot serve.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import html
-import json
 import logging
+import math
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from swarm.completion import ClientGone, CompletionFailed, CompletionRunner, Finished
-from swarm.engine import GenerationEngine, SamplingParams
+from swarm.completion import CompletionRunner
+from swarm.engine import GenerationEngine
 from swarm.metrics import SwarmMetrics
-from swarm.orchestrator import NoChainsError, Orchestrator, QueueTimeout, UnknownLeaseError
+from swarm.openai_api import add_openai_routes
+from swarm.orchestrator import NoChainsError, Orchestrator, QueueFull, QueueTimeout, UnknownLeaseError
 from swarm.routing import NoRouteError
-from swarm.schemas import (
-    CompletionRequest, CompletionResponse, LeaseRequest, LeaseResponse, RerouteRequest, RerouteResponse,
-)
+from swarm.schemas import LeaseRequest, LeaseResponse, RerouteRequest, RerouteResponse
 
 
 logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, kind: str, message: str):
+    """An error answered as ``{"error": {"type", "message"}}`` (with ``Retry-After`` when it is known)."""
+
+    def __init__(self, status: int, kind: str, message: str, retry_after_s: float | None = None):
         super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+        self.status, self.kind, self.message, self.retry_after_s = status, kind, message, retry_after_s
+
+
+class RequestIdMiddleware:
+    """Every response carries X-Request-Id: the client's own when it sent one, else a new one.
+
+    A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide ``http.disconnect`` from the endpoints,
+    and the completion runner needs it to take a departed client's request out of the queue."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = dict(scope.get("headers") or ()).get(b"x-request-id", b"")[:128]
+        request_id = sent.decode("latin-1") if sent else uuid.uuid4().hex
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, initial_peers: list[str],
@@ -57,7 +83,11 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
-        return JSONResponse({"error": {"type": exc.kind, "message": exc.message}}, status_code=exc.status)
+        headers = {} if exc.retry_after_s is None else {"Retry-After": str(math.ceil(exc.retry_after_s))}
+        return JSONResponse({"error": {"type": exc.kind, "message": exc.message}}, status_code=exc.status,
+                            headers=headers)
+
+    app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
@@ -82,86 +112,23 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             raise ApiError(503, "unavailable", "this orchestrator does not proxy completions (no engine)")
         return engine
 
-    # -- completions -----------------------------------------------------------------------------------
-    def refuse(exc: Exception) -> ApiError:
-        if isinstance(exc, ValueError):  # too long for the swarm's sessions
-            return ApiError(400, "invalid_request", str(exc))
-        if isinstance(exc, CompletionFailed):
-            return ApiError(503, "swarm_failure", str(exc))
-        return ApiError(503, "unavailable", str(exc))  # NoChainsError, QueueTimeout
+    add_openai_routes(app, runner=runner, engine=engine, model_name=model_name,
+                      max_length=orchestrator.config.expect.max_length, client_of=client_of, api_error=ApiError)
 
-    refusals = (ValueError, NoChainsError, QueueTimeout, CompletionFailed)
+    # -- operations ------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Alive: the process answers (says nothing about the swarm)."""
+        return {"status": "alive", "uptime_s": time.monotonic() - orchestrator.started_at}
 
-    @app.post("/v1/completions", response_model=CompletionResponse,
-              responses={400: {}, 401: {}, 422: {}, 503: {}})
-    async def completions(body: CompletionRequest, request: Request, response: Response,
-                          authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
-        eng = require_engine()
-        client = client_of(authorization, x_client_id or body.user)
-        # prefix pages are hashed by the runner from the token ids this orchestrator tokenized, in its secret
-        # namespace: what a client sends can never name a cached page (swarm.prefix)
-        input_ids = eng.encode(body.prompt)
-        params = SamplingParams(body.max_tokens, body.temperature, body.top_p)
-        run = runner.run(client, input_ids, params, request.is_disconnected)
-        meta = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
-        usage = lambda done: {"prompt_tokens": len(input_ids), "completion_tokens": len(done.token_ids),  # noqa: E731
-                              "total_tokens": len(input_ids) + len(done.token_ids)}
-
-        if not body.stream:
-            try:
-                async with contextlib.aclosing(run):
-                    done = [item async for item in run if isinstance(item, Finished)][-1]
-            except ClientGone:
-                return Response(status_code=499)
-            except refusals as exc:
-                raise refuse(exc) from None
-            prefix = done.prefix
-            response.headers["x-chainswarm-prefix"] = (
-                f"expected={prefix.get('expected', 0)};reused={prefix.get('reused', 0)};"
-                f"prefill={prefix.get('prefill', 0)};restarts={prefix.get('restarts', 0)}")
-            return CompletionResponse(
-                **meta, choices=[{"text": eng.decode(done.token_ids), "finish_reason": done.finish_reason}],
-                usage=usage(done),
-                chainswarm={"chain_id": done.chain_id, "servers": done.servers, "route": done.route,
-                            "waiting_s": done.waiting_s, "service_s": done.service_s},
-            )
-
-        # streamed: wait for the first token here, so that a refusal is still an HTTP status
-        try:
-            first = await run.__anext__()
-        except ClientGone:
-            return Response(status_code=499)
-        except refusals as exc:
-            raise refuse(exc) from None
-
-        def chunk(text: str, finish_reason: str | None, **extra) -> bytes:
-            doc = {**meta, "object": "text_completion", **extra,
-                   "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
-            return f"data: {json.dumps(doc)}\n\n".encode()
-
-        async def events() -> AsyncIterator[bytes]:
-            produced: list[int] = []
-            sent = ""
-            async with contextlib.aclosing(run):
-                try:
-                    item = first
-                    while not isinstance(item, Finished):
-                        produced.append(item)
-                        text = eng.decode(produced)
-                        if not text.endswith("\ufffd"):  # else: an incomplete multi-byte character
-                            delta, sent = text[len(sent):], text
-                            yield chunk(delta, None)
-                        item = await run.__anext__()
-                except (ClientGone, asyncio.CancelledError, GeneratorExit):
-                    raise
-                except refusals as exc:
-                    err = refuse(exc)
-                    yield f"data: {json.dumps({'error': {'type': err.kind, 'message': err.message}})}\n\n".encode()
-                    return
-            yield chunk(eng.decode(item.token_ids)[len(sent):], item.finish_reason, usage=usage(item))
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+    @app.get("/ready", responses={503: {}})
+    async def ready():
+        """Ready: a current plan with at least one chain whose every server serves its assignment."""
+        view = orchestrator.view
+        chains = sum(1 for c in view.chains if c.ready)
+        doc = {"ready": view.plan is not None and chains > 0, "plan_id": view.plan_id, "ready_chains": chains,
+               "plan_error": view.plan_error}
+        return JSONResponse(doc, status_code=200 if doc["ready"] else 503)
 
     # -- leases ----------------------------------------------------------------------------------------
     def lease_response(record) -> LeaseResponse:
@@ -173,7 +140,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             initial_peers=initial_peers, expires_in_s=record.expires_at - time.monotonic(),
         )
 
-    @app.post("/v1/leases", response_model=LeaseResponse, responses={400: {}, 401: {}, 422: {}, 503: {}})
+    @app.post("/v1/leases", response_model=LeaseResponse, responses={400: {}, 401: {}, 422: {}, 429: {}, 503: {}})
     async def create_lease(body: LeaseRequest, authorization: str | None = Header(None),
                            x_client_id: str | None = Header(None)):
         client = client_of(authorization, x_client_id or body.client_id)
@@ -182,7 +149,11 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
                                                     timeout=body.timeout_s)
         except ValueError as exc:
             raise ApiError(400, "invalid_request", str(exc)) from None
-        except (NoChainsError, QueueTimeout) as exc:
+        except QueueFull as exc:
+            raise ApiError(429, "rate_limited", str(exc), exc.retry_after_s) from None
+        except QueueTimeout as exc:
+            raise ApiError(503, "unavailable", str(exc), exc.retry_after_s) from None
+        except NoChainsError as exc:
             raise ApiError(503, "unavailable", str(exc)) from None
         return lease_response(record)
 

@@ -5,6 +5,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class _SwarmCollector:
@@ -71,6 +72,11 @@ class SwarmMetrics:
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.service = Histogram("chainswarm_service_seconds", "session time on the chain",
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("chainswarm_time_to_first_token_seconds", "request arrival to its first token "
+                              "(queueing included), per client", ["client"], buckets=_LATENCY_BUCKETS,
+                              registry=self.registry)
+        self.itl = Histogram("chainswarm_inter_token_latency_seconds", "time between consecutive tokens of a "
+                             "session, per client", ["client"], buckets=_TOKEN_BUCKETS, registry=self.registry)
 
     def observe(self, client: str, outcome: str, waiting_s: float, service_s: float) -> None:
         self.requests.labels(client, outcome).inc()

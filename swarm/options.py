@@ -19,8 +19,9 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Iterator
 
+from planner.plan import PLACEMENTS
+
 POLICIES = ("dlpm", "vtc", "fcfs", "lpm", "swarm", "bfio", "lcf")
-PLACEMENTS = ("gbp-cr", "petals", "bprr", "whole-model", "random")
 TUNINGS = ("lower-bound", "surrogate", "upper-bound")
 ROUTER_NAMES = ("jffc", "ws-rr")  # the table of implementations is swarm.routers.ROUTERS
 DTYPES = ("float32", "float16", "bfloat16")
@@ -66,7 +67,13 @@ class OrchestratorOptions:
     replan_tolerance: float = option(0.05, cli=False,
                                      help="keep the current block ranges unless a fresh plan is this much better")
     refresh_s: float = option(1.0, cli=False, help="seconds between reads of the servers' records")
-    queue_timeout_s: float = option(600.0, cli=False, help="longest wait for a chain slot")
+    queue_timeout_s: float = option(300.0, flag="--max-queue-wait", metavar="S",
+                                    help="a request that waited this long for a chain slot gets a 503 with "
+                                    "Retry-After (default 300)")
+    max_queue: int = option(1024, metavar="N", help="requests that may wait at once; past it a request gets a 429 "
+                            "with Retry-After (default 1024)")
+    max_queue_per_client: int = option(256, metavar="N", help="requests one client may have waiting at once; "
+                                       "past it its requests get a 429 with Retry-After (default 256)")
     # A server that vanishes without closing its connections (killed machine, network partition) is noticed
     # by a session only when a step times out; then the session fails over to another chain.
     request_timeout_s: float = option(30.0, flag="--request-timeout",

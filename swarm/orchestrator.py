@@ -48,7 +48,19 @@ logger = logging.getLogger(__name__)
 
 
 class QueueTimeout(Exception):
-    """A request waited longer than its timeout for a chain slot."""
+    """A request waited longer than its timeout for a chain slot; ``retry_after_s`` estimates when to retry."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(Exception):
+    """The queue (overall or the client's share) is at its bound; ``retry_after_s`` estimates when to retry."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(kw_only=True)
@@ -100,6 +112,7 @@ class Orchestrator:
         self.events: deque[dict] = deque(maxlen=200)
         self.on_event = on_event
         # request id -> (its future, its prompt's page hashes)
+        self._queued: dict[str, int] = {}  # client -> requests waiting in acquire()
         self._waiters: dict[str, tuple[asyncio.Future, Sequence[bytes]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -279,11 +292,17 @@ class Orchestrator:
         self._fits(input_tokens, max_new_tokens)
         if self.view.plan is None:
             raise NoChainsError(f"no chains: {self.view.plan_error or 'no plan yet'}")
+        waiting, mine = sum(self._queued.values()), self._queued.get(client_id, 0)
+        if waiting >= self.config.max_queue or mine >= self.config.max_queue_per_client:
+            bound = ("the swarm's queue is full" if waiting >= self.config.max_queue else
+                     f"client {client_id!r} already has {mine} requests waiting (the per-client bound)")
+            raise QueueFull(f"{bound}; retry later", self.retry_after_s(waiting))
         request_id = uuid.uuid4().hex
         future = self._loop.create_future()
         page_hashes = tuple(page_hashes)
         self.router.submit(request_id, client_id, input_tokens, max_new_tokens, page_hashes, time.monotonic())
         self._waiters[request_id] = (future, page_hashes)
+        self._queued[client_id] = mine + 1
         self._dispatch()
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout or self.config.queue_timeout_s)
@@ -295,7 +314,23 @@ class Orchestrator:
                 self.abort(request_id)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise QueueTimeout(f"no chain slot within {timeout or self.config.queue_timeout_s:.0f} s") from None
+            raise QueueTimeout(f"no chain slot within {timeout or self.config.queue_timeout_s:.0f} s",
+                               self.retry_after_s(sum(self._queued.values()))) from None
+        finally:
+            left = self._queued.get(client_id, 1) - 1
+            if left > 0:
+                self._queued[client_id] = left
+            else:
+                self._queued.pop(client_id, None)
+
+    def service_rate(self) -> float:
+        """Requests per second the ready chains complete when full: ν = Σ_k c_k / T_k."""
+        return sum(c.capacity / c.service_time for c in self.view.chains if c.ready and c.service_time > 0)
+
+    def retry_after_s(self, waiting: int) -> float:
+        """When a request sent now would likely start: the ``waiting`` requests ahead served at rate ν."""
+        rate = self.service_rate()
+        return max(1.0, (waiting + 1) / rate) if rate > 0 else 30.0
 
     def tokens(self, request_id: str, count: int) -> None:
         self.router.tokens(request_id, count, time.monotonic())

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this sample the argmax (the limit T -> 0), without dividing by T."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
@@ -37,7 +41,7 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Plain argmax decoding (what transformers' greedy search does by itself)."""
-        return (self.temperature == 0 and not self.logit_bias and not self.presence_penalty
+        return (self.temperature < MIN_TEMPERATURE and not self.logit_bias and not self.presence_penalty
                 and not self.frequency_penalty and self.logprobs is None)
 
 
@@ -74,7 +78,7 @@ class TokenChooser:
         if self.generated and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.tensor(self.generated).unique(return_counts=True)
             logits[ids] -= counts.float() * p.frequency_penalty + p.presence_penalty
-        if p.temperature == 0:
+        if p.temperature < MIN_TEMPERATURE:  # also 1e-300: logits / T would overflow; the limit is greedy
             choice = int(torch.argmax(logits))
         else:
             probs = torch.softmax(logits / p.temperature, dim=-1)
@@ -82,7 +86,10 @@ class TokenChooser:
                 ordered, order = probs.sort(descending=True)
                 keep = ordered.cumsum(-1) - ordered < p.top_p  # the smallest set whose mass reaches top_p
                 probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
-            choice = int(torch.multinomial(probs, 1, generator=self.generator))
+            if torch.isfinite(probs).all() and probs.sum() > 0:
+                choice = int(torch.multinomial(probs, 1, generator=self.generator))
+            else:  # degenerate distribution (non-finite logits): its mode
+                choice = int(torch.argmax(logits))
         if p.logprobs is not None:
             logp = torch.log_softmax(raw, dim=-1)
             top = []
@@ -115,3 +122,8 @@ class StopMatcher:
                     hold = max(hold, k)
                     break
         return text[:len(text) - hold], False
+
+    def final(self, text: str) -> str:
+        """The text of a finished generation: cut before the first stop string, nothing held back."""
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return text[:min(hits)] if hits else text

@@ -5,33 +5,124 @@ HTTP 422 and a message naming the field.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class CompletionRequest(_Strict):
-    """OpenAI-compatible ``POST /v1/completions`` (the subset a single-sequence swarm session supports)."""
+MAX_STOP = 4
+MAX_LOGIT_BIAS = 300
+MAX_MESSAGES = 256
+MAX_PROMPT_CHARS = 1_000_000  # bounded before any tokenization; the token limit is the swarm's session length
 
-    prompt: str = Field(min_length=1, description="the prompt text")
-    max_tokens: int = Field(16, ge=1, description="tokens to generate (prompt + max_tokens <= max session length)")
+# OpenAI request fields Chainswarm does not implement: accepted by the schema so that a request using one gets
+# a 400 that names it (a field OpenAI does not define at all is a 422, like any typo).
+UNSUPPORTED_COMPLETION_FIELDS = ("best_of", "echo", "suffix")
+UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format",
+                           "parallel_tool_calls", "audio", "modalities", "prediction", "service_tier", "store",
+                           "metadata", "reasoning_effort", "web_search_options")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="send a last chunk with the usage of the whole request")
+
+
+class _Sampling(_Strict):
+    """The sampling surface both endpoints share (OpenAI semantics)."""
+
+    model: Optional[str] = Field(None, description="the served model's id (GET /v1/models); optional")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy decoding")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=8, description="choices to generate: n sessions through the fair queue")
     stream: bool = Field(False, description="stream tokens as server-sent events")
-    model: Optional[str] = Field(None, description="accepted for OpenAI compatibility; the swarm serves one model")
-    user: Optional[str] = Field(None, description="client id when the orchestrator has no API keys configured")
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = Field(None, description=f"up to {MAX_STOP} stop strings, never "
+                                                  "part of the returned text")
+    seed: Optional[int] = Field(None, description="same seed and prompt -> same text")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id -> bias in [-100, 100]")
+    user: Optional[str] = Field(None, max_length=256, description="client id when the orchestrator has no API keys")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP or any(len(x) > 256 for x in stops):
+            raise ValueError(f"at most {MAX_STOP} stop strings of at most 256 characters")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value):
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        for key, bias in value.items():
+            if not key.lstrip("-").isdigit() or not -100 <= bias <= 100:
+                raise ValueError("logit_bias maps token ids (as strings) to biases in [-100, 100]")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+
+class CompletionRequest(_Sampling):
+    """OpenAI-compatible ``POST /v1/completions``."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the prompt text")
+    max_tokens: Optional[int] = Field(16, ge=1, description="tokens to generate (prompt + max_tokens <= max "
+                                      "session length); null = up to the session length")
+    logprobs: Optional[int] = Field(None, ge=0, le=5, description="log-probabilities of the chosen tokens and "
+                                    "the top N alternatives")
+    best_of: Optional[Any] = None
+    echo: Optional[Any] = None
+    suffix: Optional[Any] = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    name: Optional[str] = Field(None, max_length=64)
+
+
+class ChatCompletionRequest(_Sampling):
+    """OpenAI-compatible ``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: Optional[int] = Field(None, ge=1, description="null = up to the session length")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="the newer name of max_tokens")
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    prediction: Optional[Any] = None
+    service_tier: Optional[Any] = None
+    store: Optional[Any] = None
+    metadata: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    web_search_options: Optional[Any] = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: Optional[dict] = None
 
 
 class Usage(BaseModel):

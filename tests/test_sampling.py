@@ -26,6 +26,11 @@ def test_temperature_zero_is_argmax_and_logprobs_are_the_models_own():
     assert [t for t, _ in record.top] == [1, 2] and math.isclose(record.top[1][1], float(expected[2]), rel_tol=1e-6)
 
 
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    chooser = TokenChooser(SamplingParams(4, temperature=2.2e-313, seed=0), vocab_size=4)  # found by schemathesis
+    assert step(chooser, [1.0, 3.0, 2.0, -1.0]) == 1
+
+
 def test_logit_bias_and_penalties_change_the_choice():
     biased = TokenChooser(SamplingParams(4, temperature=0, logit_bias=((3, 10.0),)), vocab_size=4)
     assert step(biased, [1.0, 3.0, 2.0, -1.0]) == 3

@@ -5,7 +5,8 @@ import numpy as np
 
 from experiments.auto_report import auto_lines
 from experiments.fig_auto import auto_verdict, azure_jobs, reduced_instance
-from experiments.figures import Settings, _cell_stats
+from experiments.fig_baselines import _cell_stats
+from experiments.figure_common import Settings
 from experiments.scenarios import ScenarioConfig, build_scenario
 
 

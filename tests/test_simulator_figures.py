@@ -90,4 +90,4 @@ def test_cli_rejects_bad_runs(tmp_path, capsys):
 
     assert main(["simulate", "fig3", "--runs", "0", "--out", str(tmp_path)]) == 2
     with pytest.raises(SystemExit):
-        main(["simulate", "fig9"])
+        main(["simulate", "fig10"])  # an unknown figure

@@ -1,0 +1,201 @@
+"""The official ``openai`` client, unchanged, against a live orchestrator serving SmolLM2-135M-Instruct.
+
+One swarm for the module (two nodes splitting the 30 blocks, one 2-hop chain; API keys; a small per-client
+queue bound so that overload is reachable). Answers are checked against the same model run locally in
+transformers (float32, greedy, the same chat template).
+"""
+import concurrent.futures as cf
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from client import SwarmClient
+from helpers import wait_for
+from server.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm
+
+MAX_LENGTH = 384
+KEYS = {"sk-test": "tester", "sk-flood": "flood"}
+DECLARED = {"prefill_s": 2e-4, "decode_s": 2e-3, "rtt_s": 0.002}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def local(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+
+    class Local:
+        name = Path(smollm2_dir).name
+
+        @staticmethod
+        def prompt_ids(text):
+            return tokenizer(text, return_tensors="pt").input_ids
+
+        @staticmethod
+        def chat_text(messages):
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+        @staticmethod
+        def greedy(text, max_new_tokens):
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+        @staticmethod
+        def first_logprobs(text):
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                return torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+
+    return Local
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm2_dir):
+    with LocalSwarm(smollm2_dir) as swarm:
+        swarm.add_orchestrator(expected_rate=0.5, max_length=MAX_LENGTH, expected_input_tokens=64,
+                               expected_output_tokens=16, refresh_s=0.5, api_keys=KEYS, max_queue_per_client=6)
+        nodes = [swarm.add_node(node_id=f"n{i}", memory_gb=0.24, wait=False, declared_profile=DECLARED)
+                 for i in range(2)]
+        for node in nodes:
+            swarm.wait_profiled(node, timeout=180)
+        swarm.status = swarm.wait_chains_ready(timeout=240)
+        swarm.url = swarm.orchestrator.info["url"]
+        yield swarm
+
+
+@pytest.fixture
+def client(swarm):
+    return openai.OpenAI(base_url=f"{swarm.url}/v1", api_key="sk-test", max_retries=0, timeout=180)
+
+
+def test_models_list_and_retrieve(client, local):
+    assert [m.id for m in client.models.list().data] == [local.name]
+    assert client.models.retrieve(local.name).id == local.name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_chat_completion_answers_through_the_chat_template(client, local):
+    reply = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=24)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == local.greedy(local.chat_text(QUESTION), 24)
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"  # the template's end token ended it before max_tokens
+    assert reply.usage.prompt_tokens == local.prompt_ids(local.chat_text(QUESTION)).shape[1]
+    assert 0 < reply.usage.completion_tokens <= 24
+
+
+def test_chat_stream_with_usage_equals_the_plain_answer(client, local):
+    stream = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == local.greedy(local.chat_text(QUESTION), 24)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_plain_streamed_and_with_a_stop_string(client, local):
+    prompt = "The three primary colours are"
+    expected = local.greedy(prompt, 32)
+    plain = client.completions.create(model=local.name, prompt=prompt, temperature=0, max_tokens=32)
+    assert plain.choices[0].text == expected and plain.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=local.name, prompt=prompt, temperature=0, max_tokens=32, stream=True))
+    assert streamed == expected
+    stop = expected.split()[3]  # a word in the middle of the answer: cut before it, in both modes
+    cut = expected[:expected.index(stop)]
+    stopped = client.completions.create(model=local.name, prompt=prompt, temperature=0, max_tokens=32, stop=[stop])
+    assert stopped.choices[0].text == cut and stopped.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=local.name, prompt=prompt, temperature=0, max_tokens=32, stop=stop, stream=True))
+    assert streamed == cut
+
+
+def test_same_seed_same_text(client, local):
+    def sample(seed):
+        return client.chat.completions.create(model=local.name, messages=[{"role": "user", "content": "Tell me a story."}],
+                                              temperature=1.0, max_tokens=24, seed=seed).choices[0].message.content
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+
+
+def test_logprobs_are_the_models_own(client, local):
+    reply = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=4,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 4
+    reference = local.first_logprobs(local.chat_text(QUESTION))
+    assert abs(content[0].logprob - float(reference.max())) < 1e-3  # greedy: the chosen token is the top one
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
+    assert all(t.logprob <= 0 for entry in content for t in entry.top_logprobs)
+    legacy = client.completions.create(model=local.name, prompt="Paris is the capital of", temperature=0,
+                                       max_tokens=3, logprobs=2)
+    assert len(legacy.choices[0].logprobs.token_logprobs) == 3
+    assert all(len(top) == 2 for top in legacy.choices[0].logprobs.top_logprobs)
+
+
+def test_n_choices_are_separate_sessions(client, local, swarm):
+    reply = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=12, n=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content == reply.choices[1].message.content
+    status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    assert status["clients"]["tester"]["service"] > 0  # both sessions were charged to the client
+
+
+def test_unsupported_and_unknown_fields(client, local, swarm):
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=local.name, messages=QUESTION,
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    response = httpx.post(f"{swarm.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-test"},
+                          json={"messages": QUESTION, "colour": "red"}, timeout=30)
+    assert response.status_code == 422 and "colour" in response.json()["error"]["message"]
+    response = httpx.get(f"{swarm.url}/health", headers={"X-Request-Id": "trace-me"}, timeout=30)
+    assert response.status_code == 200 and response.headers["x-request-id"] == "trace-me"
+    assert httpx.get(f"{swarm.url}/ready", timeout=30).json()["ready"] is True
+
+
+def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(swarm, local):
+    capacity = sum(c["capacity"] for c in swarm.status["chains"])
+    count = 20 * capacity
+    prompt = "Water boils at"
+    expected = local.greedy(prompt, 4)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+
+    def one(_):
+        return httpx.post(f"{swarm.url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-flood"},
+                          timeout=300)
+
+    def patient():  # the client library waits as told by Retry-After and gets its answer
+        with SwarmClient(swarm.url, api_key="sk-flood", retries=20) as c:
+            return c.generate(prompt, 4, temperature=0).text
+
+    with cf.ThreadPoolExecutor(count + 1) as pool:
+        waiting = pool.submit(patient)
+        responses = list(pool.map(one, range(count)))
+        assert waiting.result(timeout=300) == expected
+    answered = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(answered) + len(refused) == count
+    assert answered and refused
+    assert all(r.json()["choices"][0]["text"] == expected for r in answered)
+    assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["message"] for r in refused)
+
+    def idle():
+        status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+        return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
+
+    wait_for(idle, 30, what="an idle swarm after the overload")
