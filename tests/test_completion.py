@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.completion import ClientGone, CompletionFailed, CompletionRunner, Finished
-from swarm.engine import GenerationResult, SamplingParams
+from swarm.engine import GenerationResult
+from swarm.sampling import SamplingParams
 from swarm.metrics import SwarmMetrics
 from swarm.routing import SessionAborted
 
