@@ -18,9 +18,10 @@ from pathlib import Path
 
 DEFAULT_QUESTION = "What is the capital of France?"
 TINY_PROMPT = "The orchestrator collects what every server can offer"
-# Memory budgets as multiples of "the whole model plus one session's KV cache". Real model: no server can
-# host it alone, so every chain crosses servers. Tiny model: one server hosts it, two only together.
-BUDGET_FACTORS = {"real": (0.6, 0.55, 0.55, 0.6), "tiny": (1.85, 0.92, 0.92, 0.69)}
+# Memory budgets as multiples of "the whole model plus one session's KV cache". Real model: no two servers can
+# host it, so every chain crosses three or four of them (whichever nodes have joined when the first plan is
+# made). Tiny model: one server hosts it, two only together.
+BUDGET_FACTORS = {"real": (0.38, 0.38, 0.38, 0.38), "tiny": (1.85, 0.92, 0.92, 0.69)}
 # Planning inputs (requests/s and tokens): the real model's chains serve a request in seconds on a CPU.
 PLANNING = {"real": dict(expected_rate=0.2, expected_input_tokens=64, expected_output_tokens=28),
             "tiny": dict(expected_rate=4.0, expected_output_tokens=28)}

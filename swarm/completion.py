@@ -91,7 +91,9 @@ class CompletionRunner:
     metrics: Any
     stall_timeout_s: float | None = None  # None: stall_factor x the planned step time, clamped
     stall_factor: float = 4.0
-    stall_floor_s: float = 10.0
+    # The floor covers a server's wait for KV memory after a failover: the replacement chain may be full, and
+    # a rerouted session waits there for a session to end (10 s was measured to be too short on 2 CPU cores).
+    stall_floor_s: float = 30.0
     stall_cap_s: float = 60.0
     max_attempts: int = 3
     poll_s: float = 0.5

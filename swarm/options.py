@@ -82,7 +82,7 @@ class OrchestratorOptions:
     stall_timeout_s: float | None = option(
         None, flag="--stall-timeout", metavar="S",
         help="abort a session that makes no progress (no server step, no token) for S seconds, return its slot and "
-        "retry it if it produced nothing (default: 4x the planned time of the step in progress, between 10 and 60 s)")
+        "retry it if it produced nothing (default: 4x the planned time of the step in progress, between 30 and 60 s)")
     torch_dtype: str = option("float32", choices=DTYPES,
                               help="the swarm's serving dtype: the orchestrator's embeddings and LM head run in it and "
                               "only servers that compute in it are planned (default float32; mixing dtypes changes "

@@ -157,9 +157,9 @@ def test_the_default_stall_limit_follows_the_planned_step_time_within_bounds():
     orchestrator = FakeOrchestrator()
     runner = CompletionRunner(orchestrator, FakeEngine(), SwarmMetrics(orchestrator))
     orchestrator.step_s = 0.01
-    assert runner.stall_limit("c", 1) == runner.stall_floor_s == 10.0
-    orchestrator.step_s = 5.0
-    assert runner.stall_limit("c", 100) == 20.0  # 4 x the planned step
+    assert runner.stall_limit("c", 1) == runner.stall_floor_s == 30.0
+    orchestrator.step_s = 10.0
+    assert runner.stall_limit("c", 100) == 40.0  # 4 x the planned step
     orchestrator.step_s = 600.0
     assert runner.stall_limit("c", 100) == runner.stall_cap_s == 60.0  # never minutes
 
