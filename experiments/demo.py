@@ -85,8 +85,12 @@ def _budgets_gb(model_dir: str, max_length: int, factors) -> list[float]:
 
 def _print_plan(status: dict) -> None:
     plan = status["plan"]
-    print(f"[demo] plan {plan['plan_id']}: c = {plan['c']} ({plan['tuning']}), total capacity "
-          f"{plan['total_capacity']} sessions, Theorem 3.7 bounds {plan['bounds']}")
+    how = (f"c = {plan['c']} ({plan['tuning']})" if plan.get("c") is not None else
+           "block ranges kept from the plan made before the last node joined")
+    bounds = plan["bounds"]
+    bounds = "overloaded" if not bounds else f"{bounds['lower']:.2f}–{bounds['upper']:.2f} s"
+    print(f"[demo] plan {plan['plan_id']}: {how}, total capacity {plan['total_capacity']} sessions, "
+          f"Theorem 3.7 mean response {bounds}")
     for s in plan["servers"]:
         blocks = "no blocks" if s["start"] is None else f"blocks [{s['start']}, {s['end']})"
         print(f"[demo]   server {s['id']:<6} {blocks:<16} KV slots allocated {s['slots_allocated']}")
