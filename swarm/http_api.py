@@ -16,6 +16,7 @@ swarm cannot serve.
 """
 from __future__ import annotations
 
+import hmac
 import html
 import logging
 import math
@@ -46,6 +47,16 @@ class ApiError(Exception):
     def __init__(self, status: int, kind: str, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.kind, self.message, self.retry_after_s = status, kind, message, retry_after_s
+
+
+def match_api_key(token: str, keys: dict[str, str]) -> str | None:
+    """The client an API key belongs to, or None. Every configured key is compared in constant time
+    (``hmac.compare_digest``) and all of them are tried, so the answer time tells nothing about the keys."""
+    supplied, found = token.encode(), None
+    for key, client in keys.items():
+        if hmac.compare_digest(supplied, key.encode()):
+            found = client
+    return found
 
 
 class RequestIdMiddleware:
@@ -102,9 +113,10 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             token = (authorization or "").removeprefix("Bearer ").strip()
             if not token:
                 raise ApiError(401, "unauthorized", "missing API key (send 'Authorization: Bearer <key>')")
-            if token not in keys:
+            client = match_api_key(token, keys)
+            if client is None:
                 raise ApiError(401, "unauthorized", "unknown API key")
-            return keys[token]
+            return client
         return fallback or "anonymous"
 
     def require_engine() -> GenerationEngine:

@@ -1,13 +1,14 @@
 """The chainswarm command line: subcommands listed, bad input is a one-line error with exit code 2."""
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def chainswarm(*args, timeout=120):
+def chainswarm(*args, timeout=120, env=None):
     return subprocess.run([sys.executable, "-m", "swarm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
 def test_help_lists_every_subcommand():
@@ -32,6 +33,20 @@ def test_orchestrator_rejects_bad_input(tiny_model, args, message):
     result = chainswarm(*argv)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_api_keys_from_the_environment_are_checked_like_the_flag(tiny_model):
+    result = chainswarm("orchestrator", "--model", tiny_model, env={"CHAINSWARM_API_KEYS": "k1=alice,justakey"})
+    assert result.returncode == 2 and "CHAINSWARM_API_KEYS must be KEY=CLIENT" in result.stderr
+
+
+def test_api_keys_match_in_constant_time_and_only_exactly():
+    from swarm.http_api import match_api_key
+
+    keys = {"s3cret-alice": "alice", "t0ken-bob": "bob"}
+    assert match_api_key("t0ken-bob", keys) == "bob" and match_api_key("s3cret-alice", keys) == "alice"
+    assert match_api_key("t0ken-bo", keys) is None and match_api_key("t0ken-bobx", keys) is None
+    assert match_api_key("", keys) is None and match_api_key("é", keys) is None
 
 
 def test_orchestrator_rejects_impossible_expectations(tiny_model):

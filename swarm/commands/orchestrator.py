@@ -8,9 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from swarm import options as orchestrator_options
+
+
+API_KEYS_ENV = "CHAINSWARM_API_KEYS"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY=CLIENT",
                         help="accept this API key as this client (repeatable); without keys, clients are anonymous "
                         "or name themselves with X-Client-Id")
-    parser.add_argument("--api-keys-file", default=None, help='JSON file {"key": "client", ...}')
+    parser.add_argument("--api-keys-file", default=None,
+                        help='JSON file {"key": "client", ...}; keys also come from the environment variable '
+                        f'{API_KEYS_ENV}="KEY=CLIENT,KEY=CLIENT" (neither shows in ps, unlike --api-key)')
     parser.add_argument("--no-proxy", action="store_true", help="leases only: do not serve /v1/completions")
 
 
@@ -44,10 +50,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.api_keys_file:
             keys.update({str(k): str(v) for k, v in json.loads(Path(args.api_keys_file).read_text()).items()})
-        for item in args.api_key:
-            key, sep, client = item.partition("=")
+        env = os.environ.get(API_KEYS_ENV, "")
+        for item, where in [(i, API_KEYS_ENV) for i in env.split(",") if i.strip()] + \
+                [(i, "--api-key") for i in args.api_key]:
+            key, sep, client = item.strip().partition("=")
             if not sep or not key or not client:
-                return _fail(f"--api-key must be KEY=CLIENT, got {item!r}")
+                return _fail(f"{where} must be KEY=CLIENT, got {item!r}")
             keys[key] = client
     except (OSError, ValueError, AttributeError) as exc:
         return _fail(f"cannot read API keys: {exc}")
