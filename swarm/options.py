@@ -64,8 +64,10 @@ class OrchestratorOptions:
                          "WS-RR paths over the placement (FCFS, no chains; pair with --placement bprr)")
     tuning: str = option("lower-bound", choices=TUNINGS, help="how c is tuned (default lower-bound)")
     c: int | None = option(None, help="fix the cache reservation c instead of tuning it")
-    replan_tolerance: float = option(0.05, cli=False,
-                                     help="keep the current block ranges unless a fresh plan is this much better")
+    replan_tolerance: float = option(
+        0.05, metavar="F", help="on a join or a failure, keep the current block ranges unless a fresh plan is better "
+        "by more than this fraction (default 0.05); a large value keeps ranges, so survivors adopt the new plan "
+        "without draining and reloading under load")
     refresh_s: float = option(1.0, cli=False, help="seconds between reads of the servers' records")
     queue_timeout_s: float = option(300.0, flag="--max-queue-wait", metavar="S",
                                     help="a request that waited this long for a chain slot gets a 503 with "
