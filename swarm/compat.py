@@ -102,4 +102,11 @@ import petals  # noqa: E402  (must follow the hivemind names)
 
 _patch_petals()
 
+# Every petals client in Chainswarm's processes (the orchestrator's engine, DirectSwarmModel, the vanilla petals
+# clients of tests, benchmarks and the PETALS baseline) closes its server sessions explicitly and never blocks
+# hivemind's event loop from a finalizer: petals 2.2's own close can deadlock that loop (swarm.server_sessions).
+from swarm import server_sessions  # noqa: E402  (needs `petals` above)
+
+server_sessions.install()
+
 __all__ = ["petals", "restore_hivemind_names", "HIVEMIND_TOP_LEVEL_NAMES"]
