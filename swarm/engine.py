@@ -113,31 +113,32 @@ class GenerationEngine:
         restarts = 0
         prefill = len(input_ids) - reused
         chooser = None if params.plain_greedy else TokenChooser(params, self.model.config.vocab_size)
-        try:
-            self._run(lease, provider, input_ids, params.max_new_tokens, chooser, sink, plan, control)
-        except StopGeneration:
-            return GenerationResult(produced, "stop", reused, prefill, restarts,
+
+        def ended() -> bool:  # the model emitted its end-of-sequence token
+            return bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
+
+        def result(finish_reason: str) -> GenerationResult:
+            return GenerationResult(produced, finish_reason, reused, prefill, restarts,
                                     chooser.logprobs[:len(produced)] if chooser else [])
-        except PrefixSessionFailed as exc:
-            restarts = 1
-            logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
-            if not exc.missing and exc.peer_id is not None and provider is not None:
-                lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
-            remaining = params.max_new_tokens - len(produced)
-            stopped = bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
-            if remaining > 0 and not stopped:
-                prompt = list(input_ids) + produced
-                prefill += len(prompt)
-                if chooser is not None:  # it chose one more token than the failed session delivered
-                    del chooser.generated[len(produced):], chooser.logprobs[len(produced):]
-                try:
+
+        try:
+            try:
+                self._run(lease, provider, input_ids, params.max_new_tokens, chooser, sink, plan, control)
+            except PrefixSessionFailed as exc:
+                restarts = 1
+                logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
+                if not exc.missing and exc.peer_id is not None and provider is not None:
+                    lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
+                remaining = params.max_new_tokens - len(produced)
+                if remaining > 0 and not ended():
+                    prompt = list(input_ids) + produced
+                    prefill += len(prompt)
+                    if chooser is not None:  # it chose one more token than the failed session delivered
+                        del chooser.generated[len(produced):], chooser.logprobs[len(produced):]
                     self._run(lease, provider, prompt, remaining, chooser, sink, None, control)
-                except StopGeneration:
-                    return GenerationResult(produced, "stop", reused, prefill, restarts,
-                                            chooser.logprobs[:len(produced)] if chooser else [])
-        stopped = bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
-        return GenerationResult(produced, "stop" if stopped else "length", reused, prefill, restarts,
-                                chooser.logprobs[:len(produced)] if chooser else [])
+        except StopGeneration:  # a token callback completed the request (a stop string)
+            return result("stop")
+        return result("stop" if ended() else "length")
 
     def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
              sink: Callable[[int], None], plan: PrefixPlan | None, control: SessionControl | None = None) -> None:

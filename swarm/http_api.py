@@ -29,24 +29,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from swarm.api_errors import REFUSALS, ApiError, refusal
 from swarm.completion import CompletionRunner
 from swarm.engine import GenerationEngine
 from swarm.metrics import SwarmMetrics
 from swarm.openai_api import add_openai_routes
-from swarm.orchestrator import NoChainsError, Orchestrator, QueueFull, QueueTimeout, UnknownLeaseError
+from swarm.orchestrator import Orchestrator, UnknownLeaseError
 from swarm.routing import NoRouteError
 from swarm.schemas import LeaseRequest, LeaseResponse, RerouteRequest, RerouteResponse
 
 
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {"type", "message"}}`` (with ``Retry-After`` when it is known)."""
-
-    def __init__(self, status: int, kind: str, message: str, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.message, self.retry_after_s = status, kind, message, retry_after_s
 
 
 def match_api_key(token: str, keys: dict[str, str]) -> str | None:
@@ -119,13 +112,9 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             return client
         return fallback or "anonymous"
 
-    def require_engine() -> GenerationEngine:
-        if engine is None:
-            raise ApiError(503, "unavailable", "this orchestrator does not proxy completions (no engine)")
-        return engine
 
     add_openai_routes(app, runner=runner, engine=engine, model_name=model_name,
-                      max_length=orchestrator.config.expect.max_length, client_of=client_of, api_error=ApiError)
+                      max_length=orchestrator.config.expect.max_length, client_of=client_of)
 
     # -- operations ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -159,14 +148,8 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
         try:
             record = await orchestrator.grant_lease(client, body.input_tokens, body.max_new_tokens,
                                                     timeout=body.timeout_s)
-        except ValueError as exc:
-            raise ApiError(400, "invalid_request", str(exc)) from None
-        except QueueFull as exc:
-            raise ApiError(429, "rate_limited", str(exc), exc.retry_after_s) from None
-        except QueueTimeout as exc:
-            raise ApiError(503, "unavailable", str(exc), exc.retry_after_s) from None
-        except NoChainsError as exc:
-            raise ApiError(503, "unavailable", str(exc)) from None
+        except REFUSALS as exc:
+            raise refusal(exc) from None
         return lease_response(record)
 
     def owned_lease(lease_id: str, authorization: str | None, x_client_id: str | None):

@@ -25,47 +25,33 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import StreamingResponse
 
-from swarm.completion import ClientGone, CompletionFailed, Finished
-from swarm.orchestrator import NoChainsError, QueueFull, QueueTimeout
+from swarm.api_errors import REFUSALS, ApiError, refusal
+from swarm.completion import ClientGone, Finished
 from swarm.sampling import SamplingParams, StopMatcher, TokenLogprob
 from swarm.schemas import (
     UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS, ChatCompletionRequest, CompletionRequest,
     CompletionResponse,
 )
 
-REFUSALS = (ValueError, NoChainsError, QueueFull, QueueTimeout, CompletionFailed)
-
-
 def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_length: int,
-                      client_of: Callable[[str | None, str | None], str], api_error: type) -> None:
+                      client_of: Callable[[str | None, str | None], str]) -> None:
     """Register the OpenAI-compatible routes on ``app``. ``client_of(authorization, fallback)`` names the
-    client (API key or self-declared id); ``api_error(status, kind, message)`` is the app's error type."""
-
-    def refuse(exc: Exception):
-        if isinstance(exc, ValueError):  # too long for the swarm's sessions
-            return api_error(400, "invalid_request", str(exc))
-        if isinstance(exc, QueueFull):
-            return api_error(429, "rate_limited", str(exc), exc.retry_after_s)
-        if isinstance(exc, QueueTimeout):
-            return api_error(503, "unavailable", str(exc), exc.retry_after_s)
-        if isinstance(exc, CompletionFailed):
-            return api_error(503, "swarm_failure", str(exc))
-        return api_error(503, "unavailable", str(exc))  # NoChainsError
+    client (API key or self-declared id)."""
 
     def check(body, unsupported) -> None:
         if engine is None:
-            raise api_error(503, "unavailable", "this orchestrator does not proxy completions (no engine)")
+            raise ApiError(503, "unavailable", "this orchestrator does not proxy completions (no engine)")
         used = [name for name in unsupported if getattr(body, name) is not None]
         if used:
-            raise api_error(400, "unsupported_parameter", f"not supported by Chainswarm: {', '.join(used)}")
+            raise ApiError(400, "unsupported_parameter", f"not supported by Chainswarm: {', '.join(used)}")
         if body.model is not None and body.model != model_name:
-            raise api_error(404, "model_not_found", f"this swarm serves {model_name!r}, not {body.model!r}")
+            raise ApiError(404, "model_not_found", f"this swarm serves {model_name!r}, not {body.model!r}")
 
     def sampling(body, input_ids: list[int], max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
         room = max_length - len(input_ids)
         if max_tokens is None:
             if room < 1:
-                raise api_error(400, "invalid_request", f"the prompt ({len(input_ids)} tokens) leaves no room in "
+                raise ApiError(400, "invalid_request", f"the prompt ({len(input_ids)} tokens) leaves no room in "
                                 f"the swarm's maximum session length of {max_length} tokens")
             max_tokens = room
         return [SamplingParams(max_tokens, body.temperature, body.top_p,
@@ -114,7 +100,7 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
         except ClientGone:
             return None
         except REFUSALS as exc:
-            raise refuse(exc) from None
+            raise refusal(exc) from None
 
     async def collect(items: AsyncIterator, n: int) -> list[Finished] | None:
         done: list[Finished | None] = [None] * n
@@ -126,7 +112,7 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
         except ClientGone:
             return None
         except REFUSALS as exc:
-            raise refuse(exc) from None
+            raise refusal(exc) from None
         return done  # type: ignore[return-value]
 
     def text_of(done: Finished, stop: tuple[str, ...]) -> str:
@@ -186,7 +172,8 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
                     if isinstance(value, Finished):
                         done.append(value)
                         text = text_of(value, stop)
-                        records = kept_logprobs(value, text)[len(produced[index]) - 1:] if value.logprobs else None
+                        # token events carry ids only: every kept token's logprobs travel with the last chunk
+                        records = kept_logprobs(value, text) if value.logprobs else None
                         yield sse(chunk(index, text[len(sent[index]):], value.finish_reason, records))
                     else:
                         produced[index].append(value)
@@ -199,7 +186,7 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
             except (ClientGone, StopAsyncIteration):
                 return
             except REFUSALS as exc:
-                err = refuse(exc)
+                err = refusal(exc)
                 yield sse({"error": {"type": err.kind, "message": err.message}})
                 return
         if include_usage:
@@ -252,12 +239,12 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
         client = client_of(authorization, x_client_id or body.user)
         template = getattr(engine.tokenizer, "chat_template", None)
         if not template:
-            raise api_error(400, "invalid_request", f"{model_name} has no chat template; use /v1/completions")
+            raise ApiError(400, "invalid_request", f"{model_name} has no chat template; use /v1/completions")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # the template rejected the conversation (e.g. roles out of order)
-            raise api_error(400, "invalid_request", f"the chat template cannot render these messages: {exc}")
+            raise ApiError(400, "invalid_request", f"the chat template cannot render these messages: {exc}")
         input_ids = engine.encode(prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         stop, meta, items = begin(body, client, input_ids, body.max_completion_tokens or body.max_tokens, logprobs,
@@ -307,5 +294,5 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
     @app.get("/v1/models/{model_id}", responses={404: {}})
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
-            raise api_error(404, "model_not_found", f"this swarm serves {model_name!r}, not {model_id!r}")
+            raise ApiError(404, "model_not_found", f"this swarm serves {model_name!r}, not {model_id!r}")
         return model_card()

@@ -125,11 +125,9 @@ class SessionControl:
 
     def abort(self, reason: str) -> None:
         self.aborted = reason
-        session = self.session
-        for server_session in list(getattr(session, "_server_sessions", ())):
-            cancel = getattr(server_session, "cancel_step", None)
-            if cancel is not None:
-                cancel()
+        if self.session is not None:  # its server sessions are ClosingServerSessions (swarm.compat installs them)
+            for server_session in list(self.session._server_sessions):
+                server_session.cancel_step()
 
 
 @dataclass
@@ -316,9 +314,8 @@ def probe_route(manager: RemoteSequenceManager, route: Sequence[RouteSpan], hash
 def install(model, lease_provider: LeaseProvider | None = None) -> OrchestratedSequenceManager:
     """Switch a petals distributed model to orchestrated routing; return its new sequence manager.
 
-    Also makes petals open :class:`swarm.server_sessions.ClosingServerSession` objects: server sessions that
-    are closed explicitly and boundedly and can never block hivemind's loop (the cause of the burst freeze)."""
-    server_sessions.install()
+    (Its server sessions are :class:`swarm.server_sessions.ClosingServerSession` objects, as every petals client's
+    in our processes: :mod:`swarm.compat` installs them.)"""
     remote_sequential_module.InferenceSession = ChainswarmInferenceSession
     layers = model.model.layers if hasattr(model, "model") else model.transformer.h
     old = layers.sequence_manager

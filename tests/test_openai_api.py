@@ -142,6 +142,10 @@ def test_logprobs_are_the_models_own(client, local):
     assert abs(content[0].logprob - float(reference.max())) < 1e-3  # greedy: the chosen token is the top one
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
     assert all(t.logprob <= 0 for entry in content for t in entry.top_logprobs)
+    chunks = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=4,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     legacy = client.completions.create(model=local.name, prompt="Paris is the capital of", temperature=0,
                                        max_tokens=3, logprobs=2)
     assert len(legacy.choices[0].logprobs.token_logprobs) == 3

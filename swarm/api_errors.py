@@ -1,0 +1,34 @@
+"""The errors the HTTP API answers with, and how the orchestrator's refusals map onto them.
+
+Every error is JSON ``{"error": {"type", "message"}}``; ``Retry-After`` is sent when the orchestrator can say
+when to come back (a full queue: 429; a queue timeout: 503).
+"""
+from __future__ import annotations
+
+from swarm.completion import CompletionFailed
+from swarm.orchestrator import NoChainsError, QueueFull, QueueTimeout
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"type", "message"}}`` (with ``Retry-After`` when it is known)."""
+
+    def __init__(self, status: int, kind: str, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.message, self.retry_after_s = status, kind, message, retry_after_s
+
+
+REFUSALS = (ValueError, NoChainsError, QueueFull, QueueTimeout, CompletionFailed)
+"""What admitting or running a request may raise instead of serving it."""
+
+
+def refusal(exc: Exception) -> ApiError:
+    """The HTTP answer to one of :data:`REFUSALS`."""
+    if isinstance(exc, ValueError):  # too long for the swarm's sessions
+        return ApiError(400, "invalid_request", str(exc))
+    if isinstance(exc, QueueFull):
+        return ApiError(429, "rate_limited", str(exc), exc.retry_after_s)
+    if isinstance(exc, QueueTimeout):
+        return ApiError(503, "unavailable", str(exc), exc.retry_after_s)
+    if isinstance(exc, CompletionFailed):
+        return ApiError(503, "swarm_failure", str(exc))
+    return ApiError(503, "unavailable", str(exc))  # NoChainsError
