@@ -21,8 +21,8 @@ The fix, by subclassing (:func:`install` makes petals create :class:`ClosingServ
    ``InferenceSession.close`` via generate's ``with`` block, and ``_update_sequence`` for a replaced server),
    so the finalizer has nothing left to do.
 2. If a session still reaches its finalizer open, or ``close()`` runs on the loop thread, it never waits: the
-   stream is ended by a task scheduled on the loop. Such a finalization is counted
-   (:data:`FINALIZED_OPEN`) and logged with where the session was created, so a missed close is visible.
+   stream is ended by a task scheduled on the loop. Such a finalization is logged with where the session was
+   opened, so a missed close is visible.
 3. A running step can be cancelled from another thread (:meth:`ClosingServerSession.cancel_step`): the
    no-progress watchdog uses it to free a session whose server stopped answering.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import threading
 import traceback
 
@@ -44,9 +45,6 @@ logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0
 """How long closing one server session may wait for the server to acknowledge the end of its stream."""
 
-FINALIZED_OPEN = 0
-"""Server sessions that reached their finalizer still open (each is a missed explicit close)."""
-_stats_lock = threading.Lock()
 
 
 def on_worker_loop() -> bool:
@@ -76,7 +74,9 @@ class ClosingServerSession(inference_session_module._ServerInferenceSession):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._created_at = "".join(traceback.format_stack(limit=12)[:-1])
+        # where the session was opened, for the finalizer's warning (formatted only if that warning is due)
+        self._opened_at = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(1)), limit=12,
+                                                         lookup_lines=False)
         self._running_step: asyncio.Task | None = None
 
     async def _step(self, inputs_serialized):
@@ -92,40 +92,31 @@ class ClosingServerSession(inference_session_module._ServerInferenceSession):
         if task is not None and not task.done():
             task.get_loop().call_soon_threadsafe(task.cancel)
 
-    def close(self) -> None:
-        """End the session on the server. Never raises, never waits longer than ``close_timeout``, and
-        never blocks hivemind's loop (from the loop thread the stream is ended by a scheduled task)."""
+    def close(self, *, wait: bool = True) -> None:
+        """End the session on the server. Never raises and never waits longer than ``close_timeout``; on
+        hivemind's loop thread (or with ``wait=False``) it only schedules the end of the stream on that loop."""
         queue, stream = self._inputs_queue, self._outputs_stream
         if stream is None:
             return
         # closed before anything can fail, so no half-closed session is ever left for the finalizer
         self._outputs_stream = self._inputs_queue = None
         self.closed = True
-        ending = _end_stream(queue, stream, self.stepped, self.close_timeout)
         try:
-            if on_worker_loop():
-                asyncio.get_running_loop().create_task(ending)
-            else:
-                RemoteExpertWorker.run_coroutine(ending, return_future=True).result(self.close_timeout + 1.0)
+            # return_future: schedules on hivemind's loop without waiting, from any thread (that loop's included)
+            ending = RemoteExpertWorker.run_coroutine(_end_stream(queue, stream, self.stepped, self.close_timeout),
+                                                      return_future=True)
+            if wait and not on_worker_loop():
+                ending.result(self.close_timeout + 1.0)
         except Exception as exc:  # the server is gone or slow: its side times the session out by itself
             logger.debug("closing the session with %s did not complete cleanly: %r", self.span.peer_id, exc)
 
     def __del__(self):
         if getattr(self, "_outputs_stream", None) is None:
             return
-        global FINALIZED_OPEN
-        with _stats_lock:
-            FINALIZED_OPEN += 1
-        logger.warning("a petals server session was finalized without an explicit close (span %s); created at:\n%s",
-                       getattr(self, "span", None), getattr(self, "_created_at", "?"))
-        # never block here: this may run on any thread, hivemind's loop thread included
-        queue, stream = self._inputs_queue, self._outputs_stream
-        self._outputs_stream = self._inputs_queue = None
-        self.closed = True
-        with contextlib.suppress(Exception):
-            loop = RemoteExpertWorker._event_loop_fut.result(timeout=0)
-            loop.call_soon_threadsafe(lambda: loop.create_task(_end_stream(queue, stream, self.stepped,
-                                                                         self.close_timeout)))
+        opened_at = "".join(reversed(getattr(self, "_opened_at", traceback.StackSummary()).format()))
+        logger.warning("a petals server session was finalized without an explicit close (span %s); opened at:\n%s",
+                       getattr(self, "span", None), opened_at)
+        self.close(wait=False)  # a finalizer may run on any thread, hivemind's loop thread included: never wait
 
 
 def install() -> None:
