@@ -170,6 +170,20 @@ class PrefixStore:
                 self.stats["pages_evicted"] += 1
         self.changed.set()
 
+    def report_unheld(self, uid: str, hashes: Sequence[bytes]) -> int:
+        """Report the pages of ``hashes`` not held for ``uid`` as evicted: a save that found no room leaves
+        pages the orchestrator indexed optimistically at dispatch, and its index must hear that they are not
+        here. Returns how many were reported."""
+        with self.lock:
+            missing = [h for h in hashes if h not in self.pages or uid not in self.pages[h].blocks]
+            for h in missing:
+                self.seq += 1
+                self.evicted.append((self.seq, h.hex()))
+                self.stats["pages_unsaved"] += 1
+            if missing:
+                self.changed.set()
+            return len(missing)
+
     def evict_all(self) -> int:
         """Drop every page (reported as evictions)."""
         with self.lock:
@@ -255,9 +269,11 @@ class PrefixBackend(TransformerBackend):
             with self.memory_cache.use_cache(*info.cache_handles) as tensors:
                 if tensors[0].shape[0] != 1:
                     return (hidden_states,)
-                for i in range(first, min(len(hashes), tokens // page)):
+                last = min(len(hashes), tokens // page)
+                for i in range(first, last):
                     copies = tuple(s.clone() for s in self._page_slices(tensors, i * page, (i + 1) * page))
                     if not self.store.put(self.name, hashes[i], hashes[i - 1] if i else None, copies, protect):
+                        self.store.report_unheld(self.name, hashes[i:last])
                         break
             self.store.touch(hashes[: tokens // page])
             return (hidden_states,)

@@ -170,8 +170,8 @@ def test_prefix_evicted_between_dispatch_and_prefill_is_recomputed(swarm, engine
         chain = next(c for c in httpx.get(f"{swarm.url}/v1/swarm").json()["chains"]
                      if c["id"] == doc["chainswarm"]["chain_id"])
         names = chain["servers"]
-        # another namespace's sessions fill that chain's stores: the prompt's pages are evicted (LRU), and
-        # the orchestrator hears of it only with the servers' next report
+        # another namespace's sessions fill that chain's stores: the prompt's pages are evicted (LRU), or were
+        # never saved for lack of room; the orchestrator hears of either only with the servers' next report
         root = protocol.namespace_root(os.urandom(8), swarm.dht_prefix)
         for i in range(2):
             filler = engine.encode(f"Filler {attempt}.{i}: " + "the quick brown fox jumps over the lazy dog. " * 12)
@@ -188,6 +188,23 @@ def test_prefix_evicted_between_dispatch_and_prefill_is_recomputed(swarm, engine
 
 
 # -- the orchestrator's radix index and locality on an in-memory DHT (no processes) ------------------------
+
+
+def test_pages_a_save_could_not_keep_are_reported_like_evictions():
+    from server.prefix_cache import PrefixStore
+
+    page = torch.zeros(1, 1, 1, 16)
+    store = PrefixStore(budget_bytes=2 * page.numel() * page.element_size())
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    store.touch([a])
+    assert store.put("blk", a, None, (page,), set()) and store.put("blk", b, a, (page,), set())
+    store.touch([a, b], pin_s=60)  # both pinned (a probe): nothing may make room for the third page
+    assert not store.put("blk", c, b, (page,), {c})
+    store.changed.clear()
+    assert store.report_unheld("blk", [b, c]) == 1  # b is held; c was never kept
+    report = store.report()
+    assert report["evicted"] == [[1, c.hex()]] and report["seq"] == 1 and store.changed.is_set()
+    assert store.report_unheld("other-block", [a]) == 1  # held, but not for that block
 
 
 def test_orchestrator_index_follows_dispatch_and_eviction_reports():
