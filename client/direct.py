@@ -2,8 +2,8 @@
 
 The client drives the chain itself (activations go client → server → client, as in petals), but which
 chain it uses is the orchestrator's decision: each inference session acquires a lease (a JFFC-granted
-chain slot, queued fairly with every other client), runs on that chain, and releases it when the session
-closes. If a server fails mid-session, the client reports it and asks for a replacement for the failed
+chain slot, queued fairly with every other client), runs on that chain, renews it from a background thread
+every third of its TTL, and releases it when the session closes. If a server fails mid-session, the client reports it and asks for a replacement for the failed
 blocks; petals replays the session's history there (with Chainswarm's failover fix).
 
 >>> model = DirectSwarmModel.from_pretrained("models/tiny", orchestrator="http://127.0.0.1:8000")
@@ -12,11 +12,14 @@ blocks; petals replays the session's history there (with Chainswarm's failover f
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Sequence
 
 from client.http import SwarmClient
 from swarm.routing import Lease, RouteSpan
+
+logger = logging.getLogger(__name__)
 
 
 class OrchestratorLeases:
@@ -27,19 +30,58 @@ class OrchestratorLeases:
         self.max_new_tokens_hint = max_new_tokens_hint
         self.timeout_s = timeout_s
         self.local = threading.local()  # prompt length of the session being opened in this thread
+        self._held: dict[str, float] = {}  # lease id -> renewal period (a third of its TTL)
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        self._closed = False
+        self._keeper: threading.Thread | None = None
 
     def acquire(self, *, max_length: int) -> Lease:
         input_tokens = getattr(self.local, "input_tokens", None) or 1
         new_tokens = max(1, max_length - input_tokens)
         doc = self.client.lease(input_tokens, new_tokens, timeout_s=self.timeout_s)
         route = tuple((r["peer_id"], r["start"], r["end"]) for r in doc["route"])
+        self._keep(doc["lease_id"], doc["ttl_s"] / 3)
         return Lease(doc["lease_id"], doc["chain_id"], route, doc["max_length"])
+
+    def _keep(self, lease_id: str, period: float) -> None:
+        with self._lock:
+            self._held[lease_id] = max(0.05, period)
+            if self._keeper is None:
+                self._keeper = threading.Thread(target=self._renew_loop, name="lease-renewal", daemon=True)
+                self._keeper.start()
+        self._changed.set()
+
+    def _renew_loop(self) -> None:
+        """Renew every held lease every third of its TTL, until :meth:`close`."""
+        while not self._closed:
+            with self._lock:
+                period = min(self._held.values(), default=1.0)
+            self._changed.wait(period)
+            self._changed.clear()
+            with self._lock:
+                held = list(self._held)
+            for lease_id in held:
+                try:
+                    self.client.renew(lease_id)
+                except Exception as exc:  # expired or released meanwhile: nothing left to keep
+                    logger.warning("lease %s could not be renewed: %s", lease_id, exc)
+                    with self._lock:
+                        self._held.pop(lease_id, None)
+
+    def close(self) -> None:
+        self._closed = True
+        self._changed.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
 
     def reroute(self, lease: Lease, start: int, end: int, failed_peers: Sequence[str]) -> tuple[RouteSpan, ...]:
         route = self.client.reroute(lease.lease_id, start, end, list(failed_peers))
         return tuple((r["peer_id"], r["start"], r["end"]) for r in route)
 
     def release(self, lease: Lease, *, processed_tokens: int) -> None:
+        with self._lock:
+            self._held.pop(lease.lease_id, None)
         input_tokens = getattr(self.local, "input_tokens", None) or 0
         self.client.release(lease.lease_id, max(0, processed_tokens - input_tokens))
 
@@ -77,6 +119,7 @@ class DirectSwarmModel:
     def close(self) -> None:
         from swarm.petals_client import close_distributed_model
 
+        self.leases.close()
         close_distributed_model(self.model)
         self.client.close()
 

@@ -143,6 +143,12 @@ class SwarmClient:
         _raise_for(response)
         return response.json()["route"]
 
+    def renew(self, lease_id: str) -> dict:
+        """Keep a lease alive another TTL (its holder's heartbeat)."""
+        response = self._http.post(f"/v1/leases/{lease_id}/renew")
+        _raise_for(response)
+        return response.json()
+
     def release(self, lease_id: str, output_tokens: int | None = None) -> None:
         params = {} if output_tokens is None else {"output_tokens": output_tokens}
         _raise_for(self._http.delete(f"/v1/leases/{lease_id}", params=params))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prefix_reuse.json"
 BLOCKS = 8
+ADMIN = {"Authorization": "Bearer key-admin"}  # operator detail of /v1/swarm (per-client service)
 
 
 def _timed_generate(engine, route, ids, hashes, max_new_tokens):
@@ -132,7 +133,7 @@ def fairness(url, heavy_n, light_n, tokenizer):
         for who, doc in (("heavy", heavy_doc), ("light", light_doc)):
             http.post("/v1/completions", headers={"Authorization": f"Bearer key-{who}"},
                       json={"prompt": doc + " warm?", "max_tokens": 1, "temperature": 0})
-        before = http.get("/v1/swarm").json()
+        before = http.get("/v1/swarm", headers=ADMIN).json()
     with cf.ThreadPoolExecutor(heavy_n + light_n) as pool:
         futures = [pool.submit(call, "heavy", i) for i in range(heavy_n)]
         time.sleep(1.0)  # the flood is queued first
@@ -142,7 +143,7 @@ def fairness(url, heavy_n, light_n, tokenizer):
             time.sleep(0.3)
         for f in futures + light:
             f.result()
-    after = httpx.get(f"{url}/v1/swarm").json()
+    after = httpx.get(f"{url}/v1/swarm", headers=ADMIN).json()
     service = {c: after["clients"][c]["service"] - before["clients"].get(c, {}).get("service", 0.0)
                for c in ("heavy", "light")}
     p_after, p_before = after["prefix"], before["prefix"]
@@ -177,7 +178,7 @@ def main(argv=None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     model = str(make_random_llama(tmp / "model", TinyLlamaSpec(layers=BLOCKS, hidden=512, heads=8, max_length=2048,
                                                                seed=3)))
-    keys = {"key-heavy": "heavy", "key-light": "light"}
+    keys = {"key-heavy": "heavy", "key-light": "light", "key-admin": "admin"}
     with LocalSwarm(model) as local:
         local.add_orchestrator(policy="swarm", quantum=64.0, expected_rate=2.0, max_length=2048,
                                expected_input_tokens=1024, expected_output_tokens=16, refresh_s=0.5,

@@ -34,9 +34,9 @@ from swarm.completion import CompletionRunner
 from swarm.engine import GenerationEngine
 from swarm.metrics import SwarmMetrics
 from swarm.openai_api import add_openai_routes
-from swarm.orchestrator import Orchestrator, UnknownLeaseError
+from swarm.orchestrator import LeaseMisuse, Orchestrator, UnknownLeaseError
 from swarm.routing import NoRouteError
-from swarm.schemas import LeaseRequest, LeaseResponse, RerouteRequest, RerouteResponse
+from swarm.schemas import LeaseRequest, LeaseResponse, RenewResponse, RerouteRequest, RerouteResponse
 
 
 logger = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             route=[{"peer_id": p, "start": s, "end": e} for p, s, e in lease.route],
             max_length=orchestrator.config.expect.max_length, dht_prefix=orchestrator.config.dht_prefix,
             initial_peers=initial_peers, expires_in_s=record.expires_at - time.monotonic(),
+            ttl_s=orchestrator.leases.ttl_s,
         )
 
     @app.post("/v1/leases", response_model=LeaseResponse, responses={400: {}, 401: {}, 422: {}, 429: {}, 503: {}})
@@ -161,17 +162,26 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             raise ApiError(404, "not_found", f"unknown lease {lease_id!r} (released or expired)")
         return record
 
-    @app.post("/v1/leases/{lease_id}/reroute", response_model=RerouteResponse, responses={404: {}, 503: {}})
+    @app.post("/v1/leases/{lease_id}/reroute", response_model=RerouteResponse,
+              responses={403: {}, 404: {}, 503: {}})
     async def reroute(lease_id: str, body: RerouteRequest, authorization: str | None = Header(None),
                       x_client_id: str | None = Header(None)):
         record = owned_lease(lease_id, authorization, x_client_id)
         if body.end <= body.start or body.end > orchestrator.config.num_blocks:
             raise ApiError(400, "invalid_request", f"bad block range [{body.start}, {body.end})")
         try:
-            route = orchestrator.reroute(record.lease.chain_id, body.start, body.end, body.failed_peers)
+            route = orchestrator.reroute_lease(record.lease.lease_id, body.start, body.end, body.failed_peers)
+        except LeaseMisuse as exc:
+            raise ApiError(403, "forbidden", str(exc)) from None
         except NoRouteError as exc:
             raise ApiError(503, "unavailable", str(exc)) from None
         return RerouteResponse(route=[{"peer_id": p, "start": s, "end": e} for p, s, e in route])
+
+    @app.post("/v1/leases/{lease_id}/renew", response_model=RenewResponse, responses={404: {}})
+    async def renew(lease_id: str, authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
+        """The holder still uses the lease: it lives another TTL (``ttl_s`` of the grant)."""
+        record = orchestrator.renew_lease(owned_lease(lease_id, authorization, x_client_id).lease.lease_id)
+        return RenewResponse(lease_id=lease_id, expires_in_s=record.expires_at - time.monotonic())
 
     @app.delete("/v1/leases/{lease_id}", responses={404: {}})
     async def release(lease_id: str, output_tokens: int | None = None, authorization: str | None = Header(None),
@@ -183,9 +193,21 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
         return {"released": lease_id}
 
     # -- status ----------------------------------------------------------------------------------------
+    admins = set(orchestrator.config.admin_clients)
+
+    def operator(authorization: str | None) -> bool:
+        """Operator detail: for an admin client's key; for everyone when no API keys are configured (a lab)."""
+        if not keys:
+            return True
+        token = (authorization or "").removeprefix("Bearer ").strip()
+        return bool(token) and match_api_key(token, keys) in admins
+
     @app.get("/v1/swarm")
-    async def swarm_status() -> dict[str, Any]:
-        return {"initial_peers": initial_peers, "model": model_name, **orchestrator.status()}
+    async def swarm_status(authorization: str | None = Header(None)) -> dict[str, Any]:
+        """Plan, servers, chains and prefix reuse; with an admin client's key (or without API keys) also the
+        per-client queue and service and the recent events."""
+        return {"initial_peers": initial_peers, "model": model_name,
+                **orchestrator.status(detail=operator(authorization))}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -193,7 +215,8 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
 
     @app.get("/", response_class=HTMLResponse)
     async def status_page() -> str:
-        return render_status_page({"initial_peers": initial_peers, "model": model_name, **orchestrator.status()})
+        return render_status_page({"initial_peers": initial_peers, "model": model_name,
+                                   **orchestrator.status(detail=not keys)})
 
     return app
 
@@ -216,7 +239,7 @@ def render_status_page(status: dict[str, Any]) -> str:
         [c["id"], " → ".join(c["servers"]), " ".join(f"[{a},{b})" for a, b in c["spans"]), c["capacity"],
          c["active"], c["ready"], f"{c['service_time']:.3f}"] for c in status["chains"]])
     clients = table(["client", "waiting", "service (cost units)"],
-                    [[c, v["waiting"], f"{v['service']:.0f}"] for c, v in status["clients"].items()])
+                    [[c, v["waiting"], f"{v['service']:.0f}"] for c, v in status.get("clients", {}).items()])
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2">
 <title>Chainswarm</title><style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}</style></head><body>

@@ -76,6 +76,15 @@ class OrchestratorOptions:
                             "with Retry-After (default 1024)")
     max_queue_per_client: int = option(256, metavar="N", help="requests one client may have waiting at once; "
                                        "past it its requests get a 429 with Retry-After (default 256)")
+    lease_ttl_s: float = option(60.0, flag="--lease-ttl", metavar="S",
+                                help="a lease lives this long after its grant or its holder's last renewal (clients "
+                                "renew every third of it while their session runs); a client that vanishes holds "
+                                "its slots at most this long (default 60)")
+    forget_idle_s: float = option(3600.0, metavar="S", help="forget the fairness counters of a client with nothing "
+                                  "queued or running for this long (default 3600)")
+    admin_clients: list[str] = option(default_factory=lambda: ["admin"], nargs="*", metavar="CLIENT",
+                                      help="API-key clients that see operator detail in /v1/swarm (clients, "
+                                      "leases, events; default: admin). Without API keys everyone does (a lab)")
     # A server that vanishes without closing its connections (killed machine, network partition) is noticed
     # by a session only when a step times out; then the session fails over to another chain.
     request_timeout_s: float = option(30.0, flag="--request-timeout",

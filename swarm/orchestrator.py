@@ -34,7 +34,8 @@ from planner.fairness.types import Grant
 from planner.plan import Plan
 from planner.tuning import InfeasibleError
 from swarm import planning, prefix as prefix_protocol, records
-from swarm.leases import LeaseBook, LeaseRecord, UnknownLeaseError
+from swarm.failures import DhtPing, FailureClaims
+from swarm.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
 from swarm.options import OrchestratorOptions
 from swarm.planning import Expectations, RoutableChain
 from swarm.prefix_view import PrefixView
@@ -42,7 +43,7 @@ from swarm.routers import ROUTERS, NoChainsError
 from swarm.routing import NoRouteError, RouteSpan, clip_route
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "QueueTimeout", "UnknownLeaseError",
-           "LeaseRecord"]
+           "LeaseRecord", "LeaseMisuse"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ class OrchestratorConfig(OrchestratorOptions):
     expect: Expectations
     assignment_ttl_s: float = 30.0
     suspect_s: float = 60.0  # how long a server reported failed stays excluded unless its record expires
-    lease_timeout_s: float = 1800.0
     # the secret that roots this orchestrator's prefix-hash namespace (swarm.prefix)
     prefix_secret: bytes = field(default_factory=lambda: os.urandom(32))
 
@@ -106,8 +106,11 @@ class Orchestrator:
         if router is None:
             raise ValueError(f"unknown router {config.router!r}; expected one of {tuple(ROUTERS)}")
         self.router = router(config, self.view, prefix_match=self.prefix.matcher if self.prefix.enabled else None)
-        self.leases = LeaseBook(config.lease_timeout_s, config.expect.max_length)
+        self.leases = LeaseBook(config.lease_ttl_s, config.expect.max_length)
         self.suspects: dict[str, float] = {}
+        self.claims = FailureClaims()  # lease holders' failure reports, excluded only when confirmed
+        self.probe = DhtPing(dht)
+        self._probing: set[str] = set()
         self._dtype_refused: set[str] = set()
         self.events: deque[dict] = deque(maxlen=200)
         self.on_event = on_event
@@ -119,6 +122,7 @@ class Orchestrator:
         self._refresh_now = asyncio.Event()
         self._published_at = 0.0
         self._replans = 0
+        self._stopping = False
         self.started_at = time.monotonic()
 
     @property
@@ -132,6 +136,7 @@ class Orchestrator:
         self._task = asyncio.create_task(self._control_loop(), name="orchestrator-control")
 
     async def stop(self) -> None:
+        self._stopping = True  # Python 3.11's wait_for can swallow a cancel that meets a set event: the loop checks
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -141,7 +146,7 @@ class Orchestrator:
                 future.set_exception(NoChainsError("the orchestrator is shutting down"))
 
     async def _control_loop(self) -> None:
-        while True:
+        while not self._stopping:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._refresh_now.wait(), self.config.refresh_s)
             self._refresh_now.clear()
@@ -178,6 +183,7 @@ class Orchestrator:
             self.prefix.apply_reports(reports, live=set(profiles))
         self._update_chains()
         self.expire_leases()
+        self.router.forget_idle(now, self.config.forget_idle_s)
 
     def _same_dtype(self, node: str, profile: records.ServerProfile) -> bool:
         """Only servers computing in the swarm's dtype are planned (mixed dtypes change greedy answers)."""
@@ -248,13 +254,39 @@ class Orchestrator:
             future.set_exception(exc)
 
     def report_failure(self, peer_id: str) -> None:
-        """A session saw ``peer_id`` fail: exclude its server now and rebuild chains without it."""
-        node = next((n for n, p in self.view.profiles.items() if p.peer_id == peer_id), None)
+        """The orchestrator's own session (or probe) saw ``peer_id`` fail: exclude its server now and rebuild
+        chains without it."""
+        node = self._node_of(peer_id)
         if node is None or node in self.suspects:
             return
         self.suspects[node] = time.monotonic()
+        self.claims.forget(node)
         self._event("server_failed", node=node, peer_id=peer_id)
         self._refresh_now.set()
+
+    def claim_failure(self, peer_id: str, client_id: str) -> None:
+        """A lease holder says ``peer_id`` failed. Excluded only once confirmed (swarm.failures): by another
+        client's claim, or by the orchestrator's own probe, started here in the background."""
+        node = self._node_of(peer_id)
+        if node is None or node in self.suspects:
+            return
+        if self.claims.claim(node, client_id, time.monotonic()):
+            self.report_failure(peer_id)
+        elif peer_id not in self._probing and self._loop is not None:
+            self._probing.add(peer_id)
+            self._loop.create_task(self._probe(peer_id))
+
+    async def _probe(self, peer_id: str) -> None:
+        try:
+            if not await asyncio.to_thread(self.probe.reachable, peer_id):
+                self.report_failure(peer_id)
+            else:
+                self._event("failure_claim_refuted", peer_id=peer_id)
+        finally:
+            self._probing.discard(peer_id)
+
+    def _node_of(self, peer_id: str) -> str | None:
+        return next((n for n, p in self.view.profiles.items() if p.peer_id == peer_id), None)
 
     # -- dispatch ----------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -343,10 +375,16 @@ class Orchestrator:
         self.router.cancel(request_id, time.monotonic())
         self._dispatch()
 
-    def reroute(self, chain_id: str, start: int, end: int, failed_peers) -> tuple[RouteSpan, ...]:
-        """Spans for blocks [start, end) on the fastest ready chain avoiding ``failed_peers``."""
+    def reroute(self, chain_id: str, start: int, end: int, failed_peers, *,
+                claimant: str | None = None) -> tuple[RouteSpan, ...]:
+        """Spans for blocks [start, end) on the fastest ready chain avoiding ``failed_peers``. Without
+        ``claimant`` the failures are the orchestrator's own evidence; a lease holder's (``claimant``) are claims
+        to confirm (:meth:`claim_failure`)."""
         for peer in failed_peers:
-            self.report_failure(peer)
+            if claimant is None:
+                self.report_failure(peer)
+            else:
+                self.claim_failure(peer, claimant)
         bad = set(failed_peers)
         candidates = [c for c in self.view.chains if c.ready and not bad & {p for p, _, _ in c.route}]
         free = self.router.free_slots()
@@ -384,6 +422,17 @@ class Orchestrator:
     def lease(self, lease_id: str) -> LeaseRecord:
         return self.leases.get(lease_id)
 
+    def renew_lease(self, lease_id: str) -> LeaseRecord:
+        return self.leases.renew(lease_id, time.monotonic())
+
+    def reroute_lease(self, lease_id: str, start: int, end: int, failed_peers) -> tuple[RouteSpan, ...]:
+        """A lease holder's failover: only peers of its own route, a bounded number of times (``LeaseMisuse``);
+        its failure reports are claims (:meth:`claim_failure`)."""
+        record = self.leases.check_reroute(lease_id, failed_peers)
+        route = self.reroute(record.lease.chain_id, start, end, failed_peers, claimant=record.client_id)
+        self.leases.rerouted(lease_id, route, time.monotonic())
+        return route
+
     def release_lease(self, lease_id: str, output_tokens: int | None = None) -> None:
         self.finish(self.leases.release(lease_id).request_id, output_tokens)
 
@@ -393,7 +442,9 @@ class Orchestrator:
             self.release_lease(lease_id)
 
     # -- status ------------------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, detail: bool = True) -> dict[str, Any]:
+        """The swarm's state. Without ``detail`` (the public view) it leaves out what names clients and leases:
+        the per-client queue and service, and the events."""
         view = self.view
         active = self.router.active_sessions()
         return {
@@ -419,4 +470,12 @@ class Orchestrator:
             **self.router.status(),  # queue and clients (and the ws-rr block)
             "leases": len(self.leases),
             "events": list(self.events)[-30:],
-        }
+        } if detail else self._public(self.status())
+
+    @staticmethod
+    def _public(status: dict[str, Any]) -> dict[str, Any]:
+        queue = status.pop("queue", {})
+        status.pop("clients", None)
+        status.pop("events", None)
+        status["waiting"] = sum(queue.values())
+        return status

@@ -76,6 +76,9 @@ class Router:
     def prefilled(self, request_id: str, reused_tokens: int, now: float) -> None:
         """The request's prefill reused ``reused_tokens`` cached prompt tokens."""
 
+    def forget_idle(self, now: float, idle_for: float) -> None:
+        """Drop the per-client state of clients with nothing queued or running for ``idle_for`` seconds."""
+
     def chain(self, chain_id: str) -> RoutableChain | None:
         """The chain (or path) a grant names; None when it is not known (any more)."""
         return next((c for c in self.view.chains if c.chain_id == chain_id), None)
@@ -141,6 +144,9 @@ class JffcRouter(Router):
     def prefilled(self, request_id, reused_tokens, now):
         with contextlib.suppress(FairnessError):
             self.scheduler.on_prefill(request_id, reused_tokens, now)
+
+    def forget_idle(self, now, idle_for):
+        self.scheduler.forget_idle_clients(now, idle_for)
 
     def free_slots(self):
         return self.scheduler.free_slots()

@@ -170,12 +170,20 @@ class LeaseResponse(BaseModel):
     dht_prefix: str
     initial_peers: list[str]
     expires_in_s: float
+    ttl_s: float = Field(description="renew the lease (POST /v1/leases/{id}/renew) more often than this while the "
+                         "session runs; an unrenewed lease expires and its slot goes to the next request")
+
+
+class RenewResponse(BaseModel):
+    lease_id: str
+    expires_in_s: float
 
 
 class RerouteRequest(_Strict):
     start: int = Field(ge=0)
     end: int = Field(ge=1)
-    failed_peers: list[str] = Field(default_factory=list)
+    failed_peers: list[str] = Field(default_factory=list, max_length=16,
+                                    description="peers of this lease's route that failed (at most 16)")
 
 
 class RerouteResponse(BaseModel):

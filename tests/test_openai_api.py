@@ -19,7 +19,8 @@ from server.local_swarm import LocalSwarm
 pytestmark = pytest.mark.swarm
 
 MAX_LENGTH = 384
-KEYS = {"sk-test": "tester", "sk-flood": "flood"}
+KEYS = {"sk-test": "tester", "sk-flood": "flood", "sk-admin": "admin"}
+ADMIN = {"Authorization": "Bearer sk-admin"}  # operator detail of /v1/swarm (clients, queue, events)
 DECLARED = {"prefill_s": 2e-4, "decode_s": 2e-3, "rtt_s": 0.002}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -156,7 +157,7 @@ def test_n_choices_are_separate_sessions(client, local, swarm):
     reply = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=12, n=2)
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].message.content == reply.choices[1].message.content
-    status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
     assert status["clients"]["tester"]["service"] > 0  # both sessions were charged to the client
 
 
@@ -199,7 +200,7 @@ def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(s
     assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["message"] for r in refused)
 
     def idle():
-        status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+        status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
         return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
 
     wait_for(idle, 30, what="an idle swarm after the overload")

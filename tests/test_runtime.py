@@ -19,8 +19,10 @@ from helpers import wait_for
 
 pytestmark = pytest.mark.swarm
 
-KEYS = {"key-alice": "alice", "key-bob": "bob", "key-flood": "flood", "key-light": "light"}
+KEYS = {"key-alice": "alice", "key-bob": "bob", "key-flood": "flood", "key-light": "light", "key-admin": "admin"}
+ADMIN = {"Authorization": "Bearer key-admin"}  # operator detail of /v1/swarm (clients, queue, events)
 MAX_LENGTH = 256
+LEASE_TTL = 3.0  # short: a lease held by a vanished client frees its slot within seconds
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def swarm(tiny_model, tmp_path_factory):
     with LocalSwarm(tiny_model) as local:
         local.add_orchestrator(policy="dlpm", quantum=200.0, expected_rate=4.0, max_length=MAX_LENGTH,
                                expected_input_tokens=128, expected_output_tokens=28, refresh_s=0.5,
-                               api_keys=KEYS, request_timeout_s=8.0)
+                               api_keys=KEYS, request_timeout_s=8.0, lease_ttl_s=LEASE_TTL)
         # Declared compute times and RTT (identical on every node) make the plan independent of how loaded
         # the machine is while profiling; memory budgets then decide it: big alone, and left + right.
         declared = {"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002}
@@ -112,9 +114,55 @@ def test_direct_swarm_model_routes_by_lease_and_matches_transformers(swarm, tiny
     with DirectSwarmModel.from_pretrained(tiny_model, orchestrator=swarm.url, api_key="key-alice") as model:
         out = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=2)
     assert torch.equal(out, expected)
-    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
     assert status["leases"] == 0 and all(c["active"] == 0 for c in status["chains"])
     assert status["clients"]["alice"]["service"] > 0
+
+
+def test_leases_live_while_renewed_and_a_hoarder_blocks_nobody_past_the_ttl(swarm):
+    with client(swarm.url, key="key-bob") as bob:  # a renewed lease outlives its TTL
+        lease = bob.post("/v1/leases", json={"input_tokens": 8, "max_new_tokens": 8}).json()
+        assert lease["ttl_s"] == LEASE_TTL
+        for _ in range(int(2 * LEASE_TTL / 0.75)):
+            time.sleep(0.75)
+            assert bob.post(f"/v1/leases/{lease['lease_id']}/renew").status_code == 200
+        with client(swarm.url, key="key-alice") as alice:  # only its holder may renew or release it
+            assert alice.post(f"/v1/leases/{lease['lease_id']}/renew").status_code == 404
+        assert bob.delete(f"/v1/leases/{lease['lease_id']}").status_code == 200
+    capacity = sum(c["capacity"] for c in httpx.get(f"{swarm.url}/v1/swarm").json()["chains"] if c["ready"])
+    with client(swarm.url, key="key-flood") as flood:  # takes every slot, then vanishes without a word
+        for _ in range(capacity):
+            assert flood.post("/v1/leases", json={"input_tokens": 8, "max_new_tokens": 8}).status_code == 200
+    started = time.monotonic()
+    with client(swarm.url, key="key-light") as light:
+        response = light.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    waited = time.monotonic() - started
+    assert response.status_code == 200, response.text
+    assert waited < LEASE_TTL + 10, f"the hoarded slots were held {waited:.1f} s"
+    status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
+    assert sum(e["event"] == "lease_expired" and e["client"] == "flood" for e in status["events"]) >= 1
+
+
+def test_public_status_shows_no_clients_and_reroutes_cannot_be_abused(swarm):
+    with client(swarm.url, key="key-bob") as bob:
+        lease = bob.post("/v1/leases", json={"input_tokens": 8, "max_new_tokens": 8}).json()
+        public = httpx.get(f"{swarm.url}/v1/swarm")
+        assert lease["lease_id"] not in public.text and "bob" not in public.text and "events" not in public.json()
+        assert lease["lease_id"] in httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).text
+        assert bob.get("/v1/swarm").json().get("events") is None  # a client's key is not an admin's
+        own = {r["peer_id"] for r in lease["route"]}
+        strangers = {p for c in swarm.status["chains"] for p, _, _ in c["route"]} - own
+        reroute = f"/v1/leases/{lease['lease_id']}/reroute"
+        response = bob.post(reroute, json={"start": 0, "end": 2, "failed_peers": sorted(strangers)[:1]})
+        assert response.status_code == 403 and "not on it" in response.json()["error"]["message"]
+        # naming its own (healthy) server reroutes bob's session but excludes nobody: the probe reaches it
+        response = bob.post(reroute, json={"start": 0, "end": 2, "failed_peers": sorted(own)[:1]})
+        assert response.status_code in (200, 503)
+        time.sleep(2.0)
+        status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
+        assert not any(s["suspect"] for s in status["servers"])
+        assert any(e["event"] == "failure_claim_refuted" for e in status["events"])
+        assert bob.delete(f"/v1/leases/{lease['lease_id']}").status_code == 200
 
 
 def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
@@ -145,7 +193,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
 
 def test_a_client_that_disconnects_mid_generation_frees_its_slot(swarm):
     def idle():
-        status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+        status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
         return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
 
     wait_for(idle, 60, what="an idle swarm")
@@ -169,7 +217,7 @@ def test_overload_queues_and_jffc_fills_fastest_chains_first(swarm):
     def sample():
         with httpx.Client(base_url=swarm.url, timeout=30) as http:
             while not stop.is_set():
-                samples.append(http.get("/v1/swarm").json())
+                samples.append(http.get("/v1/swarm", headers=ADMIN).json())
                 time.sleep(0.05)
 
     def one(i):
@@ -214,7 +262,7 @@ def test_dlpm_does_not_starve_a_light_client_behind_a_flood(swarm):
         t.start()
     for t in flood + light:
         t.join(300)
-    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
     assert all(code == 200 for code, _ in results["flood"] + results["light"])
     light_latency = max(t for _, t in results["light"])
     flood_latency = sorted(t for _, t in results["flood"])
@@ -263,7 +311,7 @@ def test_killed_server_sessions_complete_elsewhere_with_identical_text(swarm, ti
     doc = response.json()
     assert doc["choices"][0]["text"] == expected_text
     status = wait_for(lambda: (lambda s: s if all("big" not in c["servers"] for c in s["chains"]) else None)(
-        httpx.get(f"{swarm.url}/v1/swarm").json()), 60, what="chains rebuilt without the killed server")
+        httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()), 60, what="chains rebuilt without the killed server")
     # noticed by the failed step (server_failed) or by the expired heartbeat (a plan without it)
     assert any(e["event"] == "server_failed" or (e["event"] == "plan" and "big" not in e["servers"])
                for e in status["events"])

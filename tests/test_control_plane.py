@@ -1,0 +1,160 @@
+"""Control-plane hardening on an in-memory DHT (issue 18): leases that live only while renewed, reroutes that
+cannot be abused, failure claims confirmed before a server is excluded, a public status without client or
+lease detail, idle clients forgotten. (tests/test_runtime.py drives the same over HTTP with real servers.)
+"""
+import asyncio
+import json
+
+import pytest
+
+from swarm.failures import FailureClaims
+from swarm.leases import LeaseBook, LeaseMisuse
+from swarm.routing import NoRouteError
+from test_orchestrator_logic import serving_orchestrator
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Probe:
+    """The orchestrator's probe, answering as told (the real one pings over the DHT)."""
+
+    def __init__(self, reachable=True):
+        self.answer, self.asked = reachable, []
+
+    def reachable(self, peer_id):
+        self.asked.append(peer_id)
+        return self.answer
+
+
+def test_failure_claims_need_distinct_clients_within_the_window():
+    claims = FailureClaims(quorum=2, window_s=10)
+    assert not claims.claim("a", "mallory", 0.0)
+    assert not claims.claim("a", "mallory", 1.0)  # the same client again proves nothing
+    assert not claims.claim("a", "bob", 20.0)  # mallory's claim is too old
+    assert claims.claim("a", "carol", 25.0)
+
+
+def test_lease_book_renews_and_bounds_reroutes():
+    from types import SimpleNamespace
+
+    chain = SimpleNamespace(chain_id="p/0", route=(("p1", 0, 2), ("p2", 2, 4)))
+    book = LeaseBook(ttl_s=5, max_length=64, max_reroutes=2)
+    record = book.grant("r1", "alice", chain, now=0.0)
+    assert book.expired(4.0) == [] and book.expired(6.0) == [record.lease.lease_id]
+    book.renew(record.lease.lease_id, now=4.0)
+    assert book.expired(8.0) == [] and book.expired(9.5) == [record.lease.lease_id]
+    with pytest.raises(LeaseMisuse, match="not on it"):
+        book.check_reroute(record.lease.lease_id, ["p1", "someone-else"])
+    book.check_reroute(record.lease.lease_id, ["p2"])
+    book.rerouted(record.lease.lease_id, (("p3", 2, 4),), now=8.0)
+    book.check_reroute(record.lease.lease_id, ["p3"])  # the new hop is the lease's too now
+    book.rerouted(record.lease.lease_id, (("p4", 2, 4),), now=8.0)
+    with pytest.raises(LeaseMisuse, match="rerouted 2 times"):
+        book.check_reroute(record.lease.lease_id, ["p4"])
+    with pytest.raises(ValueError):
+        LeaseBook(ttl_s=0, max_length=64)
+
+
+def test_a_lease_holder_cannot_exclude_servers_alone():
+    async def scenario():
+        orch, dht = await serving_orchestrator(lease_ttl_s=30)
+        orch.probe = Probe(reachable=True)
+        record = await orch.grant_lease("mallory", 10, 10, timeout=1)
+        own = [p for p, _, _ in record.lease.route]
+        others = {p for c in orch.view.chains for p, _, _ in c.route} - set(own)
+        if others:
+            with pytest.raises(LeaseMisuse):
+                orch.reroute_lease(record.lease.lease_id, 0, 4, [sorted(others)[0]])
+        route = orch.reroute_lease(record.lease.lease_id, 0, 4, [own[0]])
+        assert own[0] not in [p for p, _, _ in route]  # mallory's own session avoids the peer it named
+        await asyncio.sleep(0.05)  # the probe runs in the background
+        assert orch.probe.asked == [own[0]] and not orch.suspects  # reachable: the claim is refuted
+        assert any(e["event"] == "failure_claim_refuted" for e in orch.events)
+        # a second client's claim confirms it
+        other = await orch.grant_lease("bob", 10, 10, timeout=1)
+        if own[0] in {p for p, _, _ in other.lease.route}:
+            orch.reroute_lease(other.lease.lease_id, 0, 4, [own[0]])
+            assert orch.suspects
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_a_claim_the_probe_confirms_excludes_the_server():
+    async def scenario():
+        orch, dht = await serving_orchestrator(lease_ttl_s=30)
+        orch.probe = Probe(reachable=False)
+        record = await orch.grant_lease("alice", 10, 10, timeout=1)
+        victim = record.lease.route[0][0]
+        with pytest.raises(NoRouteError) if len(orch.view.chains) == 1 else _nothing():
+            orch.reroute_lease(record.lease.lease_id, 0, 4, [victim])
+        await asyncio.sleep(0.05)
+        node = next(n for n, p in orch.view.profiles.items() if p.peer_id == victim)
+        assert node in orch.suspects and any(e["event"] == "server_failed" for e in orch.events)
+        await orch.stop()
+
+    run(scenario())
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_an_unrenewed_lease_frees_its_slot_after_the_ttl():
+    async def scenario():
+        orch, dht = await serving_orchestrator(lease_ttl_s=0.3)
+        capacity = sum(c.capacity for c in orch.view.chains if c.ready)
+        hoard = [await orch.grant_lease("hoarder", 10, 10, timeout=1) for _ in range(capacity)]
+        kept = hoard[0].lease.lease_id
+        waiting = asyncio.create_task(orch.acquire("polite", 10, 10, timeout=5))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # every slot is held
+        for _ in range(8):  # the hoarder renews one lease only; the others expire
+            await asyncio.sleep(0.1)
+            orch.renew_lease(kept)
+            await orch.refresh()
+        grant = await asyncio.wait_for(waiting, 2)
+        assert grant.client_id == "polite"
+        assert len(orch.leases) == 1 and orch.lease(kept)
+        assert sum(e["event"] == "lease_expired" for e in orch.events) == capacity - 1
+        orch.finish(grant.request_id, 1)
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_public_status_names_no_client_and_no_lease():
+    async def scenario():
+        orch, dht = await serving_orchestrator()
+        record = await orch.grant_lease("secret-client", 10, 10, timeout=1)
+        waiting = asyncio.create_task(orch.acquire("waiting-client", 10, 10, timeout=5))
+        await asyncio.sleep(0)
+        public = json.dumps(orch.status(detail=False))
+        assert "secret-client" not in public and record.lease.lease_id not in public
+        assert "clients" not in orch.status(detail=False) and "events" not in orch.status(detail=False)
+        detail = json.dumps(orch.status())
+        assert "secret-client" in detail and record.lease.lease_id in detail
+        waiting.cancel()
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_idle_clients_are_forgotten():
+    async def scenario():
+        orch, dht = await serving_orchestrator(forget_idle_s=0.0)
+        for i in range(5):
+            grant = await orch.acquire(f"passer-by-{i}", 10, 10, timeout=1)
+            orch.finish(grant.request_id, 10)
+        await asyncio.sleep(0.01)
+        await orch.refresh()
+        assert orch.status()["clients"] == {}
+        await orch.stop()
+
+    run(scenario())
