@@ -160,6 +160,17 @@ class Orchestrator:
         if self.on_event is not None:
             self.on_event(kind, data)
 
+    def _refused(self, client_id: str, reason: str) -> None:
+        """A refusal event; a burst of them from one client for one reason is one event with a count (so the
+        recent events still show joins and plans under a flood)."""
+        last = self.events[-1] if self.events else None
+        if last and last["event"] == "refused" and last["client"] == client_id and last["reason"] == reason \
+                and time.time() - last["time"] < 10.0:
+            last["count"] += 1
+            last["time"] = time.time()
+            return
+        self._event("refused", client=client_id, reason=reason, count=1)
+
     # -- membership, planning, assignments ---------------------------------------------------------------
     async def refresh(self) -> None:
         profiles = await asyncio.to_thread(records.fetch_profiles, self.dht, self.config.dht_prefix)
@@ -304,13 +315,13 @@ class Orchestrator:
         """Queue a request with the router and wait for its grant (chain or path)."""
         self._fits(input_tokens, max_new_tokens)
         if self.view.plan is None:
-            self._event("refused", client=client_id, reason="no plan")
+            self._refused(client_id, "no plan")
             raise NoChainsError(f"no chains: {self.view.plan_error or 'no plan yet'}")
         waiting, mine = sum(self._queued.values()), self._queued.get(client_id, 0)
         if waiting >= self.config.max_queue or mine >= self.config.max_queue_per_client:
             bound = ("the swarm's queue is full" if waiting >= self.config.max_queue else
                      f"client {client_id!r} already has {mine} requests waiting (the per-client bound)")
-            self._event("refused", client=client_id, reason="queue full")
+            self._refused(client_id, "queue full")
             raise QueueFull(f"{bound}; retry later", self.retry_after_s(waiting))
         request_id = uuid.uuid4().hex
         future = self._loop.create_future()
@@ -329,7 +340,7 @@ class Orchestrator:
                 self.abort(request_id)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            self._event("refused", client=client_id, reason="queue timeout")
+            self._refused(client_id, "queue timeout")
             raise QueueTimeout(f"no chain slot within {timeout or self.config.queue_timeout_s:.0f} s",
                                self.retry_after_s(sum(self._queued.values()))) from None
         finally:

@@ -188,7 +188,7 @@ class Dashboard {
         el("div", {}, `#${i + 1}`, chain.ready ? null : el("small", {}, " not ready")),
         el("div", {class: "route"}, route),
         el("div", {}, el("div", {class: "bar", title: `${chain.active} active of ${chain.capacity}`}, fill),
-          el("small", {}, `${chain.active} / ${chain.capacity} sessions`)),
+          el("small", {class: "occupancy"}, `${chain.active} / ${chain.capacity} sessions`)),
         el("div", {class: "num"}, `${fixed(chain.service_time, 2)} s service`));
     });
     $("chains").replaceChildren(...(rows.length ? rows : [el("p", {class: "note"}, "no chains")]));
@@ -232,11 +232,13 @@ class Dashboard {
     svg.setAttribute("aria-label", "service per client over time");
     const last = samples.length ? samples[samples.length - 1].time : 0;
     const shown = samples.filter((s) => s.time > last - CHART_WINDOW_S);
+    // the window grows with the history (at least a minute, at most CHART_WINDOW_S)
+    const window_s = Math.min(CHART_WINDOW_S, Math.max(60, shown.length ? last - shown[0].time + history.period_s : 0));
     const top = Math.max(1, ...shown.map((s) => Object.values(s.service).reduce((a, b) => a + b, 0)));
-    const width = Math.max(1, (W * history.period_s) / CHART_WINDOW_S - 1);
+    const width = Math.max(1, (W * history.period_s) / window_s - 1);
     for (const sample of shown) {
       let y = H;
-      const x = W - ((last - sample.time) / CHART_WINDOW_S) * W - width;
+      const x = W - ((last - sample.time) / window_s) * W - width;
       for (const [name, value] of Object.entries(sample.service).sort()) {
         const h = (value / top) * (H - 10);
         const rect = document.createElementNS(NS, "rect");
@@ -250,7 +252,7 @@ class Dashboard {
         y -= h;
       }
     }
-    const legend = el("p", {class: "note"}, `stacked service per ${history.period_s} s, last ${CHART_WINDOW_S / 60} min; peak ${fixed(top, 0)} per period `);
+    const legend = el("p", {class: "note"}, `stacked service per ${history.period_s} s over the last ${fixed(window_s / 60, 1)} min; peak ${fixed(top, 0)} per period `);
     for (const name of names) {
       const swatch = el("span", {class: "swatch"});
       swatch.style.background = colour(name);
@@ -297,7 +299,7 @@ function describe(e) {
     case "server_failed": return `${e.node} failed a session; excluded`;
     case "plan": return `plan ${e.plan_id}: ${e.servers.length} servers, ${e.chains.length} chains`
       + (e.kept_ranges ? " (block ranges kept)" : ` (c = ${e.c})`);
-    case "refused": return `${e.client}: ${e.reason}`;
+    case "refused": return `${e.client}: ${e.reason}` + (e.count > 1 ? ` (×${e.count})` : "");
     case "lease": return `${e.client} on chain ${e.chain}`;
     case "lease_expired": return `${e.client} (${e.lease_id ?? "lease"})`;
     case "plan_dropped": return e.reason;
