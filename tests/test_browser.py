@@ -7,7 +7,8 @@ shown with its Retry-After in the chat page, the dashboard screenshot); a killed
 no reload). Every test ends with an empty browser console (warnings and errors), but the 429's own line.
 
 ``CHAINSWARM_SCREENSHOTS=DIR`` (``make screenshots``: docs/screenshots) writes dashboard.png and chat.png there.
-Without Chromium (``make browser``) the module is skipped, and the run's summary says so in red.
+Without Chromium (``make browser``) the module is skipped with a warning, and the run's summary says so in red
+(``CHAINSWARM_REQUIRE_BROWSER=1``: an error instead).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from browser import Browser, missing
 from helpers import wait_for
 
 REASON = missing()
+if REASON and os.environ.get("CHAINSWARM_REQUIRE_BROWSER") == "1":
+    raise RuntimeError(f"CHAINSWARM_REQUIRE_BROWSER=1 but {REASON}")
 if REASON:
     warnings.warn(pytest.PytestWarning(f"BROWSER TESTS NOT RUN: {REASON}"))
 pytestmark = [pytest.mark.swarm, pytest.mark.browser, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
