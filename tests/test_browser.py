@@ -282,6 +282,7 @@ def test_a_burst_from_two_clients_is_live_and_a_refusal_says_when_to_retry(swarm
 
 
 def test_a_killed_server_shows_as_gone_and_its_chain_disappears_without_a_reload(swarm, page):
+    """The last test: it kills a server, then the orchestrator."""
     page.driver.get(swarm.url + "/")
     wait_js(page, "return document.getElementById('state').textContent === 'healthy'", 30, "a healthy swarm")
     js(page, "window.__sameDocument = true")
@@ -297,4 +298,9 @@ def test_a_killed_server_shows_as_gone_and_its_chain_disappears_without_a_reload
     assert js(page, "return document.getElementById('state').textContent") in ("degraded", "broken")
     # the other server is still drawn, by its literal name
     assert EVIL in js(page, "return document.getElementById('block-map').textContent")
-    page.allowed = ()
+    # the orchestrator itself gone: the page says so and keeps trying (the browser logs the refused connections)
+    page.allowed = ("/v1/swarm - Failed to load resource: net::ERR_",)
+    swarm.orchestrator.process.kill()
+    wait_js(page, "return document.getElementById('state').textContent === 'unreachable'", 15, "an unreachable badge")
+    assert "orchestrator unreachable" in js(page, "return document.getElementById('summary').textContent")
+    assert js(page, "return window.__sameDocument") is True

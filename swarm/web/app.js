@@ -45,6 +45,7 @@ const EVENT_LABELS = {server_joined: "join", server_left: "leave", plan: "re-pla
   server_failed: "failover", refused: "refusal", server_refused: "server refused", lease: "lease",
   lease_expired: "lease expired"};
 const CHART_WINDOW_S = 300;
+const POLL_TIMEOUT_MS = 5000; // an orchestrator that accepts but never answers counts as unreachable
 
 function swarmHealth(doc) {
   const plan = doc.plan;
@@ -90,23 +91,26 @@ class Dashboard {
   async poll() {
     clearTimeout(this.timer);
     try {
-      const response = await fetch("/v1/swarm", {headers: authHeaders(this.adminKey()), cache: "no-store"});
+      const response = await fetch("/v1/swarm", {headers: authHeaders(this.adminKey()), cache: "no-store",
+        signal: AbortSignal.timeout(POLL_TIMEOUT_MS)});
       if (!response.ok) {
         const body = await response.json().catch(() => ({}));
-        this.unreachable(`GET /v1/swarm answered ${response.status}: ${body.error?.message || response.statusText}`);
+        const message = `GET /v1/swarm answered ${response.status}: ${body.error?.message || response.statusText}`;
+        this.unreachable(response.status === 401 || response.status === 403 ? "admin key rejected" : "unreachable",
+          response.status === 401 || response.status === 403 ? `${message} (clear or correct the admin key)` : message);
       } else {
         this.render(await response.json());
       }
     } catch (err) {
-      this.unreachable(`orchestrator unreachable (${err.message})`);
+      this.unreachable("unreachable", `orchestrator unreachable (${err.message})`);
     }
     this.timer = setTimeout(() => this.poll(), 1000);
   }
 
-  unreachable(message) {
+  unreachable(label, message) {
     const badge = $("state");
     badge.className = "badge broken";
-    badge.textContent = "unreachable";
+    badge.textContent = label;
     $("summary").textContent = message;
   }
 
