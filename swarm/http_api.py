@@ -5,7 +5,8 @@
   orchestrator); ``stream: true`` answers with server-sent events.
 * ``POST /v1/leases`` / ``POST /v1/leases/{id}/reroute`` / ``DELETE /v1/leases/{id}`` — for clients that
   drive the chain themselves (``client.DirectSwarmModel``).
-* ``GET /v1/swarm`` — plan, servers, chains with capacity and active sessions, queue per client.
+* ``GET /v1/swarm`` — plan, servers, chains with capacity and active sessions, queue, service and deficit per
+  client, a short per-client service history, recent events (joins, leaves, plans, failures, refusals).
 * ``GET /metrics`` — Prometheus; ``GET /health``, ``GET /ready``; ``GET /`` — the dashboard, ``GET /chat`` —
   a chat page (:mod:`swarm.web_pages`);
   ``GET /docs`` — the OpenAPI UI. Every response carries ``X-Request-Id``.

@@ -139,6 +139,9 @@ def test_block_map_draws_every_server_over_its_planned_span_and_names_stay_text(
     join = js(page, "return document.getElementById('join-command').textContent")
     assert join.startswith("chainswarm server --model ") and " ".join(status["initial_peers"]) in join
     assert f"--dht-prefix {status['dht_prefix']}" in join
+    driver.find_element("id", "copy-join").click()
+    wait_js(page, "return ['Copied', 'Selected: press Ctrl+C'].includes(document.getElementById('copy-join').textContent)",
+            5, "the join command copied (or selected for copying)")
     # operator detail (clients, events, service history) may be left out without the admin key: the page says so
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
