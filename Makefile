@@ -10,7 +10,7 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 # a missing model is a failure, never a silent skip.
 export CHAINSWARM_REQUIRE_REAL_MODEL ?= 1
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench clean browser screenshots
 
 venv: $(VENV)/.chainswarm-stamp
 $(VENV)/.chainswarm-stamp: requirements.txt requirements-dev.txt requirements-experiments.txt pyproject.toml scripts/bootstrap.sh
@@ -23,6 +23,17 @@ demo: venv
 test: venv
 	setsid --wait timeout -k 30 1500 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+
+# Debian's Chromium and ChromeDriver for tests/test_browser.py (without them `make test` says BROWSER TESTS NOT RUN).
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then echo "chromium and chromedriver are installed"; \
+	  else $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver; fi
+
+# docs/screenshots/{dashboard,chat}.png, taken by the browser tests on a live swarm.
+screenshots: venv browser
+	CHAINSWARM_SCREENSHOTS=docs/screenshots CHAINSWARM_REQUIRE_BROWSER=1 setsid --wait timeout -k 30 600 \
+	  $(PY) -m pytest tests/test_browser.py -p no:cacheprovider
 
 bench: venv
 	$(PY) -m experiments.bench_planner

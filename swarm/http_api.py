@@ -5,8 +5,10 @@
   orchestrator); ``stream: true`` answers with server-sent events.
 * ``POST /v1/leases`` / ``POST /v1/leases/{id}/reroute`` / ``DELETE /v1/leases/{id}`` — for clients that
   drive the chain themselves (``client.DirectSwarmModel``).
-* ``GET /v1/swarm`` — plan, servers, chains with capacity and active sessions, queue per client.
-* ``GET /metrics`` — Prometheus; ``GET /health``, ``GET /ready``; ``GET /`` — a small status page;
+* ``GET /v1/swarm`` — plan, servers, chains with capacity and active sessions, queue, service and deficit per
+  client, a short per-client service history, recent events (joins, leaves, plans, failures, refusals).
+* ``GET /metrics`` — Prometheus; ``GET /health``, ``GET /ready``; ``GET /`` — the dashboard, ``GET /chat`` —
+  a chat page (:mod:`swarm.web_pages`);
   ``GET /docs`` — the OpenAPI UI. Every response carries ``X-Request-Id``.
 
 Errors are JSON ``{"error": {"type", "message"}}`` with a 4xx status for bad input (400 too long or an
@@ -17,7 +19,6 @@ swarm cannot serve.
 from __future__ import annotations
 
 import hmac
-import html
 import logging
 import math
 import time
@@ -26,9 +27,10 @@ from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from swarm import web_pages
 from swarm.api_errors import REFUSALS, ApiError, refusal
 from swarm.completion import CompletionRunner
 from swarm.engine import GenerationEngine
@@ -213,39 +215,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/", response_class=HTMLResponse)
-    async def status_page() -> str:
-        return render_status_page({"initial_peers": initial_peers, "model": model_name,
-                                   **orchestrator.status(detail=not keys)})
+    app.include_router(web_pages.router)  # GET / (dashboard), GET /chat, GET /static/...
 
     return app
 
-
-def render_status_page(status: dict[str, Any]) -> str:
-    esc = html.escape
-
-    def table(headers, rows) -> str:
-        head = "".join(f"<th>{esc(str(h))}</th>" for h in headers)
-        body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-        return f"<table><tr>{head}</tr>{body}</table>"
-
-    plan = status.get("plan") or {}
-    servers = table(["node", "peer", "state", "blocks", "slots", "memory MB", "decode ms/block", "rtt ms"], [
-        [s["node_id"], s["peer_id"][-8:], s["state"] + (" (suspect)" if s["suspect"] else ""),
-         "-" if s["start"] is None else f"[{s['start']}, {s['end']})", s["cache_slots"],
-         f"{s['memory_bytes'] / 1e6:.1f}", f"{s['decode_s'] * 1e3:.2f}",
-         "-" if s["rtt_s"] is None else f"{s['rtt_s'] * 1e3:.1f}"] for s in status["servers"]])
-    chains = table(["chain", "servers", "spans", "capacity", "active", "ready", "service time s"], [
-        [c["id"], " → ".join(c["servers"]), " ".join(f"[{a},{b})" for a, b in c["spans"]), c["capacity"],
-         c["active"], c["ready"], f"{c['service_time']:.3f}"] for c in status["chains"]])
-    clients = table(["client", "waiting", "service (cost units)"],
-                    [[c, v["waiting"], f"{v['service']:.0f}"] for c, v in status.get("clients", {}).items()])
-    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2">
-<title>Chainswarm</title><style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}</style></head><body>
-<h1>Chainswarm orchestrator</h1>
-<p>model <b>{esc(status['model'])}</b> · policy <b>{esc(status['policy'])}</b> · plan <b>{esc(str(plan.get('plan_id')))}</b>
-(c = {esc(str(plan.get('c')))}, total capacity {esc(str(plan.get('total_capacity')))}) {esc(status.get('plan_error') or '')}</p>
-<p>join with <code>--initial-peers {esc(' '.join(status['initial_peers']))}</code></p>
-<h2>Servers</h2>{servers}<h2>Chains (fastest first)</h2>{chains}<h2>Clients</h2>{clients}
-<p><a href="/v1/swarm">/v1/swarm</a> · <a href="/metrics">/metrics</a> · <a href="/docs">/docs</a></p></body></html>"""

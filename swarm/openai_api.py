@@ -174,7 +174,8 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
                         text = text_of(value, stop)
                         # token events carry ids only: every kept token's logprobs travel with the last chunk
                         records = kept_logprobs(value, text) if value.logprobs else None
-                        yield sse(chunk(index, text[len(sent[index]):], value.finish_reason, records))
+                        last = chunk(index, text[len(sent[index]):], value.finish_reason, records)
+                        yield sse({**last, "chainswarm": swarm_info(value)})  # each choice's last chunk
                     else:
                         produced[index].append(value)
                         text = engine.decode(produced[index])

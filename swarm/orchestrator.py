@@ -41,6 +41,7 @@ from swarm.planning import Expectations, RoutableChain
 from swarm.prefix_view import PrefixView
 from swarm.routers import ROUTERS, NoChainsError
 from swarm.routing import NoRouteError, RouteSpan, clip_route
+from swarm.service_history import ServiceHistory
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "QueueTimeout", "UnknownLeaseError",
            "LeaseRecord", "LeaseMisuse"]
@@ -113,6 +114,8 @@ class Orchestrator:
         self._probing: set[str] = set()
         self._dtype_refused: set[str] = set()
         self.events: deque[dict] = deque(maxlen=200)
+        self.service_history = ServiceHistory()
+        self._members: set[str] = set()  # nodes whose profile record was seen at the last refresh
         self.on_event = on_event
         # request id -> (its future, its prompt's page hashes)
         self._queued: dict[str, int] = {}  # client -> requests waiting in acquire()
@@ -162,6 +165,17 @@ class Orchestrator:
         if self.on_event is not None:
             self.on_event(kind, data)
 
+    def _refused(self, client_id: str, reason: str) -> None:
+        """A refusal event; a burst of them from one client for one reason is one event with a count (so the
+        recent events still show joins and plans under a flood)."""
+        last = self.events[-1] if self.events else None
+        if last and last["event"] == "refused" and last["client"] == client_id and last["reason"] == reason \
+                and time.time() - last["time"] < 10.0:
+            last["count"] += 1
+            last["time"] = time.time()
+            return
+        self._event("refused", client=client_id, reason=reason, count=1)
+
     # -- membership, planning, assignments ---------------------------------------------------------------
     async def refresh(self) -> None:
         profiles = await asyncio.to_thread(records.fetch_profiles, self.dht, self.config.dht_prefix)
@@ -172,6 +186,7 @@ class Orchestrator:
         live = {node: p for node, p in profiles.items()
                 if node not in self.suspects and p.rtt_s is not None and self._same_dtype(node, p)}
         self.view.profiles = profiles
+        self._membership(set(profiles))
         members = set(live)
         planned = set(self.view.assignments) if self.view.plan is not None else set()
         if members != planned or self.view.plan is None:
@@ -184,6 +199,15 @@ class Orchestrator:
         self._update_chains()
         self.expire_leases()
         self.router.forget_idle(now, self.config.forget_idle_s)
+        self.service_history.sample(time.time(), self.router.client_service())
+
+    def _membership(self, nodes: set[str]) -> None:
+        """Events for servers whose profile record appeared or vanished since the last refresh."""
+        for node in sorted(nodes - self._members):
+            self._event("server_joined", node=node)
+        for node in sorted(self._members - nodes):
+            self._event("server_left", node=node)
+        self._members = nodes
 
     def _same_dtype(self, node: str, profile: records.ServerProfile) -> bool:
         """Only servers computing in the swarm's dtype are planned (mixed dtypes change greedy answers)."""
@@ -323,11 +347,13 @@ class Orchestrator:
         """Queue a request with the router and wait for its grant (chain or path)."""
         self._fits(input_tokens, max_new_tokens)
         if self.view.plan is None:
+            self._refused(client_id, "no plan")
             raise NoChainsError(f"no chains: {self.view.plan_error or 'no plan yet'}")
         waiting, mine = sum(self._queued.values()), self._queued.get(client_id, 0)
         if waiting >= self.config.max_queue or mine >= self.config.max_queue_per_client:
             bound = ("the swarm's queue is full" if waiting >= self.config.max_queue else
                      f"client {client_id!r} already has {mine} requests waiting (the per-client bound)")
+            self._refused(client_id, "queue full")
             raise QueueFull(f"{bound}; retry later", self.retry_after_s(waiting))
         request_id = uuid.uuid4().hex
         future = self._loop.create_future()
@@ -346,6 +372,7 @@ class Orchestrator:
                 self.abort(request_id)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+            self._refused(client_id, "queue timeout")
             raise QueueTimeout(f"no chain slot within {timeout or self.config.queue_timeout_s:.0f} s",
                                self.retry_after_s(sum(self._queued.values()))) from None
         finally:
@@ -449,6 +476,8 @@ class Orchestrator:
         active = self.router.active_sessions()
         return {
             "dht_prefix": self.config.dht_prefix,
+            "num_blocks": self.config.num_blocks,
+            "torch_dtype": self.config.torch_dtype,
             "policy": self.config.policy,
             "router": self.config.router,
             "plan": None if view.plan is None else {"plan_id": view.plan_id, "kept_ranges": view.plan_kept_ranges,
@@ -470,12 +499,13 @@ class Orchestrator:
             **self.router.status(),  # queue and clients (and the ws-rr block)
             "leases": len(self.leases),
             "events": list(self.events)[-30:],
+            "service_history": self.service_history.to_dict(),
         } if detail else self._public(self.status())
 
     @staticmethod
     def _public(status: dict[str, Any]) -> dict[str, Any]:
         queue = status.pop("queue", {})
-        status.pop("clients", None)
-        status.pop("events", None)
+        for key in ("clients", "events", "service_history"):  # they name clients and leases
+            status.pop(key, None)
         status["waiting"] = sum(queue.values())
         return status

@@ -18,6 +18,7 @@ reroute prefers, and its block of the status.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
 
@@ -95,6 +96,10 @@ class Router:
         """The router's part of the orchestrator's status: ``queue`` and ``clients`` at least."""
         raise NotImplementedError
 
+    def client_service(self) -> dict[str, float]:
+        """Cumulative service charged per client (the dashboard's fairness chart)."""
+        return {}
+
 
 class JffcRouter(Router):
     """GCA chains, the fairness scheduler's central queue and JFFC grants. Each ready chain is given to the
@@ -154,11 +159,22 @@ class JffcRouter(Router):
     def active_sessions(self):
         return self.scheduler.active_sessions()
 
+    def client_service(self):
+        return {str(c): self.scheduler.service(c) for c in self.scheduler.clients()}
+
     def status(self):
         queue = {str(c): n for c, n in self.scheduler.queue_lengths().items() if n}
-        return {"queue": queue,
-                "clients": {str(c): {"service": self.scheduler.service(c), "waiting": queue.get(str(c), 0)}
-                            for c in self.scheduler.clients()}}
+        deficit = getattr(self.scheduler, "deficit", None)  # DLPM-family policies keep deficit counters
+
+        def entry(c) -> dict[str, Any]:
+            doc = {"service": self.scheduler.service(c), "waiting": queue.get(str(c), 0)}
+            if deficit is not None:
+                with contextlib.suppress(FairnessError):
+                    value = deficit(c)
+                    doc["deficit"] = value if math.isfinite(value) else None
+            return doc
+
+        return {"queue": queue, "clients": {str(c): entry(c) for c in self.scheduler.clients()}}
 
 
 class WsRrPaths(Router):

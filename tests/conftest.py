@@ -42,3 +42,21 @@ def smollm2_dir():
     from real_model import smollm2_checkpoint
 
     return smollm2_checkpoint("float32")
+
+
+# -- the browser tests (tests/test_browser.py): never a silent skip -------------------------------------------
+def pytest_terminal_summary(terminalreporter):
+    from browser import missing
+
+    if not any(getattr(item, "get_closest_marker", lambda _: None)("browser")
+               for item in getattr(terminalreporter.config, "_chainswarm_items", ())):
+        return
+    reason = missing()
+    if reason:
+        terminalreporter.write_sep("!", f"BROWSER TESTS NOT RUN: {reason}", red=True, bold=True)
+    else:
+        terminalreporter.write_line("browser tests ran in headless Chromium (tests/test_browser.py)", green=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    config._chainswarm_items = list(items)
