@@ -69,7 +69,8 @@ class _LoopProvider:
 
     def reroute(self, lease: Lease, start: int, end: int, failed_peers) -> tuple:
         async def ask():
-            return self.orchestrator.reroute(lease.chain_id, start, end, failed_peers)
+            return await self.orchestrator.reroute(lease.chain_id, start, end, failed_peers,
+                                                   request_id=lease.lease_id)
         return asyncio.run_coroutine_threadsafe(ask(), self.loop).result(timeout=30)
 
     def release(self, lease: Lease, *, processed_tokens: int) -> None:

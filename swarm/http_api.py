@@ -172,7 +172,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
         if body.end <= body.start or body.end > orchestrator.config.num_blocks:
             raise ApiError(400, "invalid_request", f"bad block range [{body.start}, {body.end})")
         try:
-            route = orchestrator.reroute_lease(record.lease.lease_id, body.start, body.end, body.failed_peers)
+            route = await orchestrator.reroute_lease(record.lease.lease_id, body.start, body.end, body.failed_peers)
         except LeaseMisuse as exc:
             raise ApiError(403, "forbidden", str(exc)) from None
         except NoRouteError as exc:

@@ -27,7 +27,7 @@ import os
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from planner.fairness.types import Grant
@@ -35,6 +35,7 @@ from planner.plan import Plan
 from planner.tuning import InfeasibleError
 from swarm import planning, prefix as prefix_protocol, records
 from swarm.failures import DhtPing, FailureClaims
+from swarm.occupancy import Occupancy, blocks_of, fit_capacities
 from swarm.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
 from swarm.options import OrchestratorOptions
 from swarm.planning import Expectations, RoutableChain
@@ -112,6 +113,9 @@ class Orchestrator:
         self.claims = FailureClaims()  # lease holders' failure reports, excluded only when confirmed
         self.probe = DhtPing(dht)
         self._probing: set[str] = set()
+        self.occupancy = Occupancy()  # KV block-slots each running session holds, whatever its plan
+        self._ready: list[RoutableChain] = []
+        self._slot_freed = asyncio.Event()
         self._dtype_refused: set[str] = set()
         self.events: deque[dict] = deque(maxlen=200)
         self.service_history = ServiceHistory()
@@ -266,10 +270,24 @@ class Orchestrator:
             view.chains = []
         else:
             view.chains = planning.routable_chains(view.plan, view.plan_id, view.profiles, view.assignments)
-        ready = [c for c in view.chains if c.ready]
-        self.prefix.set_chains(ready)
+        self._ready = [c for c in view.chains if c.ready]
+        self.prefix.set_chains(self._ready)
+        self._refit()
+
+    def _refit(self) -> None:
+        """Give the router the ready chains with the capacities the servers' KV slots leave them, once the
+        sessions it does not count (earlier plans', rerouted ones') are placed (:mod:`swarm.occupancy`)."""
+        ready = self._ready
+        if self.router.counts_chains and ready:
+            slots = {node: a.cache_slots for node, a in self.view.assignments.items()}
+            blocks = {c.chain_id: blocks_of((n, a, b) for n, (a, b) in zip(c.servers, c.spans)) for c in ready}
+            capacity = fit_capacities([(c.chain_id, c.capacity, blocks[c.chain_id]) for c in ready], slots,
+                                      self.occupancy.uncounted(blocks))
+            ready = [c if capacity[c.chain_id] == c.capacity else replace(c, capacity=capacity[c.chain_id])
+                     for c in ready]
         for request_id, exc in self.router.update(ready, self.suspects).items():
             self._fail_waiter(request_id, exc)
+        self._slot_freed.set()
         self._dispatch()
 
     def _fail_waiter(self, request_id: str, exc: Exception) -> None:
@@ -319,6 +337,9 @@ class Orchestrator:
             future, page_hashes = self._waiters.pop(grant.request_id, (None, ()))
             if future is not None and not future.done():
                 self.prefix.dispatched(grant.chain_id, page_hashes, now)
+                chain = self.router.chain(grant.chain_id)
+                if chain is not None:
+                    self.occupancy.hold(grant.request_id, grant.chain_id, chain.servers, chain.spans)
                 future.set_result(grant)
             else:  # the waiter is gone (timed out / disconnected): give the slot back
                 self.router.cancel(grant.request_id, now)
@@ -396,30 +417,54 @@ class Orchestrator:
 
     def finish(self, request_id: str, output_tokens: int | None = None) -> None:
         self.router.finish(request_id, output_tokens, time.monotonic())
-        self._dispatch()
+        self._ended(request_id)
 
     def abort(self, request_id: str) -> None:
         self.router.cancel(request_id, time.monotonic())
-        self._dispatch()
+        self._ended(request_id)
 
-    def reroute(self, chain_id: str, start: int, end: int, failed_peers, *,
-                claimant: str | None = None) -> tuple[RouteSpan, ...]:
+    def _ended(self, request_id: str) -> None:
+        if self.occupancy.release(request_id):
+            self._refit()  # its slots are free, on whichever servers it held them
+        else:
+            self._dispatch()
+
+    async def reroute(self, chain_id: str, start: int, end: int, failed_peers, *, request_id: str | None = None,
+                      claimant: str | None = None, wait_s: float = 20.0) -> tuple[RouteSpan, ...]:
         """Spans for blocks [start, end) on the fastest ready chain avoiding ``failed_peers``. Without
         ``claimant`` the failures are the orchestrator's own evidence; a lease holder's (``claimant``) are claims
-        to confirm (:meth:`claim_failure`)."""
+        to confirm (:meth:`claim_failure`). The session ``request_id`` takes a KV block-slot on every server of
+        its new route, waiting up to ``wait_s`` for one (:class:`NoRouteError` after that)."""
         for peer in failed_peers:
             if claimant is None:
                 self.report_failure(peer)
             else:
                 self.claim_failure(peer, claimant)
         bad = set(failed_peers)
-        candidates = [c for c in self.view.chains if c.ready and not bad & {p for p, _, _ in c.route}]
-        free = self.router.free_slots()
-        candidates.sort(key=lambda c: (free.get(c.chain_id, 0) <= 0, c.index))
-        for c in candidates:
-            with contextlib.suppress(NoRouteError):
-                return tuple(clip_route(c.route, start, end))
-        raise NoRouteError(f"no ready chain covers blocks [{start}, {end}) without {sorted(bad)}")
+        nodes = {p.peer_id: n for n, p in self.view.profiles.items()}
+        deadline = time.monotonic() + wait_s
+        while True:
+            routes = []
+            free = self.router.free_slots()
+            for c in sorted((c for c in self._ready if not bad & {p for p, _, _ in c.route}),
+                            key=lambda c: (free.get(c.chain_id, 0) <= 0, c.index)):
+                with contextlib.suppress(NoRouteError):
+                    routes.append(tuple(clip_route(c.route, start, end)))
+            if not routes:
+                raise NoRouteError(f"no ready chain covers blocks [{start}, {end}) without {sorted(bad)}")
+            slots = {node: a.cache_slots for node, a in self.view.assignments.items()}
+            for route in routes:
+                spans = [(nodes.get(p, p), a, b) for p, a, b in route]
+                if request_id is None or self.occupancy.can_take(blocks_of(spans), slots):
+                    if request_id is not None:
+                        self.occupancy.move(request_id, start, end, spans)
+                        self._refit()
+                    return route
+            if time.monotonic() >= deadline:
+                raise NoRouteError(f"no free KV slot on a chain covering blocks [{start}, {end}) within {wait_s:.0f} s")
+            self._slot_freed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), min(1.0, max(0.01, deadline - time.monotonic())))
 
     # -- prefix reuse (swarm.prefix_view) ----------------------------------------------------------------
     def prompt_hashes(self, token_ids) -> list[bytes]:
@@ -452,11 +497,13 @@ class Orchestrator:
     def renew_lease(self, lease_id: str) -> LeaseRecord:
         return self.leases.renew(lease_id, time.monotonic())
 
-    def reroute_lease(self, lease_id: str, start: int, end: int, failed_peers) -> tuple[RouteSpan, ...]:
+    async def reroute_lease(self, lease_id: str, start: int, end: int, failed_peers,
+                            wait_s: float = 20.0) -> tuple[RouteSpan, ...]:
         """A lease holder's failover: only peers of its own route, a bounded number of times (``LeaseMisuse``);
         its failure reports are claims (:meth:`claim_failure`)."""
         record = self.leases.check_reroute(lease_id, failed_peers)
-        route = self.reroute(record.lease.chain_id, start, end, failed_peers, claimant=record.client_id)
+        route = await self.reroute(record.lease.chain_id, start, end, failed_peers, request_id=record.request_id,
+                                   claimant=record.client_id, wait_s=wait_s)
         self.leases.rerouted(lease_id, route, time.monotonic())
         return route
 

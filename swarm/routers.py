@@ -42,6 +42,8 @@ class NoChainsError(Exception):
 class Router:
     """What the orchestrator asks of a router. ``view`` is the orchestrator's :class:`SwarmView` (read only)."""
 
+    counts_chains = False  # True: grants are bounded by the chains' capacities (fitted to the servers' KV slots)
+
     def __init__(self, config: "OrchestratorConfig", view: "SwarmView", *,
                  prefix_match: Callable[[Any, str], int] | None = None):
         self.config, self.view = config, view
@@ -105,6 +107,8 @@ class JffcRouter(Router):
     """GCA chains, the fairness scheduler's central queue and JFFC grants. Each ready chain is given to the
     scheduler with the planner's mean service time and its servers' measured prefill per prompt token
     (:func:`swarm.planning.chain_prefill_s`), which T_k(r) charges for the prompt tokens it must compute."""
+
+    counts_chains = True
 
     def __init__(self, config, view, *, prefix_match=None):
         super().__init__(config, view)

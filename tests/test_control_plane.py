@@ -66,17 +66,19 @@ def test_a_lease_holder_cannot_exclude_servers_alone():
         others = {p for c in orch.view.chains for p, _, _ in c.route} - set(own)
         if others:
             with pytest.raises(LeaseMisuse):
-                orch.reroute_lease(record.lease.lease_id, 0, 4, [sorted(others)[0]])
-        route = orch.reroute_lease(record.lease.lease_id, 0, 4, [own[0]])
+                await orch.reroute_lease(record.lease.lease_id, 0, 4, [sorted(others)[0]])
+        route = await orch.reroute_lease(record.lease.lease_id, 0, 4, [own[0]])
         assert own[0] not in [p for p, _, _ in route]  # mallory's own session avoids the peer it named
         await asyncio.sleep(0.05)  # the probe runs in the background
         assert orch.probe.asked == [own[0]] and not orch.suspects  # reachable: the claim is refuted
         assert any(e["event"] == "failure_claim_refuted" for e in orch.events)
-        # a second client's claim confirms it
+        # a second client's claim confirms it; bob's session then needs a slot on the other chain, which
+        # mallory's rerouted session holds: bob's reroute waits for one, then gives up
         other = await orch.grant_lease("bob", 10, 10, timeout=1)
-        if own[0] in {p for p, _, _ in other.lease.route}:
-            orch.reroute_lease(other.lease.lease_id, 0, 4, [own[0]])
-            assert orch.suspects
+        assert other.lease.route == record.lease.route
+        with pytest.raises(NoRouteError, match="no free KV slot"):
+            await orch.reroute_lease(other.lease.lease_id, 0, 4, [own[0]], wait_s=0.3)
+        assert orch.suspects
         await orch.stop()
 
     run(scenario())
@@ -89,7 +91,7 @@ def test_a_claim_the_probe_confirms_excludes_the_server():
         record = await orch.grant_lease("alice", 10, 10, timeout=1)
         victim = record.lease.route[0][0]
         with pytest.raises(NoRouteError) if len(orch.view.chains) == 1 else _nothing():
-            orch.reroute_lease(record.lease.lease_id, 0, 4, [victim])
+            await orch.reroute_lease(record.lease.lease_id, 0, 4, [victim])
         await asyncio.sleep(0.05)
         node = next(n for n, p in orch.view.profiles.items() if p.peer_id == victim)
         assert node in orch.suspects and any(e["event"] == "server_failed" for e in orch.events)
@@ -155,6 +157,70 @@ def test_idle_clients_are_forgotten():
         await asyncio.sleep(0.01)
         await orch.refresh()
         assert orch.status()["clients"] == {}
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_fit_capacities_and_moves():
+    from swarm.occupancy import Occupancy, fit_capacities
+
+    chains = [("fast", 2, {"a": 4}), ("split", 2, {"a": 2, "b": 2}), ("slow", 1, {"b": 4})]
+    assert fit_capacities(chains, {"a": 12, "b": 8}, {}) == {"fast": 2, "split": 2, "slow": 1}
+    # 4 block-slots of a held by a session no chain counts: the slower chain through a gives way first
+    assert fit_capacities(chains, {"a": 12, "b": 8}, {"a": 4}) == {"fast": 2, "split": 0, "slow": 1}
+    assert fit_capacities(chains, {"a": 12, "b": 8}, {"a": 12}) == {"fast": 0, "split": 0, "slow": 1}
+    book = Occupancy()
+    book.hold("r", "split", ("a", "b"), ((0, 2), (2, 4)))
+    assert book.uncounted({"split": {"a": 2, "b": 2}}) == {} and book.uncounted({}) == {"a": 2, "b": 2}
+    book.move("r", 2, 4, [("c", 2, 4)])  # b failed: blocks 2..4 now on c
+    assert book.holds("r") == {"a": 2, "c": 2} and book.uncounted({"split": {"a": 2, "b": 2}}) == {"c": 2}
+    assert book.can_take({"c": 2}, {"c": 4}) and not book.can_take({"c": 3}, {"c": 4})
+    assert book.release("r") and book.per_server() == {}
+
+
+def test_occupancy_survives_a_replan_and_no_server_is_overcommitted():
+    """Sessions of the old plan keep counting against their servers after a join re-plans (new chain ids)."""
+    from test_orchestrator_logic import profile, publish, serve_assignments
+
+    async def scenario():
+        orch, dht = await serving_orchestrator(replan_tolerance=0.0)
+
+        def check():
+            slots = {n: a.cache_slots for n, a in orch.view.assignments.items()}
+            for node, used in orch.occupancy.per_server().items():
+                assert used <= slots.get(node, 0) or node not in {n for c in orch._ready for n in c.servers}, \
+                    (node, used, slots)
+
+        capacity = sum(c.capacity for c in orch._ready)
+        old = [await orch.acquire(f"c{i}", 10, 10, timeout=1) for i in range(capacity)]
+        old_servers = {n for g in old for n in orch.occupancy.holds(g.request_id)}
+        check()
+        plan_before = orch.view.plan_id
+        publish(dht, profile("e", 6))  # a join: a new plan, new chain ids
+        await orch.refresh()
+        serve_assignments(dht)
+        await orch.refresh()
+        assert orch.view.plan_id != plan_before
+        check()
+        # as many new sessions as the new plan's chains can take while the old ones still run
+        new = []
+        while True:
+            try:
+                new.append(await orch.acquire(f"n{len(new)}", 10, 10, timeout=0.2))
+            except Exception:
+                break
+            check()
+        busy = orch.occupancy.per_server()
+        assert all(busy.get(n, 0) <= orch.view.assignments[n].cache_slots for n in old_servers
+                   if n in orch.view.assignments)
+        for g in old:  # the old sessions end: their servers take new sessions again
+            orch.finish(g.request_id, 10)
+        more = await orch.acquire("late", 10, 10, timeout=1)
+        check()
+        for g in new + [more]:
+            orch.finish(g.request_id, 10)
+        assert orch.occupancy.per_server() == {}
         await orch.stop()
 
     run(scenario())

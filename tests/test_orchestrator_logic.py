@@ -181,12 +181,12 @@ def test_failed_server_is_excluded_at_once_and_reroute_avoids_it():
         orch, dht = await serving_orchestrator()
         first = orch.view.chains[0]
         victim = first.route[0][0]
-        route = orch.reroute(first.chain_id, 0, 4, [victim])
+        route = await orch.reroute(first.chain_id, 0, 4, [victim])
         assert victim not in [p for p, _, _ in route] and route[0][1] == 0 and route[-1][2] == 4
         await orch.refresh()  # GCA rebuild without the failed server, before its record even expires
         assert all(victim not in [p for p, _, _ in c.route] for c in orch.view.chains)
         with pytest.raises(NoRouteError):
-            orch.reroute(first.chain_id, 0, 4, [p for c in orch.view.chains for p, _, _ in c.route])
+            await orch.reroute(first.chain_id, 0, 4, [p for c in orch.view.chains for p, _, _ in c.route])
         await orch.stop()
 
     run(scenario())
