@@ -132,9 +132,9 @@ class CompletionRunner:
                             return
                         now = time.monotonic()
                         if last_token is None:
-                            self.metrics.ttft.labels(client).observe(now - submitted)
+                            self.metrics.ttft.labels(self.metrics.client_label(client)).observe(now - submitted)
                         else:
-                            self.metrics.itl.labels(client).observe(now - last_token)
+                            self.metrics.itl.labels(self.metrics.client_label(client)).observe(now - last_token)
                         last_token = now
                         produced.append(item)
                         yield item
@@ -168,7 +168,7 @@ class CompletionRunner:
                     waiting.cancel()  # acquire() takes the request out of the scheduler's queue
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await waiting
-                    self.metrics.requests.labels(client, "left_queue").inc()
+                    self.metrics.requests.labels(self.metrics.client_label(client), "left_queue").inc()
                     raise ClientGone("the client disconnected while queued")
         finally:
             if not waiting.done():
@@ -215,7 +215,7 @@ class CompletionRunner:
                 if getter in done:
                     count += 1
                     orchestrator.tokens(grant.request_id, 1)
-                    self.metrics.tokens.labels(client).inc()
+                    self.metrics.tokens.labels(self.metrics.client_label(client)).inc()
                     yield getter.result()
                 else:
                     getter.cancel()

@@ -42,6 +42,7 @@ from swarm.schemas import LeaseRequest, LeaseResponse, RenewResponse, RerouteReq
 
 
 logger = logging.getLogger(__name__)
+MAX_CLIENT_ID = 64  # X-Client-Id / client_id / user: a client naming itself (no API keys)
 
 
 def match_api_key(token: str, keys: dict[str, str]) -> str | None:
@@ -112,6 +113,8 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             if client is None:
                 raise ApiError(401, "unauthorized", "unknown API key")
             return client
+        if fallback is not None and not 0 < len(fallback) <= MAX_CLIENT_ID:
+            raise ApiError(400, "invalid_request", f"a client id is 1 to {MAX_CLIENT_ID} characters")
         return fallback or "anonymous"
 
 

@@ -6,13 +6,31 @@ from prometheus_client.core import GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+MAX_CLIENT_LABELS = 64  # distinct client label values; later clients are counted under OTHER
+OTHER = "_other"
+
+
+class ClientLabels:
+    """Bounded label values for client ids: the first ``limit`` clients keep their name, the rest share
+    :data:`OTHER` (without API keys, clients name themselves: their number is not bounded)."""
+
+    def __init__(self, limit: int = MAX_CLIENT_LABELS):
+        self.limit, self.known = limit, set()
+
+    def __call__(self, client: str) -> str:
+        if client in self.known:
+            return client
+        if len(self.known) < self.limit:
+            self.known.add(client)
+            return client
+        return OTHER
 
 
 class _SwarmCollector:
     """Gauges read from the orchestrator's state at scrape time (never stale, nothing to keep in sync)."""
 
-    def __init__(self, orchestrator):
-        self.orchestrator = orchestrator
+    def __init__(self, orchestrator, labels: ClientLabels):
+        self.orchestrator, self.labels = orchestrator, labels
 
     def collect(self):
         status = self.orchestrator.status()
@@ -33,9 +51,15 @@ class _SwarmCollector:
         yield active
         queue = GaugeMetricFamily("chainswarm_queue_length", "requests waiting per client", labels=["client"])
         service = GaugeMetricFamily("chainswarm_client_service", "service received (cost units)", labels=["client"])
+        waiting: dict[str, float] = {}
+        served: dict[str, float] = {}
         for client, info in status["clients"].items():
-            queue.add_metric([client], info["waiting"])
-            service.add_metric([client], info["service"])
+            label = self.labels(client)
+            waiting[label] = waiting.get(label, 0) + info["waiting"]
+            served[label] = served.get(label, 0.0) + info["service"]
+        for label in waiting:
+            queue.add_metric([label], waiting[label])
+            service.add_metric([label], served[label])
         yield queue
         yield service
         prefix = status.get("prefix") or {}
@@ -61,7 +85,8 @@ class _SwarmCollector:
 class SwarmMetrics:
     def __init__(self, orchestrator):
         self.registry = CollectorRegistry()
-        self.registry.register(_SwarmCollector(orchestrator))
+        self.client_label = ClientLabels()
+        self.registry.register(_SwarmCollector(orchestrator, self.client_label))
         self.requests = Counter("chainswarm_requests", "finished requests", ["client", "outcome"],
                                 registry=self.registry)
         self.aborted = Counter("chainswarm_sessions_aborted", "sessions aborted, by reason (stalled: no progress "
@@ -79,6 +104,6 @@ class SwarmMetrics:
                              "session, per client", ["client"], buckets=_TOKEN_BUCKETS, registry=self.registry)
 
     def observe(self, client: str, outcome: str, waiting_s: float, service_s: float) -> None:
-        self.requests.labels(client, outcome).inc()
+        self.requests.labels(self.client_label(client), outcome).inc()
         self.waiting.observe(waiting_s)
         self.service.observe(service_s)

@@ -43,6 +43,7 @@ from swarm.prefix_view import PrefixView
 from swarm.routers import ROUTERS, NoChainsError
 from swarm.routing import NoRouteError, RouteSpan, clip_route
 from swarm.service_history import ServiceHistory
+from swarm.status import swarm_status
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "QueueTimeout", "UnknownLeaseError",
            "LeaseRecord", "LeaseMisuse"]
@@ -128,7 +129,7 @@ class Orchestrator:
         self._task: asyncio.Task | None = None
         self._refresh_now = asyncio.Event()
         self._published_at = 0.0
-        self._replans = 0
+        self.replans = 0
         self._stopping = False
         self.started_at = time.monotonic()
 
@@ -247,7 +248,7 @@ class Orchestrator:
                                                     self.config.expect.prefix_cache_tokens,
                                                     slots=self.router.kv_slots(new_plan, list(live.values())))
         self._published_at = 0.0
-        self._replans += 1
+        self.replans += 1
         self._event("plan", plan_id=plan_id, kept_ranges=kept, c=new_plan.c, servers=sorted(live),
                     chains=[[list(ch.servers), ch.capacity] for ch in new_plan.chains])
 
@@ -517,42 +518,5 @@ class Orchestrator:
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self, detail: bool = True) -> dict[str, Any]:
-        """The swarm's state. Without ``detail`` (the public view) it leaves out what names clients and leases:
-        the per-client queue and service, and the events."""
-        view = self.view
-        active = self.router.active_sessions()
-        return {
-            "dht_prefix": self.config.dht_prefix,
-            "num_blocks": self.config.num_blocks,
-            "torch_dtype": self.config.torch_dtype,
-            "policy": self.config.policy,
-            "router": self.config.router,
-            "plan": None if view.plan is None else {"plan_id": view.plan_id, "kept_ranges": view.plan_kept_ranges,
-                                                    "replans": self._replans, "inputs": view.plan_inputs,
-                                                    **view.plan.to_dict()},
-            "plan_error": view.plan_error,
-            "servers": [
-                {**p.to_dict(), "suspect": node in self.suspects,
-                 "assignment": None if node not in view.assignments else view.assignments[node].to_dict()}
-                for node, p in sorted(view.profiles.items())
-            ],
-            "chains": [
-                {"id": c.chain_id, "servers": list(c.servers), "spans": [list(s) for s in c.spans],
-                 "route": [list(r) for r in c.route], "capacity": c.capacity, "active": active.get(c.chain_id, 0),
-                 "ready": c.ready, "service_time": c.service_time, "cached_prefix_tokens": self.chain_cached_tokens(c)}
-                for c in view.chains
-            ],
-            "prefix": self.prefix.status(),
-            **self.router.status(),  # queue and clients (and the ws-rr block)
-            "leases": len(self.leases),
-            "events": list(self.events)[-30:],
-            "service_history": self.service_history.to_dict(),
-        } if detail else self._public(self.status())
-
-    @staticmethod
-    def _public(status: dict[str, Any]) -> dict[str, Any]:
-        queue = status.pop("queue", {})
-        for key in ("clients", "events", "service_history"):  # they name clients and leases
-            status.pop(key, None)
-        status["waiting"] = sum(queue.values())
-        return status
+        """The swarm's state (:func:`swarm.status.swarm_status`); without ``detail``, the public view."""
+        return swarm_status(self, detail)

@@ -224,3 +224,24 @@ def test_occupancy_survives_a_replan_and_no_server_is_overcommitted():
         await orch.stop()
 
     run(scenario())
+
+
+def test_client_metric_labels_are_bounded():
+    from prometheus_client import generate_latest
+
+    from swarm.metrics import OTHER, SwarmMetrics
+
+    class Quiet:  # an orchestrator with nothing to report but its clients
+        def status(self):
+            return {"servers": [], "chains": [], "plan": None, "prefix": {},
+                    "clients": {f"self-named-{i}": {"waiting": 1, "service": 1.0} for i in range(500)}}
+
+    metrics = SwarmMetrics(Quiet())
+    for i in range(500):
+        metrics.observe(f"self-named-{i}", "ok", 0.1, 0.2)
+    text = generate_latest(metrics.registry).decode()
+    names = {line.split('client="')[1].split('"')[0] for line in text.splitlines() if 'client="' in line}
+    assert len(names) <= metrics.client_label.limit + 1 and OTHER in names
+    queued = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("chainswarm_queue_length{"))
+    assert queued == 500  # nothing lost: the rest are counted under the shared label

@@ -1,0 +1,53 @@
+"""The orchestrator's status document (``GET /v1/swarm``, the dashboard, the metrics).
+
+The public view leaves out what names clients and leases — the per-client queue, service and service history,
+and the events (lease ids, client names) — and keeps the total waiting; operators (an admin client's key) see
+all of it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from swarm.orchestrator import Orchestrator
+
+PRIVATE = ("clients", "events", "service_history")  # they name clients and leases
+
+
+def swarm_status(orch: "Orchestrator", detail: bool = True) -> dict[str, Any]:
+    view = orch.view
+    active = orch.router.active_sessions()
+    kv_used = orch.occupancy.per_server()
+    status = {
+        "dht_prefix": orch.config.dht_prefix,
+        "num_blocks": orch.config.num_blocks,
+        "torch_dtype": orch.config.torch_dtype,
+        "policy": orch.config.policy,
+        "router": orch.config.router,
+        "plan": None if view.plan is None else {"plan_id": view.plan_id, "kept_ranges": view.plan_kept_ranges,
+                                                "replans": orch.replans, "inputs": view.plan_inputs,
+                                                **view.plan.to_dict()},
+        "plan_error": view.plan_error,
+        "servers": [
+            {**p.to_dict(), "suspect": node in orch.suspects, "kv_block_slots_used": kv_used.get(node, 0),
+             "assignment": None if node not in view.assignments else view.assignments[node].to_dict()}
+            for node, p in sorted(view.profiles.items())
+        ],
+        "chains": [
+            {"id": c.chain_id, "servers": list(c.servers), "spans": [list(s) for s in c.spans],
+             "route": [list(r) for r in c.route], "capacity": c.capacity, "active": active.get(c.chain_id, 0),
+             "ready": c.ready, "service_time": c.service_time, "cached_prefix_tokens": orch.chain_cached_tokens(c)}
+            for c in view.chains
+        ],
+        "prefix": orch.prefix.status(),
+        **orch.router.status(),  # queue and clients (and the ws-rr block)
+        "leases": len(orch.leases),
+        "events": list(orch.events)[-30:],
+        "service_history": orch.service_history.to_dict(),
+    }
+    if not detail:
+        queue = status.pop("queue", {})
+        for key in PRIVATE:
+            status.pop(key, None)
+        status["waiting"] = sum(queue.values())
+    return status
