@@ -69,6 +69,9 @@ class OrchestratorOptions:
         "by more than this fraction (default 0.05); a large value keeps ranges, so survivors adopt the new plan "
         "without draining and reloading under load")
     refresh_s: float = option(1.0, cli=False, help="seconds between reads of the servers' records")
+    settle_s: float = option(2.0, cli=False, help="the first plan waits until the set of live servers has not changed "
+                             "for this long (servers report their RTT once they see the orchestrator, not all at "
+                             "once), at most 5x this")
     queue_timeout_s: float = option(300.0, flag="--max-queue-wait", metavar="S",
                                     help="a request that waited this long for a chain slot gets a 503 with "
                                     "Retry-After (default 300)")

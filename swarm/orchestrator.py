@@ -117,6 +117,7 @@ class Orchestrator:
         self.occupancy = Occupancy()  # KV block-slots each running session holds, whatever its plan
         self._ready: list[RoutableChain] = []
         self._slot_freed = asyncio.Event()
+        self._rerouting = 0  # reroutes waiting for a KV slot (the queue waits behind them)
         self._dtype_refused: set[str] = set()
         self.events: deque[dict] = deque(maxlen=200)
         self.service_history = ServiceHistory()
@@ -131,6 +132,7 @@ class Orchestrator:
         self._published_at = 0.0
         self.replans = 0
         self._stopping = False
+        self._settling: tuple[float | None, float, set[str]] = (None, 0.0, set())  # first change, last change, set
         self.started_at = time.monotonic()
 
     @property
@@ -194,7 +196,7 @@ class Orchestrator:
         self._membership(set(profiles))
         members = set(live)
         planned = set(self.view.assignments) if self.view.plan is not None else set()
-        if members != planned or self.view.plan is None:
+        if (members != planned or self.view.plan is None) and self._settled(members, now):
             self._replan(live)
         if now - self._published_at > self.config.assignment_ttl_s / 3:
             await self._publish_assignments()
@@ -213,6 +215,16 @@ class Orchestrator:
         for node in sorted(self._members - nodes):
             self._event("server_left", node=node)
         self._members = nodes
+
+    def _settled(self, members: set[str], now: float) -> bool:
+        """Whether the first plan may be made: the live servers unchanged for ``settle_s`` (at most 5x that)."""
+        if self.view.plan is not None or self.config.settle_s <= 0 or not members:
+            return True
+        first, since, seen = self._settling
+        if members != seen:
+            self._settling = (first if first is not None else now, now, set(members))
+            first, since = self._settling[:2]
+        return now - since >= self.config.settle_s or now - first >= 5 * self.config.settle_s
 
     def _same_dtype(self, node: str, profile: records.ServerProfile) -> bool:
         """Only servers computing in the swarm's dtype are planned (mixed dtypes change greedy answers)."""
@@ -333,6 +345,8 @@ class Orchestrator:
 
     # -- dispatch ----------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
+        if self._rerouting:
+            return  # a failed-over session waits for a slot: the next one freed is its, not the queue's
         now = time.monotonic()
         for grant in self.router.dispatch(now):
             future, page_hashes = self._waiters.pop(grant.request_id, (None, ()))
@@ -444,28 +458,38 @@ class Orchestrator:
         bad = set(failed_peers)
         nodes = {p.peer_id: n for n, p in self.view.profiles.items()}
         deadline = time.monotonic() + wait_s
-        while True:
-            routes = []
-            free = self.router.free_slots()
-            for c in sorted((c for c in self._ready if not bad & {p for p, _, _ in c.route}),
-                            key=lambda c: (free.get(c.chain_id, 0) <= 0, c.index)):
-                with contextlib.suppress(NoRouteError):
-                    routes.append(tuple(clip_route(c.route, start, end)))
-            if not routes:
-                raise NoRouteError(f"no ready chain covers blocks [{start}, {end}) without {sorted(bad)}")
-            slots = {node: a.cache_slots for node, a in self.view.assignments.items()}
-            for route in routes:
-                spans = [(nodes.get(p, p), a, b) for p, a, b in route]
-                if request_id is None or self.occupancy.can_take(blocks_of(spans), slots):
-                    if request_id is not None:
-                        self.occupancy.move(request_id, start, end, spans)
-                        self._refit()
-                    return route
-            if time.monotonic() >= deadline:
-                raise NoRouteError(f"no free KV slot on a chain covering blocks [{start}, {end}) within {wait_s:.0f} s")
-            self._slot_freed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), min(1.0, max(0.01, deadline - time.monotonic())))
+        waiting = False
+        try:
+            while True:
+                routes = []
+                free = self.router.free_slots()
+                for c in sorted((c for c in self._ready if not bad & {p for p, _, _ in c.route}),
+                                key=lambda c: (free.get(c.chain_id, 0) <= 0, c.index)):
+                    with contextlib.suppress(NoRouteError):
+                        routes.append(tuple(clip_route(c.route, start, end)))
+                if not routes:
+                    raise NoRouteError(f"no ready chain covers blocks [{start}, {end}) without {sorted(bad)}")
+                slots = {node: a.cache_slots for node, a in self.view.assignments.items()}
+                for route in routes:
+                    spans = [(nodes.get(p, p), a, b) for p, a, b in route]
+                    if request_id is None or self.occupancy.can_take(blocks_of(spans), slots):
+                        if request_id is not None:
+                            self.occupancy.move(request_id, start, end, spans)
+                            self._refit()
+                        return route
+                if time.monotonic() >= deadline:
+                    raise NoRouteError(f"no free KV slot on a chain covering blocks [{start}, {end}) within "
+                                       f"{wait_s:.0f} s")
+                self._slot_freed.clear()
+                if not waiting:
+                    waiting = True
+                    self._rerouting += 1  # sessions already in service go before the queue
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._slot_freed.wait(), min(1.0, max(0.01, deadline - time.monotonic())))
+        finally:
+            if waiting:
+                self._rerouting -= 1
+                self._dispatch()
 
     # -- prefix reuse (swarm.prefix_view) ----------------------------------------------------------------
     def prompt_hashes(self, token_ids) -> list[bytes]:

@@ -245,3 +245,47 @@ def test_client_metric_labels_are_bounded():
     queued = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                  if line.startswith("chainswarm_queue_length{"))
     assert queued == 500  # nothing lost: the rest are counted under the shared label
+
+
+def test_the_first_plan_waits_until_the_servers_settle():
+    from test_orchestrator_logic import SERVERS, make, profile, publish
+
+    async def scenario():
+        orch, dht = make(settle_s=0.3)
+        publish(dht, *(profile(n, m) for n, m in SERVERS[:2]))
+        await orch.start()
+        assert orch.view.plan is None  # servers are still arriving
+        publish(dht, *(profile(n, m) for n, m in SERVERS[2:]))
+        await orch.refresh()
+        assert orch.view.plan is None
+        await asyncio.sleep(0.35)
+        await orch.refresh()
+        assert set(orch.view.assignments) == {n for n, _ in SERVERS}  # one plan with every server
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_a_failed_over_session_gets_the_next_free_slot_before_the_queue():
+    async def scenario():
+        orch, dht = await serving_orchestrator()
+        capacity = sum(c.capacity for c in orch._ready)
+        running = [await orch.acquire(f"c{i}", 10, 10, timeout=1) for i in range(capacity)]
+        queued = asyncio.create_task(orch.acquire("queued", 10, 10, timeout=10))
+        routes = {g.request_id: {p for p, _, _ in orch.chain(g.chain_id).route} for g in running}
+        first = next(g for g in running if g.chain_id == orch._ready[0].chain_id)
+        victim = orch.chain(first.chain_id).route[0][0]
+        reroute = asyncio.create_task(orch.reroute(first.chain_id, 0, 4, [victim], request_id=first.request_id,
+                                                   wait_s=5))
+        await asyncio.sleep(0.1)
+        assert not reroute.done() and not queued.done()  # every other chain is full: both wait
+        other = next(g for g in running if victim not in routes[g.request_id])
+        orch.finish(other.request_id, 10)  # one slot frees: the failed-over session takes it
+        route = await asyncio.wait_for(reroute, 2)
+        assert victim not in [p for p, _, _ in route]
+        await asyncio.sleep(0.05)
+        assert not queued.done()
+        queued.cancel()
+        await orch.stop()
+
+    run(scenario())

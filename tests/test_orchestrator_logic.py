@@ -49,7 +49,7 @@ PREFIX = "tiny-cs"
 def make(policy="dlpm", **kw):
     dht = MemoryDHT()
     config = OrchestratorConfig(model_dir="unused", dht_prefix=PREFIX, num_blocks=4, expect=EXPECT, policy=policy,
-                                quantum=kw.pop("quantum", 8192.0), **kw)
+                                quantum=kw.pop("quantum", 8192.0), settle_s=kw.pop("settle_s", 0.0), **kw)
     return Orchestrator(config, dht), dht
 
 

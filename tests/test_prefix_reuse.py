@@ -225,7 +225,7 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
     sizes = {"a": 6, "b": 3, "c": 3}
     for node, mb in sizes.items():
         records.publish_profile(dht, prefix, profile(node, mb), ttl=10)
-    orch = Orchestrator(OrchestratorConfig(model_dir="unused", dht_prefix=prefix, num_blocks=4, expect=expect,
+    orch = Orchestrator(OrchestratorConfig(model_dir="unused", dht_prefix=prefix, num_blocks=4, expect=expect, settle_s=0,
                                            policy="swarm"), dht)
 
     async def scenario():
