@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 from swarm import planning
@@ -109,9 +110,12 @@ async def _restore(store, options: OrchestratorOptions, orchestrator: Orchestrat
     keeper = Persistence(store, orchestrator)
     restored = keeper.restore()
     if restored["plan_id"] is not None:
+        began = time.monotonic()
         missing = await keeper.await_servers(orchestrator.config.assignment_ttl_s)
-        logger.info("restored plan %s and the counters of %d clients from %s%s", restored["plan_id"],
-                    len(restored["clients"]), store.path, f"; servers not back: {sorted(missing)}" if missing else "")
+        logger.info("restored plan %s and the counters of %d clients from %s; %s after %.1f s", restored["plan_id"],
+                    len(restored["clients"]), store.path,
+                    f"servers not back: {sorted(missing)}" if missing else "all its servers are back",
+                    time.monotonic() - began)
     return keeper
 
 
