@@ -1,7 +1,10 @@
 """What an orchestrator keeps across a restart, and when (the files are :class:`swarm.state.StateDir`'s).
 
 * **Before the DHT starts** (:func:`prepare`): the identity key, the ports bound last time, the prefix
-  secret and the API keys turn the options into the ones of the previous run.
+  secret and the API keys turn the options into the ones of the previous run; the DHT peer dials the servers
+  it was connected to last (their addresses are saved every ten rounds), so it finds their records at once
+  instead of waiting until their DHT peers call it again (their backoff after failed calls can take tens of
+  seconds).
 * **Before the control loop starts** (:meth:`Persistence.restore`): the saved plan is rebuilt exactly — GCA
   over the saved block ranges with the saved planner inputs — and re-adopted with its plan id and
   assignments, so servers see the assignment they hold and do not reload; the fairness counters are imported
@@ -40,6 +43,11 @@ def prepare(options, store: StateDir):
     if not options.http_port and node["http_port"]:
         changes["http_port"] = node["http_port"]
     return dataclasses.replace(options, **changes)
+
+
+async def _connected_peers(dht, node) -> list[tuple[str, list[str]]]:
+    """(peer id, multiaddrs) of every peer the DHT's libp2p daemon is connected to (runs in the DHT process)."""
+    return [(info.peer_id.to_base58(), [str(a) for a in info.addrs]) for info in await node.p2p.list_peers()]
 
 
 def bound_tcp_port(maddrs) -> int | None:
@@ -100,13 +108,26 @@ class Persistence:
             self._saved_at = now
         return wrote
 
-    async def run(self) -> None:
-        """Save every ``min_interval_s`` while the orchestrator runs; a last save when cancelled."""
+    async def record_peers(self) -> None:
+        """Save the multiaddrs of the servers' DHT peers this orchestrator is connected to."""
+        servers = {p.peer_id for p in self.orchestrator.view.profiles.values()}
+        connected = await asyncio.to_thread(self.orchestrator.dht.run_coroutine, _connected_peers)
+        peers = [f"{addr}/p2p/{peer}" for peer, addrs in connected if peer in servers for addr in addrs]
+        if peers:
+            self.store.record_peers(peers)
+
+    async def run(self, peers_every: int = 10) -> None:
+        """Save every ``min_interval_s`` while the orchestrator runs (the servers' addresses every
+        ``peers_every`` rounds); a last save when cancelled."""
+        rounds = 0
         try:
             while True:
                 await asyncio.sleep(self.min_interval_s)
                 try:
                     self.save()
+                    if rounds % peers_every == 0:
+                        await self.record_peers()
+                    rounds += 1
                 except OSError as exc:  # a full disk must not stop the control plane; say so every time
                     logger.error("cannot save the orchestrator state to %s: %s", self.store.path, exc)
         finally:

@@ -52,7 +52,8 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
         config.prefix_secret = store.prefix_secret()
     announce = (None if options.dht_announce_port is None
                 else [f"/ip4/{options.dht_host}/tcp/{options.dht_announce_port}"])
-    dht = hivemind.DHT(start=True, initial_peers=list(options.initial_peers),
+    dial = list(options.initial_peers) or ([] if store is None else store.peers())  # a restart: the known servers
+    dht = hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
                        host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
                        identity_path=None if store is None else store.identity_path())
     maddrs = [str(a) for a in dht.get_visible_maddrs()]

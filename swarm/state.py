@@ -5,7 +5,8 @@ Mechanism only (what is kept and when is :mod:`swarm.persistence`'s business). T
 * ``identity.key`` — the DHT peer's private key (hivemind's ``identity_path``): the same peer id on every
   start, so the multiaddr servers were given as ``--initial-peers`` still names this orchestrator;
 * ``node.json`` — the DHT and HTTP ports actually bound (a first start on "any free port" records what it
-  got, later starts bind the same) and the secret that roots the prefix-hash namespace;
+  got, later starts bind the same), the secret that roots the prefix-hash namespace and the multiaddrs of the
+  servers' DHT peers seen last;
 * ``api_keys.json`` — API key -> client (mode 0600): written when keys are given, loaded when present;
 * ``plan.json`` — the current plan and its assignments; ``fairness.json`` — the scheduler's counters.
 
@@ -164,6 +165,18 @@ class StateDir:
         if changed:
             self.write(self.NODE, doc)
         return doc
+
+    def peers(self) -> list[str]:
+        """Multiaddrs of the servers' DHT peers seen last (the orchestrator dials them on a restart)."""
+        peers = self.node().get("peers", [])
+        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            raise StateError(f"state file {self.file(self.NODE)} is corrupt (peers is not a list of multiaddrs)")
+        return peers
+
+    def record_peers(self, peers: list[str]) -> None:
+        doc = self.node()
+        if sorted(peers) != sorted(doc.get("peers", [])):
+            self.write(self.NODE, {**doc, "peers": sorted(peers)})
 
     def prefix_secret(self) -> bytes:
         return bytes.fromhex(self.node()["prefix_secret"])

@@ -82,6 +82,10 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
         wait_for(lambda: dict(json.loads((state_dir / "fairness.json").read_text())["scheduler"]["service"])
                  .get("flood") == flood["service"], 10, what="fairness snapshot")
         history = {p.name: len(p.info.get("history", [])) for p in nodes}
+        # the servers' DHT addresses, which a restarted orchestrator dials at once
+        peer_ids = {s["peer_id"] for s in before["servers"]}
+        wait_for(lambda: {m.rsplit("/", 1)[1] for m in json.loads((state_dir / "node.json").read_text())
+                          .get("peers", [])} == peer_ids, 15, what="servers' addresses saved")
 
         local.kill(orch)
         orch.process.join(10)
