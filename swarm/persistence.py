@@ -89,24 +89,36 @@ class Persistence:
             "assignments": {node: a.to_dict() for node, a in sorted(view.assignments.items())},
         }
 
-    def save(self, *, force: bool = False) -> bool:
-        """Write what changed since the last save (unless saved less than ``min_interval_s`` ago)."""
-        now = time.monotonic()
-        if not force and now - self._saved_at < self.min_interval_s:
-            return False
-        wrote = False
+    def changes(self, *, force: bool = False) -> list[tuple[str, dict]]:
+        """The documents changed since the last save, as (file name, document); none when saved less than
+        ``min_interval_s`` ago (unless ``force``). Runs on the orchestrator's loop (it reads its state)."""
+        if not force and time.monotonic() - self._saved_at < self.min_interval_s:
+            return []
+        changed = []
         plan = self.plan_document()
         if plan != self._saved_plan:
-            self.store.write(StateDir.PLAN, plan)
-            self._saved_plan, wrote = plan, True
+            changed.append((StateDir.PLAN, plan))
         if self.scheduler is not None:
             fairness = {"policy": self.orchestrator.config.policy, "scheduler": self.scheduler.export_state()}
             if fairness != self._saved_fairness:
-                self.store.write(StateDir.FAIRNESS, fairness)
-                self._saved_fairness, wrote = fairness, True
-        if wrote:
-            self._saved_at = now
-        return wrote
+                changed.append((StateDir.FAIRNESS, fairness))
+        return changed
+
+    def write(self, changed: list[tuple[str, dict]]) -> bool:
+        """Write :meth:`changes`' documents (any thread); whether anything was written."""
+        for name, doc in changed:
+            self.store.write(name, doc)
+            if name == StateDir.PLAN:
+                self._saved_plan = doc
+            else:
+                self._saved_fairness = doc
+        if changed:
+            self._saved_at = time.monotonic()
+        return bool(changed)
+
+    def save(self, *, force: bool = False) -> bool:
+        """:meth:`changes` written at once; whether anything was written."""
+        return self.write(self.changes(force=force))
 
     async def record_peers(self) -> None:
         """Save the multiaddrs of the servers' DHT peers this orchestrator is connected to."""
@@ -124,7 +136,7 @@ class Persistence:
             while True:
                 await asyncio.sleep(self.min_interval_s)
                 try:
-                    self.save()
+                    await asyncio.to_thread(self.write, self.changes())  # fsync off the event loop
                     if rounds % peers_every == 0:
                         await self.record_peers()
                     rounds += 1

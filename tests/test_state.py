@@ -159,3 +159,15 @@ def test_plan_and_fairness_counters_survive_a_restart(tmp_path):
             persistence.Persistence(StateDir(tmp_path), other).restore()
 
     run(scenario())
+
+
+def test_the_cli_refuses_a_corrupt_state_file_with_one_line(tiny_model, tmp_path):
+    state = StateDir(tmp_path / "state")
+    state.file("node.json").write_text('{"prefix_secret": ')
+    result = subprocess.run([sys.executable, "-m", "swarm.cli", "orchestrator", "--model", tiny_model,
+                             "--state-dir", str(state.path), "--http", "127.0.0.1:0"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("chainswarm orchestrator: error: state file ") and "node.json is corrupt" in lines[-1]
+    assert "Traceback" not in result.stderr
