@@ -132,7 +132,10 @@ def _bind(host: str, port: int):
 
 
 def run(options: OrchestratorOptions, report=None) -> None:
-    """Blocking entry point with clean SIGTERM/SIGINT handling."""
+    """Blocking entry point with clean SIGTERM/SIGINT handling; the DHT's process dies with this one."""
+    from swarm.process import children_die_with_me
+
+    children_die_with_me()
     async def main() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()

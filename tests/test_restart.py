@@ -118,3 +118,63 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
         print(f"orchestrator serving {started_s:.1f} s after the restart began, all chains ready after {back_s:.1f} s")
     finally:
         local.stop()
+
+
+def _group_alive(pgid):
+    import os
+
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_cli_orchestrator_sigkilled_leaves_no_orphan_and_restarts_on_the_same_addresses(tiny_model, tmp_path):
+    """``kill -9`` of the ``chainswarm orchestrator`` process takes its DHT process and p2pd along (an orphaned
+    p2pd would keep listening on the same port under the same identity), and a restart with the same
+    ``--state-dir`` comes back on the same DHT multiaddr and HTTP port."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "swarm.cli", "orchestrator", "--model", tiny_model, "--no-proxy",
+               "--state-dir", str(tmp_path / "state"), "--http", "127.0.0.1:0", "--log-level", "INFO"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+
+    node_file = tmp_path / "state" / "node.json"
+    started = []
+
+    def start():
+        proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        started.append(proc)
+
+        def ready():
+            if proc.poll() is not None:
+                raise AssertionError(f"the orchestrator exited with code {proc.returncode}")
+            port = node_file.exists() and json.loads(node_file.read_text()).get("http_port")
+            try:
+                return port and httpx.get(f"http://127.0.0.1:{port}/v1/swarm", timeout=5).json()
+            except httpx.TransportError:
+                return None
+
+        status = wait_for(ready, 120, what="orchestrator ready")
+        return proc, status["initial_peers"]
+
+    try:
+        proc, maddrs = start()
+        url = f"http://127.0.0.1:{json.loads(node_file.read_text())['http_port']}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        wait_for(lambda: not _group_alive(proc.pid), 10, what="the orchestrator's DHT process and p2pd gone")
+        proc, maddrs_again = start()
+        assert maddrs_again == maddrs
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        for proc in started:
+            if _group_alive(proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)
