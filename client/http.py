@@ -59,7 +59,8 @@ class SwarmClient:
     """
 
     def __init__(self, url: str, api_key: str | None = None, *, client_id: str | None = None,
-                 timeout: float = 600.0, retries: int = 3, max_retry_wait_s: float = 60.0):
+                 timeout: float = 600.0, retries: int = 3, max_retry_wait_s: float = 60.0,
+                 reconnect_s: float = 60.0):
         headers = {}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -67,17 +68,30 @@ class SwarmClient:
             headers["X-Client-Id"] = client_id
         self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
         self.retries, self.max_retry_wait_s = retries, max_retry_wait_s
+        self.reconnect_s = reconnect_s  # how long a refused connection is retried (an orchestrator restarting)
 
     def _post(self, path: str, body: dict) -> httpx.Response:
         """POST, honouring the orchestrator's Retry-After on 429 (queue full) and 503 (queue timeout): wait as
-        told (at most ``max_retry_wait_s``) and try again, up to ``retries`` times."""
+        told (at most ``max_retry_wait_s``) and try again, up to ``retries`` times. A refused connection (the
+        request never reached it: an orchestrator restarting) is retried for up to ``reconnect_s`` seconds."""
         for attempt in range(self.retries + 1):
-            response = self._http.post(path, json=body)
+            response = self._connect(lambda: self._http.post(path, json=body))
             wait = _retry_after(response)
             if wait is None or attempt == self.retries or wait > self.max_retry_wait_s:
                 return response
             time.sleep(wait)
         return response  # pragma: no cover - the loop always returns
+
+    def _connect(self, send):
+        deadline, pause = time.monotonic() + self.reconnect_s, 0.25
+        while True:
+            try:
+                return send()
+            except httpx.ConnectError:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2.0, pause * 2)
 
     def close(self) -> None:
         self._http.close()

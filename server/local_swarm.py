@@ -133,6 +133,8 @@ class LocalSwarm:
     @property
     def initial_peers(self) -> list[str]:
         if self.dht is None:
+            if self.orchestrator is not None and self.orchestrator.info.get("bootstrap"):
+                return list(self.orchestrator.info["maddrs"])  # the orchestrator's own DHT peer
             raise RuntimeError("the swarm's DHT is not started")
         return list(self.dht.info["maddrs"])
 
@@ -322,12 +324,14 @@ class LocalSwarm:
         stop_process_group(peer.process, timeout)
 
     # -- the orchestrator ------------------------------------------------------------------------------
-    def add_orchestrator(self, *, timeout: float = 120.0, **options: Any) -> Peer:
+    def add_orchestrator(self, *, timeout: float = 120.0, bootstrap: bool = False, **options: Any) -> Peer:
         """Start an orchestrator (``swarm.service``) that joins this swarm's DHT; return its peer.
 
         ``options`` are :class:`swarm.service.OrchestratorOptions` fields (``policy``, ``expected_rate``,
         ``api_keys``, ``http_port`` ...). ``peer.info["url"]`` is its HTTP API. Start it before the nodes
-        or after: nodes wait for their assignments either way.
+        or after: nodes wait for their assignments either way. With ``bootstrap`` the orchestrator's DHT peer is
+        the swarm's (no :meth:`start_dht`): nodes added later join with its multiaddrs, ``peer.info["maddrs"]``
+        (start it first then; a restart with the same ``state_dir`` keeps them).
         """
         from swarm.service import OrchestratorOptions, orchestrator_process_main
 
@@ -335,14 +339,14 @@ class LocalSwarm:
         if self.emulator is not None:  # the orchestrator's DHT peer behind the client host's proxy
             ep = self.emulator.endpoints[self.wan.client]
             options.update(dht_port=ep.real_port, dht_announce_port=ep.port)
-        opts = OrchestratorOptions(model_dir=self.model_dir, initial_peers=self.initial_peers,
+        opts = OrchestratorOptions(model_dir=self.model_dir, initial_peers=[] if bootstrap else self.initial_peers,
                                    dht_prefix=self.dht_prefix, dht_host=self.host, http_host=self.host, **options)
         receive, send = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(target=orchestrator_process_main, args=(opts, os.getpid(), send),
                                     name="orchestrator", daemon=False)
         process.start()
-        peer = Peer("orchestrator", process, info={"options": opts})
-        _, peer.info["url"], _ = _await_report(peer, receive, timeout)
+        peer = Peer("orchestrator", process, info={"options": opts, "bootstrap": bootstrap})
+        _, peer.info["url"], peer.info["maddrs"] = _await_report(peer, receive, timeout)
         self.orchestrator = peer
         return peer
 

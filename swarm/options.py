@@ -112,6 +112,9 @@ class OrchestratorOptions:
     use_server_to_server: bool | None = option(
         None, cli=False, help="the proxy's petals client: None keeps petals' default (server-to-server push on); "
         "False relays every hop's activations through the orchestrator (the paper's model)")
+    state_dir: str | None = option(
+        None, metavar="DIR", help="keep the orchestrator's state here and restart from it: DHT identity and port, "
+        "HTTP port, prefix namespace, API keys, plan and assignments, fairness counters (default: none kept)")
     log_level: str = option("INFO", help="logging level of the orchestrator process")
 
 

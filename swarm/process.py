@@ -42,6 +42,26 @@ def become_group_leader(launcher_pid: int, poll_s: float = 1.0, *, child_of_laun
     threading.Thread(target=watchdog, name="launcher-watchdog", daemon=True).start()
 
 
+def children_die_with_me(poll_s: float = 1.0) -> None:
+    """Make every process forked from now on (and its own forks) kill itself when its parent dies.
+
+    hivemind's DHT runs in a forked child that outlives a SIGKILLed parent, with its p2pd still listening
+    on the parent's port under the parent's identity (libp2p binds with SO_REUSEPORT, so a restarted
+    orchestrator would share its port with the orphan). The orphan's p2pd exits with it.
+    """
+    def watch_parent() -> None:
+        parent = os.getppid()
+
+        def watchdog() -> None:
+            while os.getppid() == parent:
+                time.sleep(poll_s)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
+
+    os.register_at_fork(after_in_child=watch_parent)
+
+
 def stop_process_group(process, timeout: float = 10.0, *,
                        drain: Callable[[float], object] | None = None) -> None:
     """SIGTERM a peer started by ``become_group_leader``, wait up to ``timeout``, then SIGKILL what is left.

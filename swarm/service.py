@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 from swarm import planning
@@ -38,12 +40,24 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     from swarm.compat import petals  # noqa: F401  (shim before anything petals)
     from swarm.http_api import create_app
 
+    store = None
+    if options.state_dir:
+        from swarm.persistence import prepare
+        from swarm.state import StateDir
+
+        store = StateDir(options.state_dir)
+        options = prepare(options, store)
     config = build_config(options)
+    if store is not None:
+        config.prefix_secret = store.prefix_secret()
     announce = (None if options.dht_announce_port is None
                 else [f"/ip4/{options.dht_host}/tcp/{options.dht_announce_port}"])
-    dht = hivemind.DHT(start=True, initial_peers=list(options.initial_peers),
-                       host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce)
+    dial = list(options.initial_peers) or ([] if store is None else store.peers())  # a restart: the known servers
+    dht = hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
+                       host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
+                       identity_path=None if store is None else store.identity_path())
     maddrs = [str(a) for a in dht.get_visible_maddrs()]
+    keeper = saver = None
     initial_peers = list(options.initial_peers) or maddrs
     engine = None
     orchestrator = None
@@ -51,7 +65,11 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
         sock = _bind(options.http_host, options.http_port)
         url = f"http://{options.http_host}:{sock.getsockname()[1]}"
         orchestrator = Orchestrator(config, dht, http_url=url)
+        if store is not None:
+            keeper = await _restore(store, options, orchestrator, maddrs, sock.getsockname()[1])
         await orchestrator.start()
+        if keeper is not None:
+            saver = asyncio.create_task(keeper.run(), name="orchestrator-state")
         if options.proxy:
             from swarm.engine import GenerationEngine
 
@@ -72,11 +90,34 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             report.send(("ready", url, initial_peers))
         await serving
     finally:
+        if saver is not None:
+            saver.cancel()  # its last save runs as it ends
+            with contextlib.suppress(asyncio.CancelledError):
+                await saver
         if orchestrator is not None:
             await orchestrator.stop()
         if engine is not None:
             await asyncio.to_thread(engine.close)
         dht.shutdown()
+
+
+async def _restore(store, options: OrchestratorOptions, orchestrator: Orchestrator, maddrs: list[str],
+                   http_port: int):
+    """Record the ports bound, re-adopt the saved plan and counters, wait for the planned servers (bounded)."""
+    from swarm.persistence import Persistence, bound_tcp_port
+
+    store.record_ports(dht_port=bound_tcp_port(maddrs) if options.dht_announce_port is None else None,
+                       http_port=http_port)
+    keeper = Persistence(store, orchestrator)
+    restored = keeper.restore()
+    if restored["plan_id"] is not None:
+        began = time.monotonic()
+        missing = await keeper.await_servers(orchestrator.config.assignment_ttl_s)
+        logger.info("restored plan %s and the counters of %d clients from %s; %s after %.1f s", restored["plan_id"],
+                    len(restored["clients"]), store.path,
+                    f"servers not back: {sorted(missing)}" if missing else "all its servers are back",
+                    time.monotonic() - began)
+    return keeper
 
 
 def _bind(host: str, port: int):
@@ -91,7 +132,10 @@ def _bind(host: str, port: int):
 
 
 def run(options: OrchestratorOptions, report=None) -> None:
-    """Blocking entry point with clean SIGTERM/SIGINT handling."""
+    """Blocking entry point with clean SIGTERM/SIGINT handling; the DHT's process dies with this one."""
+    from swarm.process import children_die_with_me
+
+    children_die_with_me()
     async def main() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()

@@ -428,7 +428,30 @@ class CentralQueueScheduler(DispatchRounds):
         self._after_grant(r, now)
         return Grant(r.request_id, r.client_id, chain.spec.chain_id, matched, extend, now)
 
+    # ------------------------------------------------------------ snapshots
+    def export_state(self) -> dict:
+        """Per-client fairness state as a JSON-safe document (``snapshot.py``; restart persistence)."""
+        from .snapshot import export_state
+
+        return export_state(self)
+
+    def import_state(self, doc: dict, now: float) -> None:
+        """Restore :meth:`export_state`'s document into this idle scheduler (ValueError when it does not fit)."""
+        from .snapshot import import_state
+
+        import_state(self, doc, now)
+
     # ------------------------------------------------------- policy hooks
+    def _export_counters(self) -> dict:
+        """The policy's own counters, JSON-safe (client ids as values, mappings as pairs)."""
+        return {}
+
+    def _check_counters(self, counters: dict, clients: list) -> None:
+        """Raise (KeyError/TypeError/ValueError) when ``counters`` cannot be imported."""
+
+    def _import_counters(self, counters: dict) -> None:
+        """Restore :meth:`_export_counters`'s output (after the clients are registered)."""
+
     def _register_client(self, client: Hashable) -> None:
         """A client is seen for the first time."""
 

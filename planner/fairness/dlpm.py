@@ -69,6 +69,25 @@ class DLPMScheduler(CentralQueueScheduler):
     def _register_client(self, client):
         self.deficits.register(client)
 
+    def _export_counters(self):
+        return {"deficit": [[c, q] for c, q in self.deficits.deficit.items()],
+                "refills": [[c, k] for c, k in self.deficits.refills.items()],
+                "refill_rounds": self.deficits.refill_rounds}
+
+    def _check_counters(self, counters, clients):
+        [(c, float(q)) for c, q in counters["deficit"]], [(c, int(k)) for c, k in counters["refills"]]
+        int(counters["refill_rounds"])
+
+    def _import_counters(self, counters):
+        from .snapshot import _key
+
+        for client, value in counters["deficit"]:
+            self.deficits.set(_key(client), value)
+        for client, count in counters["refills"]:
+            if _key(client) in self.deficits.refills:
+                self.deficits.refills[_key(client)] = int(count)
+        self.deficits.refill_rounds = int(counters["refill_rounds"])
+
     def _forget_client(self, client):
         self.deficits.forget(client)
 

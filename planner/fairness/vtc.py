@@ -71,6 +71,21 @@ class VTCScheduler(CentralQueueScheduler):
     def _register_client(self, client):
         self.virtual_counter.setdefault(client, 0.0)
 
+    def _export_counters(self):
+        return {"virtual_counter": [[c, v] for c, v in self.virtual_counter.items()], "last_left": self.last_left}
+
+    def _check_counters(self, counters, clients):
+        [(c, float(v)) for c, v in counters["virtual_counter"]]
+        counters["last_left"]
+
+    def _import_counters(self, counters):
+        from .snapshot import _key
+
+        for client, value in counters["virtual_counter"]:
+            self.virtual_counter[_key(client)] = float(value)
+        last = counters["last_left"]
+        self.last_left = None if last is None else _key(last)
+
     def _forget_client(self, client):
         self.virtual_counter.pop(client, None)
 

@@ -66,5 +66,10 @@ def run(args: argparse.Namespace) -> int:
         build_config(options)  # validate the planning settings before starting anything
     except ValueError as exc:
         return _fail(str(exc))
-    run_service(options)
+    from swarm.state import StateError
+
+    try:
+        run_service(options)
+    except StateError as exc:  # a corrupt or unreadable state file: one line naming it, never a fresh start
+        return _fail(str(exc))
     return 0

@@ -1,0 +1,219 @@
+"""What an orchestrator keeps across a restart, and when (the files are :class:`swarm.state.StateDir`'s).
+
+* **Before the DHT starts** (:func:`prepare`): the identity key, the ports bound last time, the prefix
+  secret and the API keys turn the options into the ones of the previous run; the DHT peer dials the servers
+  it was connected to last (their addresses are saved every ten rounds), so it finds their records at once
+  instead of waiting until their DHT peers call it again (their backoff after failed calls can take tens of
+  seconds).
+* **Before the control loop starts** (:meth:`Persistence.restore`): the saved plan is rebuilt exactly — GCA
+  over the saved block ranges with the saved planner inputs — and re-adopted with its plan id and
+  assignments, so servers see the assignment they hold and do not reload; the fairness counters are imported
+  into the scheduler. :meth:`Persistence.await_servers` then waits (bounded) until the planned servers'
+  profile records are back — republishing the orchestrator's record meanwhile so they re-measure their RTT —
+  because a first refresh without them would re-plan.
+* **While running** (:meth:`Persistence.run`): the plan is saved whenever its id or assignments change and
+  the fairness counters whenever they change, at most once per ``min_interval_s``; once more on a clean stop.
+  After a SIGKILL the counters are those of the last snapshot (at most ``min_interval_s`` old).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from planner.model import Placement
+from planner.plan import parse_swarm, plan_for_placement
+from swarm import records
+from swarm.state import StateDir, StateError
+
+__all__ = ["prepare", "Persistence", "StateError"]
+
+logger = logging.getLogger(__name__)
+
+
+def prepare(options, store: StateDir):
+    """``options`` (OrchestratorOptions) with the saved ports (when the options leave them to chance) and the
+    saved or given API keys."""
+    node = store.node()
+    changes: dict[str, Any] = {"api_keys": store.api_keys(dict(options.api_keys))}
+    if not options.dht_port and node["dht_port"]:
+        changes["dht_port"] = node["dht_port"]
+    if not options.http_port and node["http_port"]:
+        changes["http_port"] = node["http_port"]
+    return dataclasses.replace(options, **changes)
+
+
+async def _connected_peers(dht, node) -> list[tuple[str, list[str]]]:
+    """(peer id, multiaddrs) of every peer the DHT's libp2p daemon is connected to (runs in the DHT process)."""
+    return [(info.peer_id.to_base58(), [str(a) for a in info.addrs]) for info in await node.p2p.list_peers()]
+
+
+def bound_tcp_port(maddrs) -> int | None:
+    """The TCP port of the first multiaddr that has one."""
+    for addr in maddrs:
+        parts = str(addr).split("/")
+        if "tcp" in parts:
+            return int(parts[parts.index("tcp") + 1])
+    return None
+
+
+class Persistence:
+    """Saves and restores one orchestrator's plan and fairness counters."""
+
+    def __init__(self, store: StateDir, orchestrator, *, min_interval_s: float = 1.0):
+        self.store = store
+        self.orchestrator = orchestrator
+        self.min_interval_s = min_interval_s
+        self._saved_plan: dict | None = None
+        self._saved_fairness: dict | None = None
+        self._saved_at = 0.0
+
+    @property
+    def scheduler(self):
+        return getattr(self.orchestrator.router, "scheduler", None)  # ws-rr keeps no fairness counters
+
+    # -- snapshots -----------------------------------------------------------------------------------
+    def plan_document(self) -> dict[str, Any]:
+        view = self.orchestrator.view
+        if view.plan is None:
+            return {"plan_id": None}
+        return {
+            "plan_id": view.plan_id,
+            "num_blocks": self.orchestrator.config.num_blocks,
+            "placement_method": view.plan.placement_method,
+            "c": view.plan.c,
+            "inputs": view.plan_inputs,
+            "spans": {sp.id: None if sp.span is None else list(sp.span) for sp in view.plan.servers},
+            "assignments": {node: a.to_dict() for node, a in sorted(view.assignments.items())},
+        }
+
+    def changes(self, *, force: bool = False) -> list[tuple[str, dict]]:
+        """The documents changed since the last save, as (file name, document); none when saved less than
+        ``min_interval_s`` ago (unless ``force``). Runs on the orchestrator's loop (it reads its state)."""
+        if not force and time.monotonic() - self._saved_at < self.min_interval_s:
+            return []
+        changed = []
+        plan = self.plan_document()
+        if plan != self._saved_plan:
+            changed.append((StateDir.PLAN, plan))
+        if self.scheduler is not None:
+            fairness = {"policy": self.orchestrator.config.policy, "scheduler": self.scheduler.export_state()}
+            if fairness != self._saved_fairness:
+                changed.append((StateDir.FAIRNESS, fairness))
+        return changed
+
+    def write(self, changed: list[tuple[str, dict]]) -> bool:
+        """Write :meth:`changes`' documents (any thread); whether anything was written."""
+        for name, doc in changed:
+            self.store.write(name, doc)
+            if name == StateDir.PLAN:
+                self._saved_plan = doc
+            else:
+                self._saved_fairness = doc
+        if changed:
+            self._saved_at = time.monotonic()
+        return bool(changed)
+
+    def save(self, *, force: bool = False) -> bool:
+        """:meth:`changes` written at once; whether anything was written."""
+        return self.write(self.changes(force=force))
+
+    async def record_peers(self) -> None:
+        """Save the multiaddrs of the servers' DHT peers this orchestrator is connected to."""
+        servers = {p.peer_id for p in self.orchestrator.view.profiles.values()}
+        connected = await asyncio.to_thread(self.orchestrator.dht.run_coroutine, _connected_peers)
+        peers = [f"{addr}/p2p/{peer}" for peer, addrs in connected if peer in servers for addr in addrs]
+        if peers:
+            self.store.record_peers(peers)
+
+    async def run(self, peers_every: int = 10) -> None:
+        """Save every ``min_interval_s`` while the orchestrator runs (the servers' addresses every
+        ``peers_every`` rounds); a last save when cancelled."""
+        rounds = 0
+        try:
+            while True:
+                await asyncio.sleep(self.min_interval_s)
+                try:
+                    await asyncio.to_thread(self.write, self.changes())  # fsync off the event loop
+                    if rounds % peers_every == 0:
+                        await self.record_peers()
+                    rounds += 1
+                except OSError as exc:  # a full disk must not stop the control plane; say so every time
+                    logger.error("cannot save the orchestrator state to %s: %s", self.store.path, exc)
+        finally:
+            try:
+                self.save(force=True)
+            except OSError as exc:
+                logger.error("cannot save the orchestrator state to %s: %s", self.store.path, exc)
+
+    # -- restore -------------------------------------------------------------------------------------
+    def restore(self) -> dict[str, Any]:
+        """Re-adopt the saved plan and fairness counters (before the orchestrator starts); what was restored."""
+        restored: dict[str, Any] = {"plan_id": self._restore_plan(), "clients": self._restore_fairness()}
+        self._saved_plan = self.plan_document()
+        if self.scheduler is not None:
+            self._saved_fairness = {"policy": self.orchestrator.config.policy,
+                                    "scheduler": self.scheduler.export_state()}
+        return restored
+
+    def _restore_plan(self) -> str | None:
+        doc = self.store.read(StateDir.PLAN)
+        if doc is None or doc.get("plan_id") is None:
+            return None
+        path, config, view = self.store.file(StateDir.PLAN), self.orchestrator.config, self.orchestrator.view
+        try:
+            if doc["num_blocks"] != config.num_blocks:
+                raise StateError(f"state file {path} holds a plan for {doc['num_blocks']} blocks, the model has "
+                                 f"{config.num_blocks} (a state directory of another model?)")
+            model, servers, rate, target_load = parse_swarm(doc["inputs"])
+            spans = {node: None if span is None else (int(span[0]), int(span[1]))
+                     for node, span in doc["spans"].items()}
+            layout = Placement(tuple(spans.get(s.id) for s in servers))
+            plan = plan_for_placement(model, servers, layout, rate, target_load=target_load,
+                                      method=doc["placement_method"], c=doc.get("c"))
+            assignments = {node: records.Assignment.from_dict(a) for node, a in doc["assignments"].items()}
+        except StateError:
+            raise
+        except (KeyError, TypeError, ValueError, records.RecordError) as exc:
+            raise StateError(f"state file {path} is corrupt ({type(exc).__name__}: {exc})") from None
+        view.plan, view.plan_id, view.plan_kept_ranges, view.plan_error = plan, doc["plan_id"], True, None
+        view.plan_inputs, view.assignments = doc["inputs"], assignments
+        return doc["plan_id"]
+
+    def _restore_fairness(self) -> list:
+        doc = self.store.read(StateDir.FAIRNESS)
+        if doc is None or self.scheduler is None:
+            return []
+        if doc.get("policy") != self.orchestrator.config.policy:
+            logger.warning("fairness counters in %s were saved under policy %r; this orchestrator runs %r: its "
+                           "clients start afresh", self.store.file(StateDir.FAIRNESS), doc.get("policy"),
+                           self.orchestrator.config.policy)
+            return []
+        try:
+            self.scheduler.import_state(doc["scheduler"], now=time.monotonic())
+        except (KeyError, ValueError) as exc:
+            raise StateError(f"state file {self.store.file(StateDir.FAIRNESS)} is corrupt ({exc})") from None
+        return self.scheduler.clients()
+
+    async def await_servers(self, timeout_s: float, poll_s: float = 0.5) -> set[str]:
+        """Wait until every server of the restored plan publishes a plannable profile again (at most
+        ``timeout_s``); the servers still missing (empty when all are back, or when nothing was restored)."""
+        orch = self.orchestrator
+        planned = set(orch.view.assignments) if orch.view.plan is not None else set()
+        if not planned:
+            return set()
+        prefix = orch.config.dht_prefix
+        info = records.OrchestratorInfo(orch.dht.peer_id.to_base58(), orch.http_url, orch.view.plan_id)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            def look() -> dict:
+                records.publish_orchestrator(orch.dht, prefix, info, orch.config.assignment_ttl_s)
+                return records.fetch_profiles(orch.dht, prefix)
+
+            profiles = await asyncio.to_thread(look)
+            missing = {node for node in planned if node not in profiles or profiles[node].rtt_s is None}
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            await asyncio.sleep(poll_s)
