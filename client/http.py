@@ -138,10 +138,14 @@ class SwarmClient:
         return response.json()
 
     def reroute(self, lease_id: str, start: int, end: int, failed_peers: list[str]) -> list[dict]:
+        return self.reroute_lease(lease_id, start, end, failed_peers)["route"]
+
+    def reroute_lease(self, lease_id: str, start: int, end: int, failed_peers: list[str]) -> dict:
+        """The reroute answer: ``route`` and a fresh session ``ticket`` (base64) covering it."""
         response = self._http.post(f"/v1/leases/{lease_id}/reroute",
                                    json={"start": start, "end": end, "failed_peers": failed_peers})
         _raise_for(response)
-        return response.json()["route"]
+        return response.json()
 
     def release(self, lease_id: str, output_tokens: int | None = None) -> None:
         params = {} if output_tokens is None else {"output_tokens": output_tokens}

@@ -16,6 +16,8 @@ swarm cannot serve.
 """
 from __future__ import annotations
 
+import base64
+
 import hmac
 import html
 import logging
@@ -139,6 +141,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             route=[{"peer_id": p, "start": s, "end": e} for p, s, e in lease.route],
             max_length=orchestrator.config.expect.max_length, dht_prefix=orchestrator.config.dht_prefix,
             initial_peers=initial_peers, expires_in_s=record.expires_at - time.monotonic(),
+            ticket=None if lease.ticket is None else base64.b64encode(lease.ticket).decode(),
         )
 
     @app.post("/v1/leases", response_model=LeaseResponse, responses={400: {}, 401: {}, 422: {}, 429: {}, 503: {}})
@@ -171,7 +174,9 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             route = orchestrator.reroute(record.lease.chain_id, body.start, body.end, body.failed_peers)
         except NoRouteError as exc:
             raise ApiError(503, "unavailable", str(exc)) from None
-        return RerouteResponse(route=[{"peer_id": p, "start": s, "end": e} for p, s, e in route])
+        ticket = orchestrator.rerouted_lease_ticket(record, route)
+        return RerouteResponse(route=[{"peer_id": p, "start": s, "end": e} for p, s, e in route],
+                               ticket=base64.b64encode(ticket).decode())
 
     @app.delete("/v1/leases/{lease_id}", responses={404: {}})
     async def release(lease_id: str, output_tokens: int | None = None, authorization: str | None = Header(None),

@@ -101,6 +101,11 @@ class OrchestratorOptions:
         None, cli=False, help="the proxy's petals client: None keeps petals' default (server-to-server push on); "
         "False relays every hop's activations through the orchestrator (the paper's model)")
     log_level: str = option("INFO", help="logging level of the orchestrator process")
+    # -- signed control plane (swarm.identity, swarm.tickets) --
+    identity_key: str | None = option(None, metavar="FILE", help="the orchestrator's signing key (RSA, DER; "
+                                      "created if missing; default: a new key per run). Servers pin its public "
+                                      "key (shown in GET /v1/swarm as orchestrator_key)")
+    ticket_ttl_s: float = option(120.0, help="lifetime of a session ticket in seconds (checked when a session opens)")
 
 
 def _argument_type(annotation: Any) -> Any:

@@ -170,6 +170,8 @@ class LeaseResponse(BaseModel):
     dht_prefix: str
     initial_peers: list[str]
     expires_in_s: float
+    ticket: Optional[str] = Field(None, description="the orchestrator's signed session ticket (base64): send it in "
+                                  "every server request of the session (swarm.tickets)")
 
 
 class RerouteRequest(_Strict):
@@ -180,6 +182,7 @@ class RerouteRequest(_Strict):
 
 class RerouteResponse(BaseModel):
     route: list[RouteSpanModel]
+    ticket: Optional[str] = Field(None, description="a fresh session ticket covering the route after the reroute")
 
 
 class ErrorResponse(BaseModel):

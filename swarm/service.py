@@ -38,11 +38,16 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     from swarm.compat import petals  # noqa: F401  (shim before anything petals)
     from swarm.http_api import create_app
 
+    from swarm.identity import Identity
+
     config = build_config(options)
+    identity = Identity.load_or_create(options.identity_key) if options.identity_key else Identity.generate()
+    logger.info("orchestrator key %s: %s", identity.fingerprint, identity.public.decode())
     announce = (None if options.dht_announce_port is None
                 else [f"/ip4/{options.dht_host}/tcp/{options.dht_announce_port}"])
     dht = hivemind.DHT(start=True, initial_peers=list(options.initial_peers),
-                       host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce)
+                       host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
+                       record_validators=identity.validators(config.dht_prefix))
     maddrs = [str(a) for a in dht.get_visible_maddrs()]
     initial_peers = list(options.initial_peers) or maddrs
     engine = None
@@ -50,7 +55,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     try:
         sock = _bind(options.http_host, options.http_port)
         url = f"http://{options.http_host}:{sock.getsockname()[1]}"
-        orchestrator = Orchestrator(config, dht, http_url=url)
+        orchestrator = Orchestrator(config, dht, http_url=url, identity=identity)
         await orchestrator.start()
         if options.proxy:
             from swarm.engine import GenerationEngine
