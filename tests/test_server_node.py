@@ -364,7 +364,8 @@ def test_chainswarm_server_command_serves_its_assignment_and_stops_cleanly(swarm
                *swarm.initial_peers, "--node-id", "c", "--memory-gb", "0.1", "--device", "cpu",
                "--torch-dtype", "float32", "--quant-type", "none", "--host", "127.0.0.1", "--update-period", "1",
                "--num-handlers", "1", "--cache-dir", str(swarm.profile_dir), "--log-level", "WARNING",
-               "--drain-timeout", "1"]
+               "--drain-timeout", "1", "--open",  # a vanilla petals client drives it below
+               "--orchestrator-key", swarm.orchestrator_identity.public_b64]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         profile = _wait(lambda: _profiles(orchestrator_dht, swarm).get("c"), 60, "the CLI node's profile", 0.3)
