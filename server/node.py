@@ -27,7 +27,6 @@ petals' own block selection and rebalancing never run. A launcher can follow a n
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -41,6 +40,7 @@ from petals.data_structures import ServerState
 from petals.server.server import Server
 
 from server import emulation, profiling, tickets as server_tickets, trust
+from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
 from swarm import records
 from swarm.identity import fetch_owned
 from swarm.records import DRAINING, LOADING, SERVING, WAITING, Assignment, RecordError, ServerProfile
@@ -52,28 +52,6 @@ _PLACEHOLDER_BLOCKS = "0:1"  # petals needs a span (or a GPU) at construction; t
 
 class _Stopped(Exception):
     """The server was shut down while it waited for an assignment."""
-
-
-def _layout(assignment: Optional[Assignment]) -> Optional[tuple]:
-    """What a reload depends on: everything but the plan id."""
-    if assignment is None:
-        return None
-    return (assignment.start, assignment.end, assignment.cache_slots, assignment.max_length,
-            assignment.prefix_cache_tokens)
-
-
-def _served_in_place(new: Assignment, current: Optional[Assignment]) -> Optional[Assignment]:
-    """``new`` as this server can serve it without reloading, or None when a reload is needed.
-
-    Same blocks, session length and prefix budget, and no more KV slots than the loaded pool holds: the
-    node keeps its (larger) pool, so the returned assignment carries the loaded slot count.
-    """
-    if current is None or (new.start, new.end, new.max_length, new.prefix_cache_tokens) != (
-            current.start, current.end, current.max_length, current.prefix_cache_tokens):
-        return None
-    if new.cache_slots > current.cache_slots:
-        return None
-    return dataclasses.replace(new, cache_slots=current.cache_slots)
 
 
 class ChainswarmServer(Server):
