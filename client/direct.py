@@ -12,6 +12,7 @@ blocks; petals replays the session's history there (with Chainswarm's failover f
 """
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 from typing import Sequence
@@ -41,8 +42,9 @@ class OrchestratorLeases:
         new_tokens = max(1, max_length - input_tokens)
         doc = self.client.lease(input_tokens, new_tokens, timeout_s=self.timeout_s)
         route = tuple((r["peer_id"], r["start"], r["end"]) for r in doc["route"])
+        ticket = base64.b64decode(doc["ticket"]) if doc.get("ticket") else None
         self._keep(doc["lease_id"], doc["ttl_s"] / 3)
-        return Lease(doc["lease_id"], doc["chain_id"], route, doc["max_length"])
+        return Lease(doc["lease_id"], doc["chain_id"], route, doc["max_length"], ticket=ticket)
 
     def _keep(self, lease_id: str, period: float) -> None:
         with self._lock:
@@ -76,8 +78,10 @@ class OrchestratorLeases:
             self._keeper.join(timeout=5)
 
     def reroute(self, lease: Lease, start: int, end: int, failed_peers: Sequence[str]) -> tuple[RouteSpan, ...]:
-        route = self.client.reroute(lease.lease_id, start, end, list(failed_peers))
-        return tuple((r["peer_id"], r["start"], r["end"]) for r in route)
+        doc = self.client.reroute_lease(lease.lease_id, start, end, list(failed_peers))
+        if doc.get("ticket"):  # the servers opened from now on need the fresh ticket
+            lease.ticket = base64.b64decode(doc["ticket"])
+        return tuple((r["peer_id"], r["start"], r["end"]) for r in doc["route"])
 
     def release(self, lease: Lease, *, processed_tokens: int) -> None:
         with self._lock:

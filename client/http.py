@@ -152,10 +152,14 @@ class SwarmClient:
         return response.json()
 
     def reroute(self, lease_id: str, start: int, end: int, failed_peers: list[str]) -> list[dict]:
+        return self.reroute_lease(lease_id, start, end, failed_peers)["route"]
+
+    def reroute_lease(self, lease_id: str, start: int, end: int, failed_peers: list[str]) -> dict:
+        """The reroute answer: ``route`` and a fresh session ``ticket`` (base64) covering it."""
         response = self._http.post(f"/v1/leases/{lease_id}/reroute",
                                    json={"start": start, "end": end, "failed_peers": failed_peers})
         _raise_for(response)
-        return response.json()["route"]
+        return response.json()
 
     def renew(self, lease_id: str) -> dict:
         """Keep a lease alive another TTL (its holder's heartbeat)."""

@@ -118,7 +118,8 @@ def bench_split(model_dir: str, servers: int, tokens: int, repeats: int, progres
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     max_length = 256
     results = {}
-    with LocalSwarm(model_dir) as swarm:
+    # open sessions: vanilla petals' client is measured on the same nodes (it carries no orchestrator ticket)
+    with LocalSwarm(model_dir, open_sessions=True) as swarm:
         url = swarm.add_orchestrator(expected_rate=0.2, max_length=max_length, expected_input_tokens=32,
                                      expected_output_tokens=tokens, refresh_s=0.5, torch_dtype=DTYPE).info["url"]
         nodes = [swarm.add_node(node_id=f"n{i}", memory_gb=gb, wait=False, num_handlers=1, torch_dtype=DTYPE)

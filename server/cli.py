@@ -54,6 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experiments: emulate an accelerator that spends PREFILL_MS per block per prompt token "
                         "and DECODE_MS per block per decoded token (added to every inference step; reported in "
                         "the profile)")
+    parser.add_argument("--orchestrator-key", metavar="KEY|FILE",
+                        help="the orchestrator's public key (ssh-rsa AAAA..., its base64 body or a file; shown as "
+                        "orchestrator_key in GET /v1/swarm): only assignments and session tickets it signed are "
+                        "obeyed. Default: the first key seen publishing an orchestrator record (trust on first use)")
+    parser.add_argument("--identity-key", metavar="FILE", help="this node's signing key for its DHT records "
+                        "(RSA, created if missing; default: a new key per run)")
+    parser.add_argument("--open", action="store_true", help="serve sessions without orchestrator tickets (a trusted "
+                        "lab; vanilla petals clients): anyone who reaches this server can use its blocks")
     parser.add_argument("--log-level", default=os.environ.get("CHAINSWARM_LOGLEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -131,6 +139,16 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         kwargs["announce_maddrs"] = [f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{args.announce_port or args.port}"]
     if args.identity_path:
         kwargs["identity_path"] = args.identity_path
+    if args.orchestrator_key:
+        from swarm.identity import BadKeyError, parse_public_key
+
+        try:
+            kwargs["orchestrator_key"] = parse_public_key(args.orchestrator_key)
+        except BadKeyError as exc:
+            raise _BadInput(f"--orchestrator-key: {exc}") from None
+    if args.identity_key:
+        kwargs["identity_key"] = args.identity_key
+    kwargs["open_sessions"] = bool(args.open)
     if args.tensor_parallel_devices:
         kwargs["tensor_parallel_devices"] = list(args.tensor_parallel_devices)
     return kwargs

@@ -33,7 +33,8 @@ _PRELOAD = ["swarm.compat", "petals.server.server", "server.runner", "swarm.dht"
 
 # ChainswarmServer keyword arguments (the rest of add_node's options are petals Server kwargs).
 _NODE_OPTIONS = ("check_period", "assignment_poll", "drain_timeout", "profile_ttl_factor", "rtt_period",
-                 "profile_cache_dir", "declared_profile", "emulated_compute")
+                 "profile_cache_dir", "declared_profile", "emulated_compute", "identity_key", "orchestrator_key",
+                 "open_sessions")
 
 
 class SwarmStartError(RuntimeError):
@@ -84,7 +85,14 @@ class LocalSwarm:
     """
 
     def __init__(self, model_dir: str | Path, *, dht_prefix: str | None = None, host: str = "127.0.0.1",
-                 wan: Any = None, wan_backend: str = "userspace"):
+                 wan: Any = None, wan_backend: str = "userspace", open_sessions: bool = False):
+        """``open_sessions``: nodes serve sessions without orchestrator tickets (vanilla petals clients);
+        by default they are secure: the swarm's orchestrator key (:attr:`orchestrator_identity`, created here
+        and handed to the orchestrator) is given to every node, which then serves only ticketed sessions."""
+        from swarm.identity import Identity
+
+        self.open_sessions = open_sessions
+        self.orchestrator_identity = Identity.generate()
         self.model_dir = str(model_dir)
         self.dht_prefix = dht_prefix or dht_prefix_for(model_dir)
         self.host = host
@@ -122,7 +130,8 @@ class LocalSwarm:
             self.emulator.start()
         receive, send = self._ctx.Pipe(duplex=False)
         process = self._ctx.Process(
-            target=bootstrap_dht_main, args=(self.host, port, os.getpid(), send), name="dht", daemon=False
+            target=bootstrap_dht_main, args=(self.host, port, os.getpid(), send, self.dht_prefix), name="dht",
+            daemon=False,
         )
         process.start()
         self.dht = Peer("dht", process)
@@ -234,6 +243,8 @@ class LocalSwarm:
         from server.runner import offline_server_kwargs
 
         node_options = {key: options.pop(key) for key in _NODE_OPTIONS if key in options}
+        node_options.setdefault("orchestrator_key", self.orchestrator_identity.public)  # None: trust on first use
+        node_options.setdefault("open_sessions", self.open_sessions)
         network, wan_host = self._network_options(wan_host, options)
         kwargs = offline_server_kwargs(
             self.model_dir, dht_prefix=self.dht_prefix, initial_peers=self.initial_peers,
@@ -336,6 +347,14 @@ class LocalSwarm:
         from swarm.service import OrchestratorOptions, orchestrator_process_main
 
         options.setdefault("http_port", 0)
+        if "identity_key" not in options:  # the swarm's orchestrator key, which the nodes were given
+            import tempfile
+
+            self._key_dir = getattr(self, "_key_dir", None) or tempfile.mkdtemp(prefix="chainswarm-keys-")
+            options["identity_key"] = os.path.join(self._key_dir, f"orchestrator-{os.getpid()}.der")
+            if not os.path.exists(options["identity_key"]):
+                with open(os.open(options["identity_key"], os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                    f.write(self.orchestrator_identity.private_key.to_bytes())
         if self.emulator is not None:  # the orchestrator's DHT peer behind the client host's proxy
             ep = self.emulator.endpoints[self.wan.client]
             options.update(dht_port=ep.real_port, dht_announce_port=ep.port)
@@ -383,3 +402,8 @@ class LocalSwarm:
         if self.emulator is not None:  # after the servers (spec: start it before them, stop it after)
             self.emulator.stop()
             self.emulator = None
+        if getattr(self, "_key_dir", None):
+            import shutil
+
+            shutil.rmtree(self._key_dir, ignore_errors=True)
+            self._key_dir = None

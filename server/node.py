@@ -27,7 +27,6 @@ petals' own block selection and rebalancing never run. A launcher can follow a n
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -40,8 +39,10 @@ from swarm.compat import petals  # noqa: F401  (the shim must precede petals.ser
 from petals.data_structures import ServerState
 from petals.server.server import Server
 
-from server import emulation, profiling
+from server import emulation, profiling, tickets as server_tickets, trust
+from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
 from swarm import records
+from swarm.identity import fetch_owned
 from swarm.records import DRAINING, LOADING, SERVING, WAITING, Assignment, RecordError, ServerProfile
 
 logger = logging.getLogger(__name__)
@@ -51,28 +52,6 @@ _PLACEHOLDER_BLOCKS = "0:1"  # petals needs a span (or a GPU) at construction; t
 
 class _Stopped(Exception):
     """The server was shut down while it waited for an assignment."""
-
-
-def _layout(assignment: Optional[Assignment]) -> Optional[tuple]:
-    """What a reload depends on: everything but the plan id."""
-    if assignment is None:
-        return None
-    return (assignment.start, assignment.end, assignment.cache_slots, assignment.max_length,
-            assignment.prefix_cache_tokens)
-
-
-def _served_in_place(new: Assignment, current: Optional[Assignment]) -> Optional[Assignment]:
-    """``new`` as this server can serve it without reloading, or None when a reload is needed.
-
-    Same blocks, session length and prefix budget, and no more KV slots than the loaded pool holds: the
-    node keeps its (larger) pool, so the returned assignment carries the loaded slot count.
-    """
-    if current is None or (new.start, new.end, new.max_length, new.prefix_cache_tokens) != (
-            current.start, current.end, current.max_length, current.prefix_cache_tokens):
-        return None
-    if new.cache_slots > current.cache_slots:
-        return None
-    return dataclasses.replace(new, cache_slots=current.cache_slots)
 
 
 class ChainswarmServer(Server):
@@ -96,6 +75,10 @@ class ChainswarmServer(Server):
     * ``emulated_compute`` — ``{"prefill_s", "decode_s"}``: emulate an accelerator (:mod:`server.emulation`).
       Every inference step is delayed by that much per block and token, and the profile reports the
       measured (or declared) compute plus the emulated time.
+    * ``identity_key`` — file with the node's signing key (created if missing; default: a new key per run, so
+      a restart under the same node id is planned once the old profile has expired); ``orchestrator_key`` —
+      the key whose assignments and tickets it obeys (else pinned on first use: :mod:`server.trust`);
+      ``open_sessions`` — serve sessions without tickets (a trusted lab; :mod:`server.tickets`).
     """
 
     def __init__(
@@ -112,6 +95,9 @@ class ChainswarmServer(Server):
         report: Any = None,
         declared_profile: Optional[dict] = None,
         emulated_compute: Optional[dict] = None,
+        identity_key: Optional[str] = None,
+        orchestrator_key: Optional[str | bytes] = None,
+        open_sessions: bool = False,
         **server_kwargs: Any,
     ):
         for key in ("num_blocks", "block_indices"):
@@ -130,7 +116,11 @@ class ChainswarmServer(Server):
         if isinstance(quant_type, str):
             server_kwargs["quant_type"] = profiling._quant(quant_type)
         started = time.perf_counter()
+        self.identity, self.trust = trust.identity_and_trust(server_kwargs, identity_key, orchestrator_key)
+        self.open_sessions = open_sessions
         super().__init__(block_indices=_PLACEHOLDER_BLOCKS, **server_kwargs)
+        if "record_validators" not in server_kwargs:  # the prefix was not known before petals resolved it
+            self.dht.add_validators(self.identity.validators(self.dht_prefix))
 
         self.peer_id = self.dht.peer_id.to_base58()
         self.node_id = node_id or f"{socket.gethostname()}-{self.peer_id[-8:]}"
@@ -144,6 +134,7 @@ class ChainswarmServer(Server):
         started = time.perf_counter()
         # -- profile -----------------------------------------------------------------------------------
         try:
+            self.trust.check_at_start(self.dht, self.dht_prefix)
             self.memory_bytes = profiling.usable_memory_bytes(self.device, memory_gb)
             self.block_bytes = profiling.block_bytes(self.block_config, self.torch_dtype, self.quant_type,
                                                      cache_dir=profile_cache_dir or profiling.default_cache_dir())
@@ -186,7 +177,8 @@ class ChainswarmServer(Server):
                                           "compute_measured_s": self.compute.measured_s}
 
         self._rtt = profiling.RttMonitor(self.dht, self.dht_prefix, period=rtt_period,
-                                         on_change=lambda _rtt: self._wake.set())
+                                         on_change=lambda _rtt: self._wake.set(),
+                                         orchestrator_key=lambda: self.trust.key(self.dht, self.dht_prefix))
         self._threads = [
             threading.Thread(target=self._heartbeat_loop, name="profile-heartbeat", daemon=True),
             self._rtt,
@@ -249,7 +241,8 @@ class ChainswarmServer(Server):
 
     def _publish(self, profile: Optional[ServerProfile] = None) -> None:
         try:
-            records.publish_profile(self.dht, self.dht_prefix, profile or self.profile(), self.profile_ttl)
+            records.publish_profile(self.dht, self.dht_prefix, profile or self.profile(), self.profile_ttl,
+                                    self.identity.public)
         except Exception as exc:  # a DHT hiccup must not kill the heartbeat
             logger.warning("node %s could not publish its profile: %s", self.node_id, exc)
 
@@ -280,7 +273,8 @@ class ChainswarmServer(Server):
         store = self._prefix_store()
         store.changed.clear()
         try:
-            publish_report(self.dht, self.dht_prefix, self.node_id, store.report(), self.profile_ttl)
+            publish_report(self.dht, self.dht_prefix, self.node_id, store.report(), self.profile_ttl,
+                           self.identity.public)
         except Exception as exc:
             logger.warning("node %s could not publish its prefix report: %s", self.node_id, exc)
 
@@ -306,18 +300,17 @@ class ChainswarmServer(Server):
 
     # -- assignments ---------------------------------------------------------------------------------
     def fetch_assignment(self) -> Optional[Assignment]:
-        """This node's current, valid assignment from the DHT (None if absent, expired or malformed)."""
+        """This node's current, valid assignment from the DHT (None if absent, expired or malformed), signed by
+        the orchestrator key (given or pinned: :mod:`server.trust`; assignments under any other key are ignored)."""
+        key = self.trust.key(self.dht, self.dht_prefix)
         try:
-            found = self.dht.get(f"{self.dht_prefix}.{records.ASSIGNMENTS}", latest=True)
+            owned = [] if key is None else fetch_owned(self.dht, f"{self.dht_prefix}.{records.ASSIGNMENTS}")
         except Exception as exc:
             logger.warning("node %s could not read assignments: %s", self.node_id, exc)
             return None
-        if found is None or not isinstance(found.value, dict):
-            return None
-        for subkey, item in found.value.items():
-            if str(subkey) != self.node_id:
+        for name, owner, raw in owned:
+            if name != self.node_id or owner != key:
                 continue
-            raw = getattr(item, "value", None)
             try:
                 assignment = Assignment.from_dict(raw)
                 self._check_feasible(assignment)
@@ -412,6 +405,8 @@ class ChainswarmServer(Server):
                     assignment.cache_slots, assignment.max_length, assignment.prefix_cache_tokens,
                     self.cache_bytes_for(assignment) / 2**20)
         self._set_state(LOADING, assignment)
+        server_tickets.configure(open=self.open_sessions, orchestrator_key=self.trust.pinned, peer_id=self.peer_id,
+                                 dht_prefix=self.dht_prefix)  # inherited by the handler processes forked next
         return list(range(assignment.start, assignment.end))
 
     def _should_choose_other_blocks(self) -> bool:
@@ -482,9 +477,7 @@ class ChainswarmServer(Server):
 
 def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
     """Build a :class:`ChainswarmServer` with the push-fixed handler and run it until SIGTERM/SystemExit."""
-    from server.prefix_cache import install_prefix_cache
-
-    install_prefix_cache(push_counter=push_counter)
+    server_tickets.install_ticket_handler(push_counter=push_counter)
     server = ChainswarmServer(report=report, **server_kwargs)
     try:
         server.run()

@@ -312,6 +312,11 @@ class PrefixHandler(ChainswarmHandler):
 
     _rpc_handlers = None  # hivemind caches the RPC table per class: collect ours, not the parent's
 
+    def _may_store_pages(self, hashes) -> bool:
+        """Whether this session may store pages under ``hashes`` (every session here; the ticket gate of
+        :mod:`server.tickets` allows only the hashes its ticket names)."""
+        return True
+
     async def _run_op(self, backends, handles, op: tuple, value: float = 0.0) -> float:
         infos = tuple(PrefixOp(b.name, 0, tuple(h), None, op=op) for b, h in zip(backends, handles))
         probe = torch.full((1, 1, 1), value, dtype=torch.float32)
@@ -378,7 +383,8 @@ class PrefixHandler(ChainswarmHandler):
         ):
             yield request, metadata
             steps += 1
-            if steps == 1 and session is not None and session.handles and first_request.tensors:
+            if (steps == 1 and session is not None and session.handles and first_request.tensors
+                    and self._may_store_pages(session.hashes)):
                 # the first step (the prefill) is done: store the new full pages it computed
                 computed = session.load * PAGE_TOKENS + int(first_request.tensors[0].size[1])
                 try:

@@ -297,18 +297,18 @@ def measure_rtt(dht, peer_id: str, *, pings: int = 3, timeout: float = 2.0) -> O
     return statistics.median(samples) if samples else None
 
 
-def orchestrator_rtt(dht, dht_prefix: str, **options) -> Optional[float]:
-    """RTT to the orchestrator announced under ``dht_prefix``; None while no orchestrator is known or it
-    does not answer."""
-    info = _orchestrator(dht, dht_prefix)
+def orchestrator_rtt(dht, dht_prefix: str, orchestrator_key: bytes, **options) -> Optional[float]:
+    """RTT to the orchestrator announced under ``dht_prefix`` and signed by ``orchestrator_key``; None while no
+    orchestrator is known or it does not answer."""
+    info = _orchestrator(dht, dht_prefix, orchestrator_key)
     return None if info is None else _rtt_to(dht, info.peer_id, **options)
 
 
-def _orchestrator(dht, dht_prefix: str):
+def _orchestrator(dht, dht_prefix: str, orchestrator_key: Optional[bytes]):
     from swarm.records import fetch_orchestrator
 
     try:
-        return fetch_orchestrator(dht, dht_prefix)
+        return fetch_orchestrator(dht, dht_prefix, orchestrator_key)
     except Exception as exc:
         logger.debug("could not read the orchestrator record: %s", exc)
         return None
@@ -330,8 +330,9 @@ class RttMonitor(threading.Thread):
     """
 
     def __init__(self, dht, dht_prefix: str, *, period: float = 30.0, check_period: float = 2.0,
-                 forget_after: int = 3, on_change=None, **ping_options):
+                 forget_after: int = 3, on_change=None, orchestrator_key=lambda: None, **ping_options):
         super().__init__(name="orchestrator-rtt", daemon=True)
+        self.orchestrator_key = orchestrator_key  # () -> the key the orchestrator record must be signed by
         self.dht, self.dht_prefix = dht, dht_prefix
         self.period, self.check_period, self.forget_after = period, check_period, forget_after
         self.on_change, self.ping_options = on_change, ping_options
@@ -347,7 +348,7 @@ class RttMonitor(threading.Thread):
     def run(self) -> None:
         misses, measured_at = 0, -math.inf
         while not self.stop_event.is_set():
-            info = _orchestrator(self.dht, self.dht_prefix)
+            info = _orchestrator(self.dht, self.dht_prefix, self.orchestrator_key())
             if info is None:
                 misses += 1
                 if misses >= self.forget_after and self.rtt_s is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from swarm.engine import GenerationEngine, StopGeneration
-from swarm.routing import Lease, NoRouteError, SessionControl
+from swarm.routing import Lease, NoRouteError, SessionControl, splice
 from swarm.sampling import SamplingParams, StopMatcher, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,17 @@ class _LoopProvider:
 
     def reroute(self, lease: Lease, start: int, end: int, failed_peers) -> tuple:
         async def ask():
-            return await self.orchestrator.reroute(lease.chain_id, start, end, failed_peers,
+            route = await self.orchestrator.reroute(lease.chain_id, start, end, failed_peers,
                                                    request_id=lease.lease_id)
+            # the servers opened from now on get a ticket for the route as it will be (no prefix writes)
+            lease.ticket = self.orchestrator.ticket(lease.lease_id, lease.chain_id, splice(lease.route, route))
+            return route
         return asyncio.run_coroutine_threadsafe(ask(), self.loop).result(timeout=30)
+
+    def renew_ticket(self, lease: Lease) -> None:
+        async def ask():
+            lease.ticket = self.orchestrator.ticket(lease.lease_id, lease.chain_id, lease.route)
+        asyncio.run_coroutine_threadsafe(ask(), self.loop).result(timeout=30)
 
     def release(self, lease: Lease, *, processed_tokens: int) -> None:
         pass  # the runner finishes the request itself
@@ -177,7 +185,8 @@ class CompletionRunner:
     async def _session(self, grant, client, input_ids, params, page_hashes, is_disconnected):
         orchestrator, engine = self.orchestrator, self.engine
         chain = orchestrator.chain(grant.chain_id)
-        lease = Lease(grant.request_id, grant.chain_id, chain.route, orchestrator.config.expect.max_length)
+        lease = Lease(grant.request_id, grant.chain_id, chain.route, orchestrator.config.expect.max_length,
+                      ticket=orchestrator.ticket(grant.request_id, grant.chain_id, chain.route, page_hashes or ()))
         loop = asyncio.get_running_loop()
         control = SessionControl()
         tokens: asyncio.Queue = asyncio.Queue()

@@ -105,7 +105,7 @@ class GenerationEngine:
 
         plan = None
         if page_hashes:
-            held = probe_route(self.manager, lease.route, page_hashes, page_tokens=PAGE_TOKENS)
+            held = probe_route(self.manager, lease.route, page_hashes, page_tokens=PAGE_TOKENS, ticket=lease.ticket)
             plan = PrefixPlan(list(page_hashes), reusable_pages(held, len(input_ids)), PAGE_TOKENS)
         reused = plan.reused_tokens if plan is not None else 0
         if on_prefix is not None:
@@ -129,6 +129,8 @@ class GenerationEngine:
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
                 if not exc.missing and exc.peer_id is not None and provider is not None:
                     lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
+                elif hasattr(provider, "renew_ticket"):  # same route, later: a fresh ticket for the reopen
+                    provider.renew_ticket(lease)
                 remaining = params.max_new_tokens - len(produced)
                 if remaining > 0 and not ended():
                     prompt = list(input_ids) + produced

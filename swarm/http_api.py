@@ -18,6 +18,8 @@ swarm cannot serve.
 """
 from __future__ import annotations
 
+import base64
+
 import hmac
 import logging
 import math
@@ -145,6 +147,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             max_length=orchestrator.config.expect.max_length, dht_prefix=orchestrator.config.dht_prefix,
             initial_peers=initial_peers, expires_in_s=record.expires_at - time.monotonic(),
             ttl_s=orchestrator.leases.ttl_s,
+            ticket=None if lease.ticket is None else base64.b64encode(lease.ticket).decode(),
         )
 
     @app.post("/v1/leases", response_model=LeaseResponse, responses={400: {}, 401: {}, 422: {}, 429: {}, 503: {}})
@@ -180,7 +183,9 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
             raise ApiError(403, "forbidden", str(exc)) from None
         except NoRouteError as exc:
             raise ApiError(503, "unavailable", str(exc)) from None
-        return RerouteResponse(route=[{"peer_id": p, "start": s, "end": e} for p, s, e in route])
+        ticket = orchestrator.rerouted_lease_ticket(record, route)
+        return RerouteResponse(route=[{"peer_id": p, "start": s, "end": e} for p, s, e in route],
+                               ticket=base64.b64encode(ticket).decode())
 
     @app.post("/v1/leases/{lease_id}/renew", response_model=RenewResponse, responses={404: {}})
     async def renew(lease_id: str, authorization: str | None = Header(None), x_client_id: str | None = Header(None)):

@@ -116,6 +116,11 @@ class OrchestratorOptions:
         None, metavar="DIR", help="keep the orchestrator's state here and restart from it: DHT identity and port, "
         "HTTP port, prefix namespace, API keys, plan and assignments, fairness counters (default: none kept)")
     log_level: str = option("INFO", help="logging level of the orchestrator process")
+    # -- signed control plane (swarm.identity, swarm.tickets) --
+    identity_key: str | None = option(None, metavar="FILE", help="the orchestrator's signing key (RSA, DER; "
+                                      "created if missing; default: a new key per run). Servers pin its public "
+                                      "key (shown in GET /v1/swarm as orchestrator_key)")
+    ticket_ttl_s: float = option(120.0, help="lifetime of a session ticket in seconds (checked when a session opens)")
 
 
 def _argument_type(annotation: Any) -> Any:

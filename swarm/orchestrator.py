@@ -33,10 +33,11 @@ from typing import Any, Callable, Sequence
 from planner.fairness.types import Grant
 from planner.plan import Plan
 from planner.tuning import InfeasibleError
-from swarm import planning, prefix as prefix_protocol, records
+from swarm import planning, prefix as prefix_protocol, records, tickets
 from swarm.failures import DhtPing, FailureClaims
-from swarm.occupancy import Occupancy, blocks_of, fit_capacities
+from swarm.identity import Identity, KeyPins
 from swarm.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
+from swarm.occupancy import Occupancy, blocks_of, fit_capacities
 from swarm.options import OrchestratorOptions
 from swarm.planning import Expectations, RoutableChain
 from swarm.prefix_view import PrefixView
@@ -99,9 +100,14 @@ class Orchestrator:
     """The control plane. ``dht`` is a running hivemind.DHT (or anything with get/store)."""
 
     def __init__(self, config: OrchestratorConfig, dht, *, http_url: str | None = None,
-                 on_event: Callable[[str, dict], None] | None = None):
+                 on_event: Callable[[str, dict], None] | None = None, identity: Identity | None = None):
         self.config = config
         self.dht = dht
+        # the key that signs assignments, the orchestrator record and tickets (the DHT must sign with it too:
+        # swarm.service installs identity.validators() on it); servers pin its public half
+        self.identity = identity or Identity.generate()
+        self.pins = KeyPins()  # node id -> the key its profiles are signed with (swarm.identity)
+        self._refused_keys: set[tuple[str, str]] = set()
         self.http_url = http_url
         self.view = SwarmView()
         self.prefix = PrefixView(config.expect.prefix_cache_tokens, config.prefix_secret, config.dht_prefix)
@@ -185,7 +191,8 @@ class Orchestrator:
 
     # -- membership, planning, assignments ---------------------------------------------------------------
     async def refresh(self) -> None:
-        profiles = await asyncio.to_thread(records.fetch_profiles, self.dht, self.config.dht_prefix)
+        claims = await asyncio.to_thread(records.fetch_profile_claims, self.dht, self.config.dht_prefix)
+        profiles = self._pinned_profiles(claims)
         now = time.monotonic()
         for node, since in list(self.suspects.items()):
             if node not in profiles or now - since > self.config.suspect_s:
@@ -201,7 +208,8 @@ class Orchestrator:
         if now - self._published_at > self.config.assignment_ttl_s / 3:
             await self._publish_assignments()
         if self.prefix.enabled:
-            reports = await asyncio.to_thread(prefix_protocol.fetch_reports, self.dht, self.config.dht_prefix)
+            reports = await asyncio.to_thread(prefix_protocol.fetch_reports, self.dht, self.config.dht_prefix,
+                                              dict(self.pins.pins))
             self.prefix.apply_reports(reports, live=set(profiles))
         self._update_chains()
         self.expire_leases()
@@ -225,6 +233,23 @@ class Orchestrator:
             self._settling = (first if first is not None else now, now, set(members))
             first, since = self._settling[:2]
         return now - since >= self.config.settle_s or now - first >= 5 * self.config.settle_s
+
+    def _pinned_profiles(self, claims) -> dict[str, records.ServerProfile]:
+        """One profile per node id: the one signed by the key pinned for it (a second key claiming a live node
+        id is refused, with a ``server_key_refused`` event once per key)."""
+        profiles, refused = self.pins.select(claims)
+        for node, key in refused:
+            if (node, key) not in self._refused_keys:
+                self._refused_keys.add((node, key))
+                self._event("server_key_refused", node=node, key=key,
+                            reason="another key already holds this node id while its profile is alive")
+        return profiles
+
+    def ticket(self, request_id: str, chain_id: str, route, page_hashes=()) -> bytes:
+        """A session ticket (swarm.tickets) for ``route``, signed by this orchestrator."""
+        return tickets.mint(self.identity, request_id=request_id, chain_id=chain_id, route=route,
+                            max_length=self.config.expect.max_length, ttl_s=self.config.ticket_ttl_s,
+                            page_hashes=page_hashes)
 
     def _same_dtype(self, node: str, profile: records.ServerProfile) -> bool:
         """Only servers computing in the swarm's dtype are planned (mixed dtypes change greedy answers)."""
@@ -269,10 +294,12 @@ class Orchestrator:
         items = list(self.view.assignments.items())
         info = records.OrchestratorInfo(self.dht.peer_id.to_base58(), self.http_url, self.view.plan_id)
 
+        owner = self.identity.public
+
         def publish() -> None:
-            records.publish_orchestrator(self.dht, prefix, info, ttl)
+            records.publish_orchestrator(self.dht, prefix, info, ttl, owner)
             for node, assignment in items:
-                records.publish_assignment(self.dht, prefix, node, assignment, ttl)
+                records.publish_assignment(self.dht, prefix, node, assignment, ttl, owner)
 
         await asyncio.to_thread(publish)
         self._published_at = time.monotonic()
@@ -513,8 +540,17 @@ class Orchestrator:
                           timeout: float | None = None) -> LeaseRecord:
         grant = await self.acquire(client_id, input_tokens, max_new_tokens, timeout=timeout)
         record = self.leases.grant(grant.request_id, client_id, self.chain(grant.chain_id), time.monotonic())
+        record.lease.ticket = self.ticket(grant.request_id, grant.chain_id, record.lease.route)
         self._event("lease", lease_id=record.lease.lease_id, client=client_id, chain=grant.chain_id)
         return record
+
+    def rerouted_lease_ticket(self, record: LeaseRecord, route) -> bytes:
+        """After a reroute of ``record``'s lease: its route as the client now drives it, and a fresh ticket."""
+        from swarm.routing import splice
+
+        record.lease.route = splice(record.lease.route, route)
+        record.lease.ticket = self.ticket(record.request_id, record.lease.chain_id, record.lease.route)
+        return record.lease.ticket
 
     def lease(self, lease_id: str) -> LeaseRecord:
         return self.leases.get(lease_id)

@@ -70,22 +70,28 @@ def check_hashes(hashes: Any) -> list[bytes]:
 # -- eviction reports (server -> orchestrator, through the DHT) -------------------------------------------
 
 
-def publish_report(dht, prefix: str, node_id: str, report: Mapping[str, Any], ttl: float) -> bool:
+def valid_report(value: Any) -> bool:
+    return (isinstance(value, dict) and isinstance(value.get("epoch"), str) and isinstance(value.get("seq"), int)
+            and isinstance(value.get("evicted", []), (list, tuple)))
+
+
+def publish_report(dht, prefix: str, node_id: str, report: Mapping[str, Any], ttl: float, owner: bytes) -> bool:
+    """Publish ``node_id``'s report signed by ``owner`` (the node's key; swarm.identity)."""
     from hivemind.utils.timed_storage import get_dht_time
 
+    from swarm.identity import owned_subkey
+
     return bool(dht.store(f"{prefix}.{REPORTS}", dict(report), expiration_time=get_dht_time() + ttl,
-                          subkey=node_id))
+                          subkey=owned_subkey(node_id, owner)))
 
 
-def fetch_reports(dht, prefix: str) -> dict[str, dict]:
-    """{node id: report} for well-formed reports (malformed ones are skipped)."""
-    found = dht.get(f"{prefix}.{REPORTS}", latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
+def fetch_reports(dht, prefix: str, owners: Mapping[str, bytes]) -> dict[str, dict]:
+    """{node id: report} for well-formed reports signed by the key ``owners`` pins for their node id (a report
+    in another key's name, or for a node id nobody pinned, is ignored)."""
+    from swarm.identity import fetch_owned
+
     out = {}
-    for subkey, item in found.value.items():
-        value = getattr(item, "value", None)
-        if (isinstance(value, dict) and isinstance(value.get("epoch"), str) and isinstance(value.get("seq"), int)
-                and isinstance(value.get("evicted", []), (list, tuple))):
-            out[str(subkey)] = value
+    for node, owner, value in fetch_owned(dht, f"{prefix}.{REPORTS}"):
+        if owners.get(node) == owner and valid_report(value):
+            out[node] = value
     return out

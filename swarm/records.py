@@ -2,13 +2,14 @@
 
 Three keys live under the model's DHT prefix, next to petals' own block records:
 
-* ``{prefix}._cs.profiles``    subkey = server node id -> :class:`ServerProfile` (heartbeat, renewed by the server)
-* ``{prefix}._cs.assignments`` subkey = server node id -> :class:`Assignment` (renewed by the orchestrator)
-* ``{prefix}._cs.orchestrator`` subkey = "main"        -> :class:`OrchestratorInfo`
+* ``{prefix}._cs.profiles``    subkey = node id [owner: node key]      -> :class:`ServerProfile` (heartbeat)
+* ``{prefix}._cs.assignments`` subkey = node id [owner: orchestrator key] -> :class:`Assignment`
+* ``{prefix}._cs.orchestrator`` subkey = "main" [owner: orchestrator key] -> :class:`OrchestratorInfo`
 
 A record that is not renewed expires; that is how the orchestrator notices a vanished server and how a
 server notices a vanished orchestrator. Values are plain msgpack-friendly dicts; ``from_dict`` validates
-them, so a malformed record from a buggy or hostile peer is skipped instead of crashing its reader.
+them, so a malformed record from a buggy or hostile peer is skipped instead of crashing its reader. Every
+record is signed by its writer (owned subkeys, :mod:`swarm.identity`); readers name the owner they believe.
 """
 from __future__ import annotations
 
@@ -141,6 +142,11 @@ class OrchestratorInfo:
 
 
 # -- DHT access (a hivemind.DHT; imported lazily so this module stays light) ----------------------------
+#
+# Every record is stored under an owned subkey ``<name>[owner:<public key>]`` (swarm.identity): the DHT signs it
+# with the writer's key and validating peers refuse it unless the signature matches. Readers choose the owner
+# they believe: assignments and the orchestrator record only under the orchestrator key, profiles under the
+# key pinned for their node id (swarm.identity.KeyPins).
 
 
 def _now() -> float:
@@ -153,38 +159,66 @@ def _store(dht, key: str, subkey: str, value: dict, ttl: float) -> bool:
     return bool(dht.store(key, value, expiration_time=_now() + ttl, subkey=subkey))
 
 
-def _fetch_all(dht, key: str, cls) -> dict[str, Any]:
-    found = dht.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    records = {}
-    for subkey, item in found.value.items():
+def _claims(dht, key: str, cls) -> dict[str, dict[bytes, Any]]:
+    """{name: {owner key: record}} of the well-formed owned records under ``key``."""
+    from swarm.identity import fetch_owned, group_claims
+
+    parsed = []
+    for name, owner, value in fetch_owned(dht, key):
         try:
-            records[str(subkey)] = cls.from_dict(item.value)
+            parsed.append((name, owner, cls.from_dict(value)))
         except (RecordError, TypeError):
             continue  # malformed record: skip it, never crash the reader
-    return records
+    return group_claims(parsed)
 
 
-def publish_profile(dht, prefix: str, profile: ServerProfile, ttl: float) -> bool:
-    return _store(dht, f"{prefix}.{PROFILES}", profile.node_id, profile.to_dict(), ttl)
+def publish_profile(dht, prefix: str, profile: ServerProfile, ttl: float, owner: bytes) -> bool:
+    """Publish ``profile`` signed by ``owner`` (the public key of the identity the DHT signs with)."""
+    from swarm.identity import owned_subkey
+
+    return _store(dht, f"{prefix}.{PROFILES}", owned_subkey(profile.node_id, owner), profile.to_dict(), ttl)
 
 
-def fetch_profiles(dht, prefix: str) -> dict[str, ServerProfile]:
-    return _fetch_all(dht, f"{prefix}.{PROFILES}", ServerProfile)
+def fetch_profile_claims(dht, prefix: str) -> dict[str, dict[bytes, ServerProfile]]:
+    """{node id: {owner key: profile}}: every key that claims a node id (the orchestrator pins one)."""
+    claims = _claims(dht, f"{prefix}.{PROFILES}", ServerProfile)
+    return {node: {k: p for k, p in by.items() if p.node_id == node} for node, by in claims.items()}
 
 
-def publish_assignment(dht, prefix: str, node_id: str, assignment: Assignment, ttl: float) -> bool:
-    return _store(dht, f"{prefix}.{ASSIGNMENTS}", node_id, assignment.to_dict(), ttl)
+def fetch_profiles(dht, prefix: str, pins=None) -> dict[str, ServerProfile]:
+    """{node id: profile}: with ``pins`` (a :class:`swarm.identity.KeyPins`) the pinned key's profile, without
+    them only node ids claimed by exactly one key."""
+    claims = fetch_profile_claims(dht, prefix)
+    if pins is not None:
+        return pins.select(claims)[0]
+    return {node: next(iter(by.values())) for node, by in claims.items() if len(by) == 1}
 
 
-def fetch_assignments(dht, prefix: str) -> dict[str, Assignment]:
-    return _fetch_all(dht, f"{prefix}.{ASSIGNMENTS}", Assignment)
+def publish_assignment(dht, prefix: str, node_id: str, assignment: Assignment, ttl: float, owner: bytes) -> bool:
+    from swarm.identity import owned_subkey
+
+    return _store(dht, f"{prefix}.{ASSIGNMENTS}", owned_subkey(node_id, owner), assignment.to_dict(), ttl)
 
 
-def publish_orchestrator(dht, prefix: str, info: OrchestratorInfo, ttl: float) -> bool:
-    return _store(dht, f"{prefix}.{ORCHESTRATOR}", "main", info.to_dict(), ttl)
+def fetch_assignments(dht, prefix: str, orchestrator: bytes) -> dict[str, Assignment]:
+    """{node id: assignment} signed by the ``orchestrator`` key (assignments under any other key are ignored)."""
+    return {node: by[orchestrator] for node, by in _claims(dht, f"{prefix}.{ASSIGNMENTS}", Assignment).items()
+            if orchestrator in by}
 
 
-def fetch_orchestrator(dht, prefix: str) -> OrchestratorInfo | None:
-    return _fetch_all(dht, f"{prefix}.{ORCHESTRATOR}", OrchestratorInfo).get("main")
+def publish_orchestrator(dht, prefix: str, info: OrchestratorInfo, ttl: float, owner: bytes) -> bool:
+    from swarm.identity import owned_subkey
+
+    return _store(dht, f"{prefix}.{ORCHESTRATOR}", owned_subkey("main", owner), info.to_dict(), ttl)
+
+
+def fetch_orchestrator_claims(dht, prefix: str) -> dict[bytes, OrchestratorInfo]:
+    """{owner key: orchestrator record}: every key that publishes an orchestrator record."""
+    return _claims(dht, f"{prefix}.{ORCHESTRATOR}", OrchestratorInfo).get("main", {})
+
+
+def fetch_orchestrator(dht, prefix: str, orchestrator: bytes | None) -> OrchestratorInfo | None:
+    """The orchestrator record signed by ``orchestrator`` (None: no key known yet, so no record is believed)."""
+    if orchestrator is None:
+        return None
+    return fetch_orchestrator_claims(dht, prefix).get(orchestrator)

@@ -35,6 +35,7 @@ from petals.client.routing.sequence_manager import RemoteSequenceManager  # noqa
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState  # noqa: E402
 
 from swarm import server_sessions  # noqa: E402
+from swarm.tickets import META_KEY as TICKET_META_KEY  # noqa: E402
 from swarm.prefix import META_KEY as PREFIX_META_KEY, MISSING_MESSAGE as PREFIX_MISSING, PROBE_RPC as PREFIX_PROBE_RPC  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class Lease:
     chain_id: str
     route: tuple[RouteSpan, ...]
     max_length: int | None = None
+    ticket: bytes | None = None  # the orchestrator's signed session ticket (swarm.tickets), sent to every server
 
 
 class LeaseProvider(Protocol):
@@ -203,6 +205,9 @@ class OrchestratedSequenceManager(RemoteSequenceManager):
         if protocol == "rpc_inference" and context is not None and context.prefix is not None:
             metadata = dict(metadata or {})
             metadata[PREFIX_META_KEY] = context.prefix.metadata()
+        if context is not None and context.lease.ticket is not None:  # every RPC of a granted session
+            metadata = dict(metadata or {})
+            metadata[TICKET_META_KEY] = context.lease.ticket
         return metadata
 
     def on_request_success(self, peer_id: PeerID) -> None:
@@ -223,6 +228,11 @@ class OrchestratedSequenceManager(RemoteSequenceManager):
             raise PrefixSessionFailed(peer_id.to_base58() if peer_id is not None else None, missing, cause)
         if context is not None and peer_id is not None:
             context.failed_peers.append(peer_id.to_base58())
+
+
+def splice(route: Sequence[RouteSpan], replacement: Sequence[RouteSpan]) -> tuple[RouteSpan, ...]:
+    """The route after a reroute: ``replacement`` in place of the blocks it covers (public for ticket minting)."""
+    return _splice(route, replacement)
 
 
 def _splice(route: Sequence[RouteSpan], replacement: Sequence[RouteSpan]) -> tuple[RouteSpan, ...]:
@@ -281,7 +291,8 @@ class ChainswarmInferenceSession(InferenceSession):
 
 
 def probe_route(manager: RemoteSequenceManager, route: Sequence[RouteSpan], hashes: Sequence[bytes], *,
-                page_tokens: int = 16, pin_s: float = 10.0, timeout: float = 5.0) -> list[int]:
+                page_tokens: int = 16, pin_s: float = 10.0, timeout: float = 5.0,
+                ticket: bytes | None = None) -> list[int]:
     """Ask every server of ``route`` (in parallel) how many leading pages of ``hashes`` it holds for its
     span's blocks; a server that does not answer (or has no prefix store) counts as holding none."""
     from hivemind import MSGPackSerializer
@@ -289,7 +300,10 @@ def probe_route(manager: RemoteSequenceManager, route: Sequence[RouteSpan], hash
     from hivemind.proto import runtime_pb2
     from petals.data_structures import CHAIN_DELIMITER
 
-    metadata = MSGPackSerializer.dumps({"page": page_tokens, "hashes": list(hashes), "pin_s": pin_s})
+    probe = {"page": page_tokens, "hashes": list(hashes), "pin_s": pin_s}
+    if ticket is not None:
+        probe[TICKET_META_KEY] = ticket
+    metadata = MSGPackSerializer.dumps(probe)
     p2p = manager.state.p2p
 
     async def one(peer: str, start: int, end: int) -> int:

@@ -172,6 +172,8 @@ class LeaseResponse(BaseModel):
     expires_in_s: float
     ttl_s: float = Field(description="renew the lease (POST /v1/leases/{id}/renew) more often than this while the "
                          "session runs; an unrenewed lease expires and its slot goes to the next request")
+    ticket: Optional[str] = Field(None, description="the orchestrator's signed session ticket (base64): send it in "
+                                  "every server request of the session (swarm.tickets)")
 
 
 class RenewResponse(BaseModel):
@@ -188,6 +190,7 @@ class RerouteRequest(_Strict):
 
 class RerouteResponse(BaseModel):
     route: list[RouteSpanModel]
+    ticket: Optional[str] = Field(None, description="a fresh session ticket covering the route after the reroute")
 
 
 class ErrorResponse(BaseModel):

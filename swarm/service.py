@@ -40,6 +40,8 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     from swarm.compat import petals  # noqa: F401  (shim before anything petals)
     from swarm.http_api import create_app
 
+    from swarm.identity import Identity
+
     store = None
     if options.state_dir:
         from swarm.persistence import prepare
@@ -50,12 +52,17 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     config = build_config(options)
     if store is not None:
         config.prefix_secret = store.prefix_secret()
+    # the signing key: given, or kept in the state directory (servers pinned it: a restart must keep it)
+    key_path = options.identity_key or (None if store is None else str(Path(options.state_dir) / "orchestrator.key"))
+    identity = Identity.load_or_create(key_path) if key_path else Identity.generate()
+    logger.info("orchestrator key %s: %s", identity.fingerprint, identity.public.decode())
     announce = (None if options.dht_announce_port is None
                 else [f"/ip4/{options.dht_host}/tcp/{options.dht_announce_port}"])
     dial = list(options.initial_peers) or ([] if store is None else store.peers())  # a restart: the known servers
     dht = hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
                        host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
-                       identity_path=None if store is None else store.identity_path())
+                       identity_path=None if store is None else store.identity_path(),
+                       record_validators=identity.validators(config.dht_prefix))
     maddrs = [str(a) for a in dht.get_visible_maddrs()]
     keeper = saver = None
     initial_peers = list(options.initial_peers) or maddrs
@@ -64,7 +71,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     try:
         sock = _bind(options.http_host, options.http_port)
         url = f"http://{options.http_host}:{sock.getsockname()[1]}"
-        orchestrator = Orchestrator(config, dht, http_url=url)
+        orchestrator = Orchestrator(config, dht, http_url=url, identity=identity)
         if store is not None:
             keeper = await _restore(store, options, orchestrator, maddrs, sock.getsockname()[1])
         await orchestrator.start()

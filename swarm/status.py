@@ -20,6 +20,7 @@ def swarm_status(orch: "Orchestrator", detail: bool = True) -> dict[str, Any]:
     kv_used = orch.occupancy.per_server()
     status = {
         "dht_prefix": orch.config.dht_prefix,
+        "orchestrator_key": orch.identity.public.decode(),  # give it to servers: --orchestrator-key
         "num_blocks": orch.config.num_blocks,
         "torch_dtype": orch.config.torch_dtype,
         "policy": orch.config.policy,

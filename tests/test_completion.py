@@ -53,6 +53,9 @@ class FakeOrchestrator:
     def planned_step_s(self, chain_id, tokens):
         return self.step_s
 
+    def ticket(self, request_id, chain_id, route, page_hashes=()):
+        return b"ticket"  # the session engine is fake too: nothing checks it
+
     def tokens(self, request_id, count):
         pass
 

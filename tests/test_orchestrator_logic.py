@@ -9,6 +9,7 @@ import pytest
 
 from planner.plan import plan as run_planner
 from swarm import planning, records
+from swarm.identity import Identity
 from swarm.orchestrator import NoChainsError, Orchestrator, OrchestratorConfig, QueueTimeout, UnknownLeaseError
 from swarm.planning import Expectations
 from swarm.routing import NoRouteError
@@ -42,6 +43,15 @@ def profile(node, memory_mb, *, state=records.WAITING, start=None, end=None, slo
                                  rtt_s=rtt, state=state, start=start, end=end, cache_slots=slots)
 
 
+ORCHESTRATOR = Identity.generate()  # the orchestrator's signing key in these tests
+_NODE_KEYS: dict[str, Identity] = {}
+
+
+def node_key(node: str) -> bytes:
+    """The public key node ``node`` signs its profile with (one per node id, made once)."""
+    return _NODE_KEYS.setdefault(node, Identity.generate()).public
+
+
 EXPECT = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0)
 PREFIX = "tiny-cs"
 
@@ -50,17 +60,17 @@ def make(policy="dlpm", **kw):
     dht = MemoryDHT()
     config = OrchestratorConfig(model_dir="unused", dht_prefix=PREFIX, num_blocks=4, expect=EXPECT, policy=policy,
                                 quantum=kw.pop("quantum", 8192.0), settle_s=kw.pop("settle_s", 0.0), **kw)
-    return Orchestrator(config, dht), dht
+    return Orchestrator(config, dht, identity=ORCHESTRATOR), dht
 
 
 def publish(dht, *profiles):
     for p in profiles:
-        records.publish_profile(dht, PREFIX, p, ttl=10)
+        records.publish_profile(dht, PREFIX, p, ttl=10, owner=node_key(p.node_id))
 
 
 def serve_assignments(dht):
     """Every server does what it was told (what server.node does for real)."""
-    assigned = records.fetch_assignments(dht, PREFIX)
+    assigned = records.fetch_assignments(dht, PREFIX, ORCHESTRATOR.public)
     for node, p in records.fetch_profiles(dht, PREFIX).items():
         a = assigned[node]
         state = records.SERVING if a.end > a.start else records.WAITING
@@ -95,10 +105,11 @@ def test_plan_equals_planner_output_and_chains_become_ready_only_when_served():
         expected = run_planner(model, servers, EXPECT.arrival_rate, target_load=EXPECT.target_load)
         published = {k: v for k, v in status["plan"].items() if k not in ("plan_id", "kept_ranges", "replans", "inputs")}
         assert published == expected.to_dict()
-        assigned = records.fetch_assignments(dht, PREFIX)
+        assigned = records.fetch_assignments(dht, PREFIX, ORCHESTRATOR.public)
         assert {n: (a.start, a.end) for n, a in assigned.items() if a.end > a.start} == {
             sp.id: sp.span for sp in expected.servers if sp.span}
-        assert records.fetch_orchestrator(dht, PREFIX).peer_id == "orchestrator-peer"
+        assert records.fetch_orchestrator(dht, PREFIX, ORCHESTRATOR.public).peer_id == "orchestrator-peer"
+        assert records.fetch_orchestrator(dht, PREFIX, node_key("a")) is None  # believed under its key only
         assert status["chains"] and not any(c["ready"] for c in status["chains"])
         with pytest.raises(QueueTimeout):  # a plan but no served chain yet: the request waits
             await orch.acquire("alice", 10, 10, timeout=0.2)
@@ -223,5 +234,7 @@ def test_no_servers_means_a_clear_error():
 def test_malformed_profile_records_are_skipped():
     dht = MemoryDHT()
     publish(dht, profile("good", 3))
-    dht.store(f"{PREFIX}.{records.PROFILES}", {"node_id": "bad", "memory_bytes": "lots"}, 0, subkey="bad")
+    dht.store(f"{PREFIX}.{records.PROFILES}", {"node_id": "bad", "memory_bytes": "lots"}, 0,
+              subkey=Identity.generate().subkey("bad"))
+    dht.store(f"{PREFIX}.{records.PROFILES}", profile("unowned", 3).to_dict(), 0, subkey="unowned")
     assert set(records.fetch_profiles(dht, PREFIX)) == {"good"}

@@ -16,7 +16,8 @@ import torch
 from server.local_swarm import LocalSwarm
 from swarm import prefix as protocol
 from helpers import wait_for
-from test_orchestrator_logic import MemoryDHT
+from swarm.identity import Identity
+from test_orchestrator_logic import MemoryDHT, node_key
 
 pytestmark = pytest.mark.swarm
 
@@ -62,6 +63,7 @@ def engine(swarm, tiny_model):
 
     eng = GenerationEngine(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
                            max_retries=2, request_timeout=8.0)
+    eng.test_identity = swarm.orchestrator_identity
     yield eng
     eng.close()
 
@@ -109,7 +111,13 @@ def run_direct(engine, route, ids, hashes, max_new_tokens=10):
     from swarm.engine import SamplingParams
     from swarm.routing import Lease
 
-    lease = Lease(os.urandom(4).hex(), "test", tuple(route), MAX_LENGTH)
+    from swarm import tickets
+
+    request_id = os.urandom(4).hex()
+    # the test plays the orchestrator: its ticket grants the route and names the pages the servers may store
+    ticket = tickets.mint(engine.test_identity, request_id=request_id, chain_id="test", route=route,
+                          max_length=MAX_LENGTH, page_hashes=hashes or ())
+    lease = Lease(request_id, "test", tuple(route), MAX_LENGTH, ticket=ticket)
     return engine.generate(lease, None, ids, SamplingParams(max_new_tokens, temperature=0), page_hashes=hashes)
 
 
@@ -224,13 +232,13 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
 
     sizes = {"a": 6, "b": 3, "c": 3}
     for node, mb in sizes.items():
-        records.publish_profile(dht, prefix, profile(node, mb), ttl=10)
-    orch = Orchestrator(OrchestratorConfig(model_dir="unused", dht_prefix=prefix, num_blocks=4, expect=expect, settle_s=0,
-                                           policy="swarm"), dht)
+        records.publish_profile(dht, prefix, profile(node, mb), ttl=10, owner=node_key(node))
+    orch = Orchestrator(OrchestratorConfig(model_dir="unused", dht_prefix=prefix, num_blocks=4, expect=expect,
+                                           policy="swarm", settle_s=0), dht)
 
     async def scenario():
         await orch.start()
-        assigned = records.fetch_assignments(dht, prefix)
+        assigned = records.fetch_assignments(dht, prefix, orch.identity.public)
         assert all(a.prefix_cache_tokens == 256 for a in assigned.values() if a.end > a.start)
         # the planner saw block + prefix reservation: its model's block size includes 256 tokens of KV
         model, _ = planning.planner_inputs(list(records.fetch_profiles(dht, prefix).values()), 4, expect)
@@ -238,7 +246,7 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
         for node, a in assigned.items():
             served = dict(state=records.SERVING, start=a.start, end=a.end, cache_slots=a.cache_slots) \
                 if a.end > a.start else {}
-            records.publish_profile(dht, prefix, profile(node, sizes[node], **served), ttl=10)
+            records.publish_profile(dht, prefix, profile(node, sizes[node], **served), ttl=10, owner=node_key(node))
         await orch.refresh()
         chains = [c for c in orch.view.chains if c.ready]
         assert chains
@@ -258,13 +266,18 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
         orch.finish(second.request_id, 8)
         # an eviction report from one server of the chain: pages 3.. are gone there, so the chain holds 3
         node = chain.servers[-1]
+        # a report in the node's name signed by another key (a stranger's) is ignored: nothing is dropped
+        stranger = Identity.generate().public
+        protocol.publish_report(dht, prefix, node, {"epoch": "forged", "seq": 9, "evicted": []}, 10, owner=stranger)
+        await orch.refresh()
+        assert orch.chain_cached_tokens(chain) == 80 and orch.status()["prefix"]["resets"] == 0
         report = {"epoch": "e1", "seq": 2, "evicted": [[1, hashes[4].hex()], [2, hashes[3].hex()]]}
-        dht.store(f"{prefix}.{protocol.REPORTS}", report, 0, subkey=node)
+        protocol.publish_report(dht, prefix, node, report, 10, owner=node_key(node))
         await orch.refresh()
         assert orch.chain_cached_tokens(chain) == 48 and orch.prefix_index.longest_match(node, hashes) == 3
         # a gap in the sequence (lost reports) forgets what the node held
-        dht.store(f"{prefix}.{protocol.REPORTS}", {"epoch": "e1", "seq": 9, "evicted": [[9, "00" * 16]]}, 0,
-                  subkey=node)
+        protocol.publish_report(dht, prefix, node, {"epoch": "e1", "seq": 9, "evicted": [[9, "00" * 16]]}, 10,
+                                owner=node_key(node))
         await orch.refresh()
         assert orch.prefix_index.longest_match(node, hashes) == 0 and orch.chain_cached_tokens(chain) == 0
         assert orch.status()["prefix"]["resets"] >= 1

@@ -132,7 +132,8 @@ def swarm(tiny_model, tmp_path_factory):
     from server.local_swarm import LocalSwarm
 
     profile_dir = tmp_path_factory.mktemp("profiles")
-    with LocalSwarm(tiny_model) as local:
+    # open_sessions: these tests drive the nodes with vanilla petals clients (tickets: tests/test_hostile_peer.py)
+    with LocalSwarm(tiny_model, open_sessions=True) as local:
         started = time.monotonic()
         options = dict(profile_cache_dir=str(profile_dir), update_period=1.0, wait=False, num_handlers=1)
         nodes = [local.add_node(node_id="a", memory_gb=0.5, **options),
@@ -149,7 +150,8 @@ def orchestrator_dht(swarm):
     """The test's own DHT peer, acting as the orchestrator (created after the nodes started)."""
     import hivemind
 
-    dht = hivemind.DHT(initial_peers=swarm.initial_peers, start=True)
+    dht = hivemind.DHT(initial_peers=swarm.initial_peers, start=True,
+                       record_validators=swarm.orchestrator_identity.validators(swarm.dht_prefix))
     yield dht
     dht.shutdown()
 
@@ -179,7 +181,7 @@ def _block_servers(dht, swarm):
 
 
 def _assign(dht, swarm, node, assignment, ttl=120.0):
-    assert records.publish_assignment(dht, swarm.dht_prefix, node, assignment, ttl)
+    assert records.publish_assignment(dht, swarm.dht_prefix, node, assignment, ttl, swarm.orchestrator_identity.public)
 
 
 def test_nodes_publish_their_profiles(swarm, orchestrator_dht):
@@ -200,7 +202,8 @@ def test_nodes_publish_their_profiles(swarm, orchestrator_dht):
     assert len(keys) == 2 and keys[1].startswith("block_bytes|") and keys[0].endswith("|float32|none")
     # once an orchestrator is known, the nodes measure their RTT to it over the swarm
     info = OrchestratorInfo(peer_id=orchestrator_dht.peer_id.to_base58(), http_url=None)
-    assert records.publish_orchestrator(orchestrator_dht, swarm.dht_prefix, info, ttl=300)
+    assert records.publish_orchestrator(orchestrator_dht, swarm.dht_prefix, info, ttl=300,
+                                        owner=swarm.orchestrator_identity.public)
     rtts = _wait(lambda: (lambda p: p if all(x.rtt_s is not None for x in p.values()) else None)(
         _profiles(orchestrator_dht, swarm)), 15, "RTTs in the profiles")
     assert all(0 < p.rtt_s < 1.0 for p in rtts.values())
@@ -260,15 +263,24 @@ def test_malformed_assignments_are_ignored(swarm, orchestrator_dht):
     key = f"{swarm.dht_prefix}.{records.ASSIGNMENTS}"
     from hivemind.utils.timed_storage import get_dht_time
 
-    bad_records = [
+    from swarm.identity import Identity
+
+    subkey = swarm.orchestrator_identity.subkey("a")
+    refused_records = [
         {"plan_id": "bad1", "start": "zero", "end": 2, "cache_slots": 1, "max_length": 64},  # mistyped
         {"plan_id": "bad2", "start": 3, "end": 1, "cache_slots": 1, "max_length": 64},  # inverted range
-        {"plan_id": "bad3", "start": 0, "end": 9, "cache_slots": 1, "max_length": 64},  # past the last block
         "not a mapping",
     ]
-    for raw in bad_records:
-        assert orchestrator_dht.store(key, raw, expiration_time=get_dht_time() + 120, subkey="a")
-        time.sleep(1.2)  # > check_period: the node has looked at it
+    for raw in refused_records:  # schema-invalid: no validating DHT peer stores them, not even signed
+        assert not orchestrator_dht.store(key, raw, expiration_time=get_dht_time() + 120, subkey=subkey)
+    # well-formed and signed, but past the model's last block: stored, and the node ignores it
+    assert orchestrator_dht.store(key, {"plan_id": "bad3", "start": 0, "end": 9, "cache_slots": 1, "max_length": 64},
+                                  expiration_time=get_dht_time() + 120, subkey=subkey)
+    time.sleep(1.2)  # > check_period: the node has looked at it
+    # well-formed but signed by another key: the node obeys only the orchestrator key it was given
+    assert records.publish_assignment(orchestrator_dht, swarm.dht_prefix, "a", Assignment("bad4", 2, 4, 1, 64), 120,
+                                      owner=Identity.generate().public) is False  # the DHT signs with its own key only
+    time.sleep(1.2)
     profile = _profiles(orchestrator_dht, swarm)["a"]
     assert (profile.state, profile.plan_id, profile.start, profile.end) == (records.SERVING, "p1", 0, 2)
     assert a.alive and [s for s, *_ in a.info["history"]] == ["loading", "serving"]
@@ -352,7 +364,8 @@ def test_chainswarm_server_command_serves_its_assignment_and_stops_cleanly(swarm
                *swarm.initial_peers, "--node-id", "c", "--memory-gb", "0.1", "--device", "cpu",
                "--torch-dtype", "float32", "--quant-type", "none", "--host", "127.0.0.1", "--update-period", "1",
                "--num-handlers", "1", "--cache-dir", str(swarm.profile_dir), "--log-level", "WARNING",
-               "--drain-timeout", "1"]
+               "--drain-timeout", "1", "--open",  # a vanilla petals client drives it below
+               "--orchestrator-key", swarm.orchestrator_identity.public_b64]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         profile = _wait(lambda: _profiles(orchestrator_dht, swarm).get("c"), 60, "the CLI node's profile", 0.3)

@@ -1,0 +1,252 @@
+"""Who wrote a control-plane record: signing keys, owned subkeys, the DHT validators, node-id pins.
+
+Every Chainswarm control-plane record (server profiles, assignments, the orchestrator record, prefix eviction
+reports) is stored under a subkey ``<name>[owner:<public key>]`` (:meth:`Identity.subkey`). hivemind's
+:class:`~hivemind.dht.crypto.RSASignatureValidator` then makes the DHT sign the value with the writer's key and
+makes every DHT peer that has it installed refuse a value whose signature does not match the key named in the
+subkey. :class:`RecordSchemaValidator` (installed next to it, :meth:`Identity.validators`) additionally refuses,
+under Chainswarm's four keys, any record that is not owned or whose value does not parse (a profile whose
+``node_id`` differs from the subkey's name, a mistyped assignment, ...). Both are mechanism: *which* owner a
+reader believes is policy and lives with the reader:
+
+* servers accept assignments and the orchestrator record only when owned by the orchestrator key they were
+  given or pinned (:mod:`server.trust`);
+* the orchestrator binds each node id to the first key it sees for it (:class:`KeyPins`) and ignores profiles
+  and prefix reports of that node id under any other key while the pinned key's profile is alive.
+
+Keys are hivemind's ``RSAPrivateKey``/``RSAPublicKey`` (2048-bit RSA, PSS/SHA-256); a public key travels as its
+OpenSSH text ``ssh-rsa AAAA...`` (what the subkeys carry) and a private key is stored as DER in a file created
+with mode 0600.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping, TypeVar
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.serializer import MSGPackSerializer
+
+logger = logging.getLogger(__name__)
+
+_OWNER_RE = re.compile(r"^(.*)\[owner:(ssh-rsa [A-Za-z0-9+/=]+)\]$", re.S)
+T = TypeVar("T")
+
+
+class BadKeyError(ValueError):
+    """A key (file or text) cannot be used."""
+
+
+def fingerprint(public: bytes) -> str:
+    """A short, stable name of a public key for logs and errors (sha256 of its OpenSSH text, 12 hex)."""
+    return hashlib.sha256(public).hexdigest()[:12]
+
+
+def parse_public_key(text: str | bytes) -> bytes:
+    """A public key given as ``ssh-rsa AAAA...``, as the bare base64 body, or as a file holding either;
+    returned as canonical OpenSSH bytes. Raises :class:`BadKeyError` with a one-line reason."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    candidate = raw.strip()
+    if not candidate.startswith(b"ssh-rsa ") and len(candidate) < 4096 and os.path.isfile(candidate):
+        candidate = Path(candidate.decode()).read_bytes().strip()
+    if not candidate.startswith(b"ssh-rsa "):
+        candidate = b"ssh-rsa " + candidate
+    candidate = b" ".join(candidate.split()[:2])  # drop an OpenSSH comment
+    try:
+        return RSAPublicKey.from_bytes(candidate).to_bytes()
+    except Exception as exc:
+        raise BadKeyError(f"not an RSA public key (ssh-rsa AAAA... or a file holding one): {exc}") from None
+
+
+def owned_subkey(name: str, public: bytes) -> str:
+    return f"{name}{RSASignatureValidator.PUBLIC_KEY_FORMAT.decode().replace('_key_', public.decode())}"
+
+
+def split_subkey(subkey: Any) -> tuple[str, bytes] | None:
+    """``(name, owner public key)`` of an owned subkey, None for anything else."""
+    if not isinstance(subkey, str):
+        return None
+    match = _OWNER_RE.match(subkey)
+    if match is None or "[owner:" in match.group(1):
+        return None
+    return match.group(1), match.group(2).encode()
+
+
+class Identity:
+    """A signing key: its private half signs this process's records (through its DHT) and tickets."""
+
+    def __init__(self, private_key: RSAPrivateKey):
+        self.private_key = private_key
+        self.public = private_key.get_public_key().to_bytes()
+        self.fingerprint = fingerprint(self.public)
+
+    @classmethod
+    def generate(cls) -> "Identity":
+        return cls(RSAPrivateKey())
+
+    @classmethod
+    def from_der(cls, der: bytes) -> "Identity":
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key.__setstate__({"_private_key": der})  # hivemind's own unpickling path
+        return cls(key)
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike) -> "Identity":
+        """The key in ``path`` (DER), or a new one written there (mode 0600) if the file does not exist."""
+        path = Path(path)
+        if path.exists():
+            try:
+                return cls.from_der(path.read_bytes())
+            except Exception as exc:
+                raise BadKeyError(f"{path} does not hold an RSA private key (DER): {exc}") from None
+        identity = cls.generate()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity.private_key.to_bytes())
+        return identity
+
+    def subkey(self, name: str) -> str:
+        return owned_subkey(name, self.public)
+
+    def sign(self, data: bytes) -> bytes:
+        return self.private_key.sign(data)
+
+    def validators(self, dht_prefix: str) -> list[RecordValidatorBase]:
+        """What every DHT of the swarm must run: signatures (signing with this key) + Chainswarm's schemas."""
+        return [RSASignatureValidator(self.private_key), RecordSchemaValidator(dht_prefix)]
+
+    @property
+    def public_b64(self) -> str:
+        return self.public.split()[1].decode()
+
+
+def verify(public: bytes, data: bytes, signature: bytes) -> bool:
+    try:
+        return RSAPublicKey.from_bytes(public).verify(data, signature)
+    except Exception:
+        return False
+
+
+# -- the schema validator ------------------------------------------------------------------------------
+
+
+def _check_value(kind: str, name: str, value: Any) -> bool:
+    from swarm import prefix as prefix_protocol, records
+
+    try:
+        if kind == records.PROFILES:
+            return records.ServerProfile.from_dict(value).node_id == name
+        if kind == records.ASSIGNMENTS:
+            records.Assignment.from_dict(value)
+            return True
+        if kind == records.ORCHESTRATOR:
+            records.OrchestratorInfo.from_dict(value)
+            return name == "main"
+        if kind == prefix_protocol.REPORTS:
+            return prefix_protocol.valid_report(value)
+    except (records.RecordError, TypeError, ValueError):
+        return False
+    return False
+
+
+class RecordSchemaValidator(RecordValidatorBase):
+    """Under ``{prefix}._cs.*`` only owned subkeys (so: signed, see the module doc) with well-formed values.
+
+    Other keys (petals' own block records, ``_petals.models``) pass untouched. Runs after hivemind's
+    signature validator (lower priority), on the value with the signature stripped.
+    """
+
+    def __init__(self, dht_prefix: str):
+        from swarm import prefix as prefix_protocol, records
+
+        kinds = (records.PROFILES, records.ASSIGNMENTS, records.ORCHESTRATOR, prefix_protocol.REPORTS)
+        self._kinds = {DHTID.generate(source=f"{dht_prefix}.{kind}").to_bytes(): kind for kind in kinds}
+
+    def validate(self, record: DHTRecord) -> bool:
+        kind = self._kinds.get(record.key)
+        if kind is None:
+            return True
+        try:
+            owned = split_subkey(MSGPackSerializer.loads(record.subkey)) if record.subkey else None
+            if owned is None:
+                return False
+            return _check_value(kind, owned[0], MSGPackSerializer.loads(record.value))
+        except Exception:
+            return False
+
+    @property
+    def priority(self) -> int:
+        return 5  # below RSASignatureValidator's 10: sees the value without its signature
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, RecordSchemaValidator):
+            return False
+        self._kinds.update(other._kinds)
+        return True
+
+
+# -- reading owned records -----------------------------------------------------------------------------
+
+
+def fetch_owned(dht, key: str) -> list[tuple[str, bytes, Any]]:
+    """``(name, owner, value)`` of every owned subkey under ``key`` (unowned subkeys are skipped)."""
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    out = []
+    for subkey, item in found.value.items():
+        owned = split_subkey(subkey)
+        if owned is not None:
+            out.append((owned[0], owned[1], getattr(item, "value", None)))
+    return out
+
+
+class KeyPins:
+    """The orchestrator's node id → key binding (trust on first use, for as long as the key's record lives).
+
+    ``select`` takes every claim ``{node id: {owner key: record}}`` read in one refresh. A node id whose pinned
+    key still has a record keeps that key; claims under other keys are refused (a second key cannot take over
+    a live node id). A node id whose pinned key's record expired is unpinned, and a node id claimed by exactly
+    one key is pinned to it; one claimed by several keys at once with none pinned is refused altogether (who
+    came first cannot be told) until only one remains.
+    """
+
+    def __init__(self) -> None:
+        self.pins: dict[str, bytes] = {}
+
+    def select(self, claims: Mapping[str, Mapping[bytes, T]]) -> tuple[dict[str, T], list[tuple[str, str]]]:
+        """``({node id: record of its pinned key}, [(node id, refused key fingerprint), ...])``."""
+        chosen, refused = {}, []
+        for node in list(self.pins):
+            if node not in claims or self.pins[node] not in claims[node]:
+                del self.pins[node]  # the pinned key's record is gone: the node id is free again
+        for node, by_owner in claims.items():
+            pinned = self.pins.get(node)
+            if pinned is None and len(by_owner) == 1:
+                pinned = self.pins[node] = next(iter(by_owner))
+            if pinned is not None:
+                chosen[node] = by_owner[pinned]
+            refused += [(node, fingerprint(owner)) for owner in by_owner if owner != pinned]
+        return chosen, refused
+
+    def owner(self, node: str) -> bytes | None:
+        return self.pins.get(node)
+
+
+def group_claims(items: Iterable[tuple[str, bytes, T]]) -> dict[str, dict[bytes, T]]:
+    claims: dict[str, dict[bytes, T]] = {}
+    for name, owner, value in items:
+        claims.setdefault(name, {})[owner] = value
+    return claims
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
