@@ -209,8 +209,9 @@ class Persistence:
         deadline = time.monotonic() + timeout_s
         while True:
             def look() -> dict:
-                records.publish_orchestrator(orch.dht, prefix, info, orch.config.assignment_ttl_s)
-                return records.fetch_profiles(orch.dht, prefix)
+                records.publish_orchestrator(orch.dht, prefix, info, orch.config.assignment_ttl_s,
+                                             orch.identity.public)
+                return records.fetch_profiles(orch.dht, prefix, orch.pins)
 
             profiles = await asyncio.to_thread(look)
             missing = {node for node in planned if node not in profiles or profiles[node].rtt_s is None}
