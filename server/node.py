@@ -481,11 +481,11 @@ class ChainswarmServer(Server):
 
 
 def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
-    """Build a :class:`ChainswarmServer` with the push-fixed handler and run it until SIGTERM/SystemExit."""
-    from server.prefix_cache import install_prefix_cache
+    """Build a :class:`ChainswarmServer` (push-fixed handler, prefix store, batching pool: ``max_batch``)."""
+    from server import batching, prefix_cache
 
-    install_prefix_cache(push_counter=push_counter)
-    server = ChainswarmServer(report=report, **server_kwargs)
+    prefix_cache.install_prefix_cache(push_counter=push_counter)
+    server = ChainswarmServer(report=report, **batching.install(server_kwargs))
     try:
         server.run()
     finally:
