@@ -8,7 +8,9 @@ is a one-token decode step, groups it with the other queued decode steps over th
 q/k/v/o projections and the MLP over all sequences at once; rotary embeddings at each sequence's own
 position; attention per session over its own cache length; each session's new key/value written to its own
 cache slots. Everything else — prefills (several tokens), prefix-store operations (:class:`PrefixOp`), deep
-prompts, adapters, non-Llama blocks, a lone decode step — runs exactly as petals runs it.
+prompts, adapters, non-Llama blocks — runs exactly as petals runs it. A lone decode step runs the batched
+code with a batch of one (no waiting): it is a little faster than petals' step, which concatenates the whole
+cache with the new key/value on every block, and a session's decode numerics do not depend on its company.
 
 Scheduling: tasks leave in petals' order (priority, then arrival), with one exception so that a long prefill
 does not stall the decodes queued behind it: a prefill at the head of the queue lets one decode batch go
@@ -146,11 +148,12 @@ class BatchingTaskPool(PrioritizedTaskPool):
             self.priority = (head.priority, head.time_submitted)
         self._counters[0] += 1
         inputs = [[_move_to_device_if_tensor(arg, device, share_memory=False) for arg in t.args] for t in chosen]
-        if len(chosen) == 1:
+        if len(chosen) == 1 and (self.max_batch == 1 or self._batchable(chosen[0]) is None):
             self._dispatched_tasks[chosen[0].uid] = chosen[0]
             return chosen[0].uid, inputs[0]
-        self._counters[1] += 1
-        self._counters[2] += len(chosen)
+        if len(chosen) > 1:
+            self._counters[1] += 1
+            self._counters[2] += len(chosen)
         self._counters[3] = max(self._counters[3], sum(int(t.args[0].shape[0]) for t in chosen))
         group_id, group = next(self._group_ids), _Group(inputs)
         self._groups[group_id] = (chosen, group)

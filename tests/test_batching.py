@@ -10,55 +10,21 @@ import torch
 
 from swarm.compat import petals  # noqa: F401
 from petals.data_structures import InferenceMetadata
-from petals.server.memory_cache import MemoryCache
 from petals.utils.misc import DUMMY_INT64
 
+from server.batch_profile import Session as _Session, load_backends
 from server.batching import BatchedInferenceStep, BatchingTaskPool, decode_key
-from server.prefix_cache import PrefixBackend, PrefixOp
+from server.prefix_cache import PrefixOp
 
 BLOCKS = (0, 1, 2)
 
 
 @pytest.fixture(scope="module")
 def backends(smollm2_dir):
-    from hivemind import BatchTensorDescriptor
-    from petals.server.from_pretrained import load_pretrained_block
-    from petals.utils.convert_block import QuantType, convert_block
-
-    config = petals.AutoDistributedConfig.from_pretrained(str(smollm2_dir))
-    cache = MemoryCache(None)
-    built = {}
-    for i in BLOCKS:
-        block = load_pretrained_block(str(smollm2_dir), i, config=config, torch_dtype=torch.float32)
-        block = convert_block(block, i, config, [torch.device("cpu")], torch.device("cpu"), QuantType.NONE)
-        schema = (BatchTensorDescriptor(1, 2048, config.hidden_size, dtype=torch.float32),)
-        uid = f"smol.{i}"
-        built[uid] = PrefixBackend(uid, block, config=config, memory_cache=cache, backend_dtype=torch.float32,
-                                   max_chunk_size_bytes=256 * 1024 * 1024, args_schema=schema, kwargs_schema={},
-                                   outputs_schema=schema, min_batch_size=1, max_batch_size=2048)
+    built = load_backends(str(smollm2_dir), BLOCKS)
     yield built
     for backend in built.values():
         backend.shutdown()
-
-
-class _Session:
-    """A session's KV handles on every block (allocated the way the runtime holds them) and its length."""
-
-    _next = [10_000]
-
-    def __init__(self, backends, max_length: int = 64, batch: int = 1):
-        self.handles = {}
-        for uid, backend in backends.items():
-            descrs = backend.get_inference_cache_descriptors(batch, max_length)
-            handles = tuple(range(self._next[0], self._next[0] + len(descrs)))
-            self._next[0] += len(descrs)
-            for h, d in zip(handles, descrs):
-                backend.memory_cache._allocated_tensors[h] = d.make_zeros()
-            self.handles[uid] = handles
-        self.length = 0
-
-    def infos(self):
-        return tuple(InferenceMetadata(uid, self.length, h, None) for uid, h in self.handles.items())
 
 
 def _step(step, session, hidden):
@@ -151,6 +117,7 @@ def test_pool_groups_queued_decodes_and_keeps_prefills_and_ops_apart(backends):
         uid, batch = pool.load_batch_to_runtime()
         group = pool._groups.get(uid)
         sizes.append(len(group[0]) if group else ("prefill" if batch[0].shape[1] == 4 else "single"))
-    assert sizes == [3, "prefill", "single", "single", "single"]  # group of 3, the prefill, the 4th decode, op, span
+    # a group of 3, the prefill, the 4th decode (a group of one), the op alone, the one-block decode (its own span)
+    assert sizes == [3, "prefill", 1, "single", 1]
     assert decode_key([torch.zeros(1, 1, 576), DUMMY_INT64, op, None]) is None
     assert pool.stats["batched_steps"] == 1 and pool.stats["batched_tasks"] == 3
