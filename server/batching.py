@@ -107,8 +107,10 @@ class BatchingTaskPool(PrioritizedTaskPool):
             return [first]
         head_key = self._batchable(first)
         if head_key is None:
-            is_prefill = decode_key(first.args) is None and first.args and isinstance(first.args[0], torch.Tensor) \
-                and first.args[0].ndim == 3 and type(first.args[2][0]) is InferenceMetadata
+            args = first.args
+            is_prefill = (len(args) >= 3 and decode_key(args) is None and isinstance(args[0], torch.Tensor)
+                          and args[0].ndim == 3 and isinstance(args[2], tuple) and len(args[2]) > 0
+                          and type(args[2][0]) is InferenceMetadata)
             if not is_prefill or first.uid in self._deferred:
                 self._deferred.discard(first.uid)
                 return [first]
