@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest wait for open sessions before moving to new blocks")
     parser.add_argument("--cache-dir", metavar="DIR", help="where measured compute times are cached "
                         "(default ~/.cache/chainswarm)")
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
+                        help="decode steps of up to N sessions run as one forward pass (default 8; 1 = petals')")
     parser.add_argument("--emulate-compute", metavar="PREFILL_MS,DECODE_MS",
                         help="experiments: emulate an accelerator that spends PREFILL_MS per block per prompt token "
                         "and DECODE_MS per block per decoded token (added to every inference step; reported in "
@@ -95,6 +97,8 @@ def server_kwargs(args: argparse.Namespace) -> dict:
             raise _BadInput(f"--{name.replace('_', '-')} must be a TCP port number")
     if args.num_handlers is not None and args.num_handlers < 1:
         raise _BadInput("--num-handlers must be at least 1")
+    if getattr(args, "max_batch", 8) < 1:
+        raise _BadInput("--max-batch must be at least 1")
     if not args.update_period > 0 or args.drain_timeout < 0:
         raise _BadInput("--update-period must be positive and --drain-timeout non-negative")
     if args.node_id is not None and (not args.node_id.strip() or len(args.node_id) > 128):
@@ -131,6 +135,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         reachable_via_relay=False,
         skip_reachability_check=True,
         emulated_compute=emulated,
+        max_batch=getattr(args, "max_batch", 8),
     )
     if args.announce_host or args.announce_port:
         if not args.announce_port and not args.port:

@@ -476,9 +476,12 @@ class ChainswarmServer(Server):
 
 
 def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
-    """Build a :class:`ChainswarmServer` with the push-fixed handler and run it until SIGTERM/SystemExit."""
+    """Build a :class:`ChainswarmServer` (ticket-gated, push-fixed handler with the prefix store; the batching
+    pool: ``max_batch``) and run it until SIGTERM/SystemExit."""
+    from server import batching
+
     server_tickets.install_ticket_handler(push_counter=push_counter)
-    server = ChainswarmServer(report=report, **server_kwargs)
+    server = ChainswarmServer(report=report, **batching.install(server_kwargs))
     try:
         server.run()
     finally:

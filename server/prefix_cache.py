@@ -236,6 +236,13 @@ class PrefixBackend(TransformerBackend):
                 raise ValueError(f"prefix {offset} + positions exceed the session's {capacity} KV slots")
         return super().inference_step(hidden_states, hypo_ids, inference_info)
 
+    def get_info(self) -> dict:
+        """petals' block info (``rpc_info``) plus the inference pool's batching counters, if it batches."""
+        from server.batching import pool_stats
+
+        stats = pool_stats(self.inference_pool)
+        return dict(super().get_info(), **({"chainswarm_batching": stats} if stats is not None else {}))
+
     def _page_slices(self, tensors, start: int, end: int) -> list:
         # keys (B, kv_heads, head_dim, L), values (B, kv_heads, L, head_dim), one pair per tensor-parallel shard
         return [t[:, :, :, start:end] if i % 2 == 0 else t[:, :, start:end, :] for i, t in enumerate(tensors)]

@@ -1,0 +1,288 @@
+"""Throughput and latency of batched Chainswarm servers vs vanilla petals servers, same machine, one run.
+
+Two servers split SmolLM2-135M-Instruct (float32): two vanilla petals 2.2 servers, and two Chainswarm server
+nodes (``--max-batch``, default 8; blocks assigned by an orchestrator; the vanilla servers get the same split).
+Both swarms are up at once and every measurement alternates between them. The same client —
+petals' own ``generate``, one thread per session, all sessions started together — runs 1, 2, 4, 8 and 16
+concurrent sessions of ``--tokens`` greedy tokens (prompts of different lengths) against each. Every token is
+timestamped as it arrives: aggregate tokens/s (all sessions' tokens / wall time), per-token latency (gaps
+between a session's consecutive tokens: median and P95 over all sessions) and TTFT (median). Ratios are to
+vanilla petals at the same concurrency, measured in the same run; the generated tokens are compared too.
+
+Where the time goes: one decode step over the 15 blocks of a server, timed in-process for batch sizes
+1..16 — batched (one pass) and sequential (petals' per-session path) — and a torch.profiler table of one
+batched step of 8 sessions.
+
+Every process (both servers, the client) runs ``--torch-threads`` intra-op threads (default 1): on this 2-core
+machine two servers and the client share the cores, and more threads only spin. Both setups get the same.
+Two clients: ``generate`` (petals' greedy generate; the client runs the 49k-vocabulary LM head for every
+token, which on this machine costs about as much as a server's step) and ``blocks_only`` (sessions that step
+the servers' blocks only, so the servers set the pace).
+
+Writes ``experiments/results/bench_batching.json`` and ``.png``.
+
+    python -m experiments.bench_batching [--model DIR] [--sessions 1,2,4,8,16] [--tokens 32] [--max-batch 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from experiments.bench_runtime import DTYPE, _Stamps
+
+PROMPTS = [
+    "The history of the bicycle begins in the early nineteenth century, when",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The three primary colours are",
+    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes the air pressure is lower, so",
+    "A short list of fruits:",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+SETUPS = ("vanilla_petals", "chainswarm_batched")
+MAX_LENGTH = 256
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _blocks_only(model, ids, tokens: int, stamps: "_Stamps") -> list:
+    """A session through the servers' blocks only: the prompt's embeddings, then ``tokens - 1`` one-token steps
+    (the last prompt token's embedding again). No LM head on the client, so the servers set the pace."""
+    embeddings = model.transformer.word_embeddings(ids)
+    with model.transformer.h.inference_session(max_length=ids.shape[1] + tokens) as session:
+        stamps.put(ids)
+        session.step(embeddings)
+        stamps.put(ids[:, -1:])
+        for _ in range(tokens - 1):
+            session.step(embeddings[:, -1:])
+            stamps.put(ids[:, -1:])
+    return []
+
+
+def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool = False) -> dict:
+    """``sessions`` concurrent sessions through petals' client: greedy ``generate`` (the client runs the LM
+    head), or with ``blocks_only`` sessions that step the servers' blocks only. Latencies and the tokens."""
+    import torch
+
+    barrier = threading.Barrier(sessions + 1)
+    stamps = [_Stamps() for _ in range(sessions)]
+    outputs: list = [None] * sessions
+    errors: list = []
+
+    def one(i: int) -> None:
+        ids = tokenizer(PROMPTS[i % len(PROMPTS)], return_tensors="pt").input_ids
+        barrier.wait()
+        try:
+            with torch.inference_mode():
+                if blocks_only:
+                    outputs[i] = _blocks_only(model, ids, tokens, stamps[i])
+                    return
+                out = model.generate(ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0, streamer=stamps[i])
+            outputs[i] = out[0, ids.shape[1]:].tolist()
+        except Exception as exc:  # noqa: BLE001 - reported in the results
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    gaps = [1000 * (b - a) for s in stamps for a, b in zip(s.times, s.times[1:])]
+    ttfts = [1000 * (s.times[0] - start) for s in stamps if s.times]
+    total = sum(len(s.times) for s in stamps)
+    return {"sessions": sessions, "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
+            "per_token_ms_median": statistics.median(gaps), "per_token_ms_p95": _percentile(gaps, 0.95),
+            "ttft_ms_median": statistics.median(ttfts), "errors": errors, "outputs": outputs}
+
+
+def _budget_gb(model_dir: str, sessions: int) -> float:
+    import torch
+
+    from swarm.compat import petals
+    from petals.server.block_utils import get_block_size
+
+    from server.profiling import cache_bytes_per_token
+
+    config = petals.AutoDistributedConfig.from_pretrained(model_dir)
+    share = -(-config.num_hidden_layers // 2)
+    block = get_block_size(config, "memory", dtype=getattr(torch, DTYPE))
+    return share * (block + sessions * cache_bytes_per_token(config, getattr(torch, DTYPE)) * MAX_LENGTH) / 1e9
+
+
+def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: int, progress) -> dict:
+    """Both swarms up at once (separate DHTs, the same block split); every measurement alternates between
+    them, ``repeats`` times, so both see the same neighbours on this shared machine; the best run (highest
+    tokens/s) of each is kept — the one least disturbed by other processes."""
+    import contextlib
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from server.local_swarm import LocalSwarm
+    from swarm.petals_client import open_distributed_model
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with contextlib.ExitStack() as stack:
+        chainswarm = stack.enter_context(LocalSwarm(model_dir))
+        chainswarm.add_orchestrator(expected_rate=0.2, max_length=MAX_LENGTH, expected_input_tokens=32,
+                                    expected_output_tokens=tokens, refresh_s=0.5, torch_dtype=DTYPE)
+        nodes = [chainswarm.add_node(node_id=f"n{i}", memory_gb=_budget_gb(model_dir, 20), wait=False,
+                                     num_handlers=2, torch_dtype=DTYPE, max_batch=max_batch) for i in range(2)]
+        for node in nodes:
+            chainswarm.wait_profiled(node, timeout=300)
+        chain = chainswarm.wait_chains_ready(timeout=300)["chains"][0]
+        vanilla = stack.enter_context(LocalSwarm(model_dir))
+        for span in chain["spans"]:  # vanilla petals servers on the planner's split
+            vanilla.add_server(tuple(span), torch_dtype=DTYPE, num_handlers=2, max_length=MAX_LENGTH,
+                               cache_tokens=20 * MAX_LENGTH, wait=False)
+        for server in vanilla.servers:
+            vanilla.wait_ready(server, timeout=300)
+        models = {name: stack.enter_context(open_distributed_model(
+            model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+            torch_dtype=getattr(torch, DTYPE))) for name, swarm in zip(SETUPS, (vanilla, chainswarm))}
+        for model in models.values():
+            run_sessions(model, tokenizer, 2, 4)  # warm-up: connections, routes, first allocations
+        results = {name: [] for name in SETUPS}
+        for blocks_only in (False, True):
+            client = "blocks_only" if blocks_only else "generate"
+            for n in counts:
+                progress.set_postfix_str(f"{client} × {n}")
+                runs = {name: [] for name in SETUPS}
+                for _ in range(repeats):
+                    for name in SETUPS:
+                        runs[name].append(run_sessions(models[name], tokenizer, n, tokens, blocks_only))
+                for name in SETUPS:
+                    best = max(runs[name], key=lambda r: r["tokens_per_s"])
+                    results[name].append(dict(best, client=client,
+                                              tokens_per_s_all=[r["tokens_per_s"] for r in runs[name]]))
+                progress.update()
+        results["chainswarm_chain"] = chain
+    for base, row in zip(results["vanilla_petals"], results["chainswarm_batched"]):
+        row["throughput_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["per_token_ratio"] = row["per_token_ms_median"] / base["per_token_ms_median"]
+        row["p95_ratio"] = row["per_token_ms_p95"] / base["per_token_ms_p95"]
+        row["ttft_ratio"] = row["ttft_ms_median"] / base["ttft_ms_median"]
+        row["same_tokens_as_vanilla"] = row["outputs"] == base["outputs"] if row["client"] == "generate" else None
+    return results
+
+
+def step_profile(model_dir: str, sizes=(1, 2, 4, 8, 16)) -> dict:
+    """In-process decode step over 15 blocks: seconds per batch size (batched, sequential) and the top
+    operators of one batched step of 8 sessions (torch.profiler, self CPU time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from server.batch_profile import Session, decode_step_times, load_backends, step_sessions
+    from server.batching import BatchedInferenceStep
+
+    backends = load_backends(model_dir, range(15))
+    times = decode_step_times(backends, sizes, context=64, repeats=10)
+    step = BatchedInferenceStep(backends)
+    sessions = [Session(backends) for _ in range(8)]
+    step_sessions(step, sessions, [torch.randn(1, 40, 576) for _ in sessions], batched=False)
+    step_sessions(step, sessions, [torch.randn(1, 1, 576) for _ in sessions], batched=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step_sessions(step, sessions, [torch.randn(1, 1, 576) for _ in sessions], batched=True)
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    ops = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1000,
+            "share": e.self_cpu_time_total / total} for e in top]
+    return {"step_s": {str(b): t for b, t in times.items()}, "batched_step_of_8_top_ops": ops,
+            "batched_step_of_8_total_ms": total / 1000}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name in SETUPS:
+        for client, style in (("generate", "-"), ("blocks_only", ":")):
+            rows = [r for r in report["results"][name] if r["client"] == client]
+            n = [r["sessions"] for r in rows]
+            axes[0].plot(n, [r["tokens_per_s"] for r in rows], "o" + style, label=f"{name}, {client}")
+            axes[1].plot(n, [r["per_token_ms_median"] for r in rows], "o" + style, label=f"{name}, {client} median")
+            axes[1].plot(n, [r["per_token_ms_p95"] for r in rows], "x" + style, alpha=0.5,
+                         label=f"{name}, {client} P95")
+    axes[0].set(xscale="log", xlabel="concurrent sessions", ylabel="aggregate tokens/s", title="throughput")
+    axes[1].set(xscale="log", yscale="log", xlabel="concurrent sessions", ylabel="ms between tokens",
+                title="per-token latency")
+    sizes = sorted(report["step_profile"]["step_s"], key=int)
+    for mode in ("batched", "sequential"):
+        axes[2].plot([int(b) for b in sizes], [1000 * report["step_profile"]["step_s"][b][mode] for b in sizes],
+                     "o-", label=mode)
+    axes[2].set(xscale="log", xlabel="sessions in the step", ylabel="ms per decode step (15 blocks)",
+                title="one server's decode step, in-process")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(report: dict) -> str:
+    lines = ["| client | sessions | vanilla tok/s | batched tok/s | × | per-token ms vanilla / batched (median) | × | "
+             "P95 × | TTFT × | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for base, row in zip(report["results"]["vanilla_petals"], report["results"]["chainswarm_batched"]):
+        lines.append(f"| {row['client']} | {row['sessions']} | {base['tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
+                     f"{row['throughput_ratio']:.2f} | {base['per_token_ms_median']:.0f} / "
+                     f"{row['per_token_ms_median']:.0f} | {row['per_token_ratio']:.2f} | {row['p95_ratio']:.2f} | "
+                     f"{row['ttft_ratio']:.2f} | {row['same_tokens_as_vanilla']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, cached)")
+    parser.add_argument("--sessions", default="1,2,4,8,16", help="concurrent sessions to measure")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per session")
+    parser.add_argument("--max-batch", type=int, default=8, help="the Chainswarm servers' --max-batch")
+    parser.add_argument("--out", default="experiments/results/bench_batching.json")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per point; the best is kept")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="intra-op threads of every process (servers and client alike; default 1: two servers "
+                        "and the client share this machine's cores, and idle OpenMP threads spin)")
+    args = parser.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # inherited by every server process started below
+    from tqdm import tqdm
+
+    from swarm.model_store import DEFAULT_MODEL, ensure_model
+
+    model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
+    counts = [int(s) for s in args.sessions.split(",")]
+    progress = tqdm(total=2 * len(counts) + 1, desc="bench_batching")
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    report = {"model": Path(model_dir).name, "dtype": DTYPE, "tokens": args.tokens, "max_batch": args.max_batch,
+              "torch_threads": args.torch_threads, "load_average_at_start": os.getloadavg(),
+              "servers": 2, "client": "petals generate, one thread per session",
+              "repeats": args.repeats,
+              "results": bench_servers(model_dir, counts, args.tokens, args.max_batch, args.repeats, progress)}
+    progress.set_postfix_str("step profile")
+    report["step_profile"] = step_profile(model_dir)
+    progress.update()
+    progress.close()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

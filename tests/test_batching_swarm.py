@@ -1,0 +1,128 @@
+"""Batched servers end to end on the real model: 8 concurrent sessions through the orchestrator's
+/v1/completions (different prompt lengths and start times, prefix reuse on) give the greedy tokens of the same
+model run locally in transformers — which is also what unbatched (petals) servers give — while the servers
+really ran decode steps of several sessions in one pass; a vanilla petals client keeps working against them.
+"""
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+import torch
+
+from server.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm
+
+MAX_LENGTH = 256
+TOKENS = 24
+PROMPTS = [
+    "The three primary colours are",
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes",
+    "A list of fruits: apples, pears,",
+    " ".join(["The committee reviewed the budget, the schedule and the risks of the bridge project."] * 5)
+    + " In one sentence, the committee asked for",
+    "The capital of France is",
+    "Photosynthesis is the process by which plants",
+]
+
+
+def _budget_gb(model_dir, servers: int, sessions: int) -> float:
+    from swarm.compat import petals
+    from petals.server.block_utils import get_block_size
+
+    from server.profiling import cache_bytes_per_token
+
+    config = petals.AutoDistributedConfig.from_pretrained(model_dir)
+    block = get_block_size(config, "memory", dtype=torch.float32)
+    share = -(-config.num_hidden_layers // servers)
+    return share * (block + sessions * cache_bytes_per_token(config, torch.float32) * MAX_LENGTH) / 1e9
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+    texts = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        texts[prompt] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm2_dir):
+    with LocalSwarm(smollm2_dir) as local:
+        gb = _budget_gb(smollm2_dir, 2, 12)
+        nodes = [local.add_node(node_id=f"b{i}", memory_gb=gb, wait=False, num_handlers=2, torch_dtype="float32",
+                                max_batch=8) for i in range(2)]
+        for node in nodes:
+            local.wait_profiled(node, timeout=180)
+        local.add_orchestrator(expected_rate=0.2, max_length=MAX_LENGTH, expected_input_tokens=32,
+                               expected_output_tokens=TOKENS, refresh_s=0.5, torch_dtype="float32",
+                               prefix_cache_tokens=MAX_LENGTH)
+        local.status = local.wait_chains_ready(timeout=240)
+        local.url = local.orchestrator.info["url"]
+        yield local
+
+
+def _complete(url: str, prompt: str, delay: float) -> str:
+    time.sleep(delay)
+    body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "stop": None}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": "batch"}, timeout=300)
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def _batching_stats(model, swarm) -> list[dict]:
+    """Each server's batching counters, from petals' rpc_info (a vanilla client's own p2p)."""
+    from hivemind import MSGPackSerializer
+    from hivemind.p2p import PeerID
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+    from hivemind.proto import runtime_pb2
+
+    p2p = model.transformer.h.sequence_manager.state.p2p
+    stats = []
+    chain = swarm.status["chains"][0]
+    peers = {node.name: node.peer_id for node in swarm.nodes}
+    for name, span in zip(chain["servers"], chain["spans"]):
+        uid = f"{swarm.dht_prefix}.{span[0]}"
+        info = RemoteExpertWorker.run_coroutine(p2p.call_protobuf_handler(
+            PeerID.from_base58(peers[name]), "TransformerConnectionHandler.rpc_info",
+            runtime_pb2.ExpertUID(uid=uid), runtime_pb2.ExpertInfo))
+        stats.append(MSGPackSerializer.loads(info.serialized_info)["chainswarm_batching"])
+    return stats
+
+
+def test_concurrent_sessions_are_batched_and_equal_local_transformers(swarm, reference, smollm2_dir):
+    assert len(swarm.status["chains"]) == 1 and len(swarm.status["chains"][0]["servers"]) == 2
+    assert swarm.status["chains"][0]["capacity"] >= len(PROMPTS)
+    for round_ in range(2):  # the second round loads the prompts' pages from the servers' prefix stores
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(lambda ip: _complete(swarm.url, ip[1], 0.2 * ip[0]), enumerate(PROMPTS)))
+        for prompt, text in zip(PROMPTS, texts):
+            assert text == reference[prompt], (round_, prompt[:40])
+    assert httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["prefix"]["hits"] >= 1
+
+    from swarm.petals_client import open_distributed_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    with open_distributed_model(str(smollm2_dir), initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                torch_dtype=torch.float32) as model:
+        stats = _batching_stats(model, swarm)
+        assert all(s["max_batch"] == 8 and s["batched_steps"] > 0 and s["largest_batch"] >= 4 for s in stats), stats
+        # a vanilla petals client against the batching servers, while HTTP sessions run next to it
+        with cf.ThreadPoolExecutor(3) as pool:
+            others = [pool.submit(_complete, swarm.url, p, 0.0) for p in PROMPTS[:2]]
+            ids = tokenizer(PROMPTS[3], return_tensors="pt").input_ids
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == reference[PROMPTS[3]]
+            assert [f.result() for f in others] == [reference[p] for p in PROMPTS[:2]]
