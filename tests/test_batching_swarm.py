@@ -58,7 +58,7 @@ def reference(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def swarm(smollm2_dir):
-    with LocalSwarm(smollm2_dir) as local:
+    with LocalSwarm(smollm2_dir, open_sessions=True) as local:  # a vanilla petals client drives them too
         gb = _budget_gb(smollm2_dir, 2, 12)
         nodes = [local.add_node(node_id=f"b{i}", memory_gb=gb, wait=False, num_handlers=2, torch_dtype="float32",
                                 max_batch=8) for i in range(2)]
