@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 from swarm import web_pages
 from swarm.orchestrator import QueueFull
 from swarm.service_history import OTHER, ServiceHistory
-from test_orchestrator_logic import PREFIX, profile, publish, records, run, serving_orchestrator
+from swarm.identity import owned_subkey
+from test_orchestrator_logic import PREFIX, node_key, profile, publish, records, run, serving_orchestrator
 
 
 def test_service_history_keeps_per_period_deltas_bounded():
@@ -64,7 +65,7 @@ def test_status_has_joins_leaves_refusals_deficits_and_service_history():
         # a server whose record vanished has left
         publish(dht, profile("other", 3))
         await orch.refresh()
-        dht.drop(f"{PREFIX}.{records.PROFILES}", "other")
+        dht.drop(f"{PREFIX}.{records.PROFILES}", owned_subkey("other", node_key("other")))
         await orch.refresh()
         kinds = [(e["event"], e.get("node")) for e in orch.status()["events"]]
         assert kinds.index(("server_joined", "other")) < kinds.index(("server_left", "other"))

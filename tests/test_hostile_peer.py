@@ -182,8 +182,9 @@ def test_forged_eviction_reports_are_ignored(swarm, peers, baseline):
     # a new store epoch would make the orchestrator forget everything n0 holds, if it believed it
     report = {"epoch": "forged", "seq": 99, "evicted": [[99, "00" * 16]]}
     assert hostile.store(key, report, later(), subkey=hostile.identity.subkey("n0"))
-    assert not hostile.store(key, report | {"sig": fake_signature()}, later(),
-                             subkey=swarm.orchestrator_identity.subkey("n0"))
+    # a made-up signature under the orchestrator's key: a peer without validators may keep it (the store then
+    # "succeeds", depending on which peers are closest to the key); every validating reader drops it
+    hostile.store(key, report | {"sig": fake_signature()}, later(), subkey=swarm.orchestrator_identity.subkey("n0"))
     raw.store(key, report, later(), subkey="n0")
     time.sleep(2.0)  # several orchestrator refreshes (0.5 s)
     now = served_as_before(swarm, baseline)
