@@ -121,16 +121,12 @@ class StateDir:
         if not path.exists():
             fd, tmp = tempfile.mkstemp(dir=self.path, prefix=_TMP_PREFIX + self.IDENTITY + ".")
             os.close(fd)
-            try:
+            try:  # hivemind writes the key to a file: generate it aside, then replace atomically
                 P2P.generate_identity(tmp)
-                with open(tmp, "rb") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
+                atomic_write(path, Path(tmp).read_bytes())
+            finally:
                 with _suppress_os():
                     os.unlink(tmp)
-                raise
-            _fsync_dir(self.path)
         self.peer_id()  # a key hivemind cannot load is an error here, naming the file
         return str(path)
 
