@@ -13,7 +13,8 @@ One asyncio service owns all state; blocking work (DHT calls, petals sessions) r
   central queue and JFFC grants; ``ws-rr``, BPRR's per-request WS-RR paths. The router decides everything
   about routing (KV slots per assignment, who starts where, the accounting of tokens); the orchestrator only
   hands grants to the waiting requests.
-* **Leases and prefix reuse** live in rooms of their own: :class:`swarm.leases.LeaseBook` and
+* **Failover and leases** are in :mod:`swarm.failover` (mixed in): reroutes, failure claims, lease operations.
+* **Lease bookkeeping and prefix reuse** live in rooms of their own: :class:`swarm.leases.LeaseBook` and
   :class:`swarm.prefix_view.PrefixView` (radix index of who holds which prompt pages, eviction reports).
 * **Sessions.** A granted completion runs through :class:`swarm.engine.GenerationEngine` on its chain;
   a lease hands the route to the client, which drives petals itself.
@@ -35,6 +36,7 @@ from planner.plan import Plan
 from planner.tuning import InfeasibleError
 from swarm import planning, prefix as prefix_protocol, records, tickets
 from swarm.failures import DhtPing, FailureClaims
+from swarm.failover import Failover, LeaseOps
 from swarm.identity import Identity, KeyPins
 from swarm.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
 from swarm.occupancy import Occupancy, blocks_of, fit_capacities
@@ -42,7 +44,7 @@ from swarm.options import OrchestratorOptions
 from swarm.planning import Expectations, RoutableChain
 from swarm.prefix_view import PrefixView
 from swarm.routers import ROUTERS, NoChainsError
-from swarm.routing import NoRouteError, RouteSpan, clip_route
+from swarm.routing import NoRouteError
 from swarm.service_history import ServiceHistory
 from swarm.status import swarm_status
 
@@ -96,7 +98,7 @@ class SwarmView:
     chains: list[RoutableChain] = field(default_factory=list)
 
 
-class Orchestrator:
+class Orchestrator(Failover, LeaseOps):
     """The control plane. ``dht`` is a running hivemind.DHT (or anything with get/store)."""
 
     def __init__(self, config: OrchestratorConfig, dht, *, http_url: str | None = None,
@@ -335,41 +337,6 @@ class Orchestrator:
         if future is not None and not future.done():
             future.set_exception(exc)
 
-    def report_failure(self, peer_id: str) -> None:
-        """The orchestrator's own session (or probe) saw ``peer_id`` fail: exclude its server now and rebuild
-        chains without it."""
-        node = self._node_of(peer_id)
-        if node is None or node in self.suspects:
-            return
-        self.suspects[node] = time.monotonic()
-        self.claims.forget(node)
-        self._event("server_failed", node=node, peer_id=peer_id)
-        self._refresh_now.set()
-
-    def claim_failure(self, peer_id: str, client_id: str) -> None:
-        """A lease holder says ``peer_id`` failed. Excluded only once confirmed (swarm.failures): by another
-        client's claim, or by the orchestrator's own probe, started here in the background."""
-        node = self._node_of(peer_id)
-        if node is None or node in self.suspects:
-            return
-        if self.claims.claim(node, client_id, time.monotonic()):
-            self.report_failure(peer_id)
-        elif peer_id not in self._probing and self._loop is not None:
-            self._probing.add(peer_id)
-            self._loop.create_task(self._probe(peer_id))
-
-    async def _probe(self, peer_id: str) -> None:
-        try:
-            if not await asyncio.to_thread(self.probe.reachable, peer_id):
-                self.report_failure(peer_id)
-            else:
-                self._event("failure_claim_refuted", peer_id=peer_id)
-        finally:
-            self._probing.discard(peer_id)
-
-    def _node_of(self, peer_id: str) -> str | None:
-        return next((n for n, p in self.view.profiles.items() if p.peer_id == peer_id), None)
-
     # -- dispatch ----------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
         if self._rerouting:
@@ -471,53 +438,6 @@ class Orchestrator:
         else:
             self._dispatch()
 
-    async def reroute(self, chain_id: str, start: int, end: int, failed_peers, *, request_id: str | None = None,
-                      claimant: str | None = None, wait_s: float = 20.0) -> tuple[RouteSpan, ...]:
-        """Spans for blocks [start, end) on the fastest ready chain avoiding ``failed_peers``. Without
-        ``claimant`` the failures are the orchestrator's own evidence; a lease holder's (``claimant``) are claims
-        to confirm (:meth:`claim_failure`). The session ``request_id`` takes a KV block-slot on every server of
-        its new route, waiting up to ``wait_s`` for one (:class:`NoRouteError` after that)."""
-        for peer in failed_peers:
-            if claimant is None:
-                self.report_failure(peer)
-            else:
-                self.claim_failure(peer, claimant)
-        bad = set(failed_peers)
-        nodes = {p.peer_id: n for n, p in self.view.profiles.items()}
-        deadline = time.monotonic() + wait_s
-        waiting = False
-        try:
-            while True:
-                routes = []
-                free = self.router.free_slots()
-                for c in sorted((c for c in self._ready if not bad & {p for p, _, _ in c.route}),
-                                key=lambda c: (free.get(c.chain_id, 0) <= 0, c.index)):
-                    with contextlib.suppress(NoRouteError):
-                        routes.append(tuple(clip_route(c.route, start, end)))
-                if not routes:
-                    raise NoRouteError(f"no ready chain covers blocks [{start}, {end}) without {sorted(bad)}")
-                slots = {node: a.cache_slots for node, a in self.view.assignments.items()}
-                for route in routes:
-                    spans = [(nodes.get(p, p), a, b) for p, a, b in route]
-                    if request_id is None or self.occupancy.can_take(blocks_of(spans), slots):
-                        if request_id is not None:
-                            self.occupancy.move(request_id, start, end, spans)
-                            self._refit()
-                        return route
-                if time.monotonic() >= deadline:
-                    raise NoRouteError(f"no free KV slot on a chain covering blocks [{start}, {end}) within "
-                                       f"{wait_s:.0f} s")
-                self._slot_freed.clear()
-                if not waiting:
-                    waiting = True
-                    self._rerouting += 1  # sessions already in service go before the queue
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._slot_freed.wait(), min(1.0, max(0.01, deadline - time.monotonic())))
-        finally:
-            if waiting:
-                self._rerouting -= 1
-                self._dispatch()
-
     # -- prefix reuse (swarm.prefix_view) ----------------------------------------------------------------
     def prompt_hashes(self, token_ids) -> list[bytes]:
         """Page hashes of a prompt this orchestrator tokenized, in its secret namespace ([] when off)."""
@@ -534,47 +454,6 @@ class Orchestrator:
 
     def chain_cached_tokens(self, chain: RoutableChain) -> int:
         return self.prefix.chain_cached_tokens(chain)
-
-    # -- leases (clients that drive petals themselves; swarm.leases) -------------------------------------
-    async def grant_lease(self, client_id: str, input_tokens: int, max_new_tokens: int, *,
-                          timeout: float | None = None) -> LeaseRecord:
-        grant = await self.acquire(client_id, input_tokens, max_new_tokens, timeout=timeout)
-        record = self.leases.grant(grant.request_id, client_id, self.chain(grant.chain_id), time.monotonic())
-        record.lease.ticket = self.ticket(grant.request_id, grant.chain_id, record.lease.route)
-        self._event("lease", lease_id=record.lease.lease_id, client=client_id, chain=grant.chain_id)
-        return record
-
-    def rerouted_lease_ticket(self, record: LeaseRecord, route) -> bytes:
-        """After a reroute of ``record``'s lease: its route as the client now drives it, and a fresh ticket."""
-        from swarm.routing import splice
-
-        record.lease.route = splice(record.lease.route, route)
-        record.lease.ticket = self.ticket(record.request_id, record.lease.chain_id, record.lease.route)
-        return record.lease.ticket
-
-    def lease(self, lease_id: str) -> LeaseRecord:
-        return self.leases.get(lease_id)
-
-    def renew_lease(self, lease_id: str) -> LeaseRecord:
-        return self.leases.renew(lease_id, time.monotonic())
-
-    async def reroute_lease(self, lease_id: str, start: int, end: int, failed_peers,
-                            wait_s: float = 20.0) -> tuple[RouteSpan, ...]:
-        """A lease holder's failover: only peers of its own route, a bounded number of times (``LeaseMisuse``);
-        its failure reports are claims (:meth:`claim_failure`)."""
-        record = self.leases.check_reroute(lease_id, failed_peers)
-        route = await self.reroute(record.lease.chain_id, start, end, failed_peers, request_id=record.request_id,
-                                   claimant=record.client_id, wait_s=wait_s)
-        self.leases.rerouted(lease_id, route, time.monotonic())
-        return route
-
-    def release_lease(self, lease_id: str, output_tokens: int | None = None) -> None:
-        self.finish(self.leases.release(lease_id).request_id, output_tokens)
-
-    def expire_leases(self) -> None:
-        for lease_id in self.leases.expired(time.monotonic()):
-            self._event("lease_expired", lease_id=lease_id, client=self.leases.get(lease_id).client_id)
-            self.release_lease(lease_id)
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self, detail: bool = True) -> dict[str, Any]:
