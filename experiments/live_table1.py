@@ -15,6 +15,8 @@ same scaled trace from 127.0.0.1, and stops the swarm. Methods:
   the KV slots of its path; servers keep KV for all the sessions their memory holds.
 * **JFFC only** — ``placement="whole-model"``: the whole model on every server that fits it, JFFC.
 * **Proposed** — ``placement="gbp-cr"`` (c tuned by the Theorem 3.7 lower bound), GCA, JFFC.
+* **Auto** — ``placement="auto"`` (:mod:`planner.auto`: the candidate placement with the lowest predicted mean
+  response time), GCA, JFFC.
 
 Two data-path configurations, the same for every method of a run: ``relay`` (no server-to-server push:
 each hop's activations go back to the orchestrator / petals client — the paper's model) and ``push``
@@ -36,7 +38,7 @@ import numpy as np
 from experiments import live_common as lc
 from experiments.live_table1_report import CONFIGS, METHODS, findings, write_outputs
 
-PLACEMENT = {"bprr": "bprr", "jffc": "whole-model", "proposed": "gbp-cr"}
+PLACEMENT = {"bprr": "bprr", "jffc": "whole-model", "proposed": "gbp-cr", "auto": "auto"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 # Memory budgets as multiples of the model's weights (L blocks): the paper's 40 GB / 20 GB MIG slices hold
@@ -311,7 +313,7 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
             f"retries with petals' back-off, bounded at max_retries={PETALS_MAX_RETRIES} (a request that never "
             f"gets a session fails and is counted as failed), one concurrent session per request; the planners get "
             f"the window's mean arrival rate; BPRR: orchestrated nodes, CG-BP placement, WS-RR routing per request (FCFS); "
-            f"JFFC only and Proposed: orchestrated nodes, GCA chains, FCFS queue, JFFC.")
+            f"JFFC only, Proposed and Auto: orchestrated nodes, GCA chains, FCFS queue, JFFC.")
     data = {"command": "chainswarm experiment table1" + (" --quick" if args.quick else ""),
             "machine": lc.machine_note(), "settings": {"quick": args.quick, "scaling": asdict(scaling),
                                                        "num_servers": st["num_servers"], "seed": st["seed"],

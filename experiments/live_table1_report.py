@@ -10,9 +10,10 @@ import numpy as np
 
 from experiments import live_common as lc
 
-METHODS = ("petals", "bprr", "jffc", "proposed")
-LABEL = {"petals": "PETALS", "bprr": "BPRR", "jffc": "JFFC only", "proposed": "Proposed"}
-COLOR = {"petals": "tab:blue", "bprr": "tab:orange", "jffc": "tab:green", "proposed": "tab:red"}
+METHODS = ("petals", "bprr", "jffc", "proposed", "auto")
+LABEL = {"petals": "PETALS", "bprr": "BPRR", "jffc": "JFFC only", "proposed": "Proposed", "auto": "Auto"}
+COLOR = {"petals": "tab:blue", "bprr": "tab:orange", "jffc": "tab:green", "proposed": "tab:red",
+         "auto": "tab:purple"}
 CONFIGS = ("relay", "push")
 
 
@@ -163,10 +164,28 @@ def findings(data: dict) -> list[str]:
             p95 = improvement(q["response"]["p95"], p["response"]["p95"])
             out.append(f"{cfg}: Proposed vs PETALS — mean response {100 * mean:+.1f}%, P95 {100 * p95:+.1f}% "
                        f"({'beats' if mean > 0 and p95 > 0 else 'does NOT beat'} PETALS on both).")
+        if "auto" in runs and len(runs) > 1:
+            out.append(f"{cfg}: " + _auto_versus_best(runs))
         for m in METHODS:
             if m in runs:
                 out.append(f"{cfg}: {LABEL[m]} — " + _diagnostics(runs[m]))
     return out
+
+
+def _auto_versus_best(runs: dict) -> str:
+    """Auto against the best of the other methods, for the mean and the P95 response separately."""
+    a = runs["auto"]["stats"]["response"]
+    parts = []
+    for stat in ("mean", "p95"):
+        others = {m: runs[m]["stats"]["response"][stat] for m in METHODS if m in runs and m != "auto"
+                  and runs[m]["stats"]["failed"] == 0}
+        if not others:
+            continue
+        best = min(others, key=others.get)
+        diff = improvement(a[stat], others[best])
+        parts.append(f"{stat} {a[stat]:.2f} s vs the best other ({LABEL[best]}, {others[best]:.2f} s): "
+                     f"{'at or below it' if diff >= 0 else 'above it'} by {100 * abs(diff):.1f}%")
+    return "Auto — " + "; ".join(parts) + " (methods with failed requests are left out of the comparison)."
 
 
 def _diagnostics(run: dict) -> str:
