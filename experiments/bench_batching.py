@@ -202,6 +202,29 @@ def step_profile(model_dir: str, sizes=(1, 2, 4, 8, 16)) -> dict:
             "batched_step_of_8_total_ms": total / 1000}
 
 
+def ceilings(step_s: dict, servers: int = 2, counts=(1, 2, 4, 8, 16)) -> dict:
+    """Compute-only throughput ceilings (tokens/s) of ``servers`` equal servers, one core each, no RPC,
+    serialization or client cost, from the in-process step times ``t(b)`` (``step_s[str(b)]``).
+
+    petals runs one session-step at a time: every server is busy at best all the time, so the chain makes at most
+    ``1 / t_seq(1)`` tokens/s whatever the concurrency. A batching server with ``n`` sessions split into ``k``
+    cohorts of ``b = n/k`` (the cohorts pipelined through the S servers) makes ``n / (max(S, k) · t(b))``; the
+    ceiling is the best k (interpolating ``t`` log-linearly between measured batch sizes)."""
+    import numpy as np
+
+    sizes = sorted(int(b) for b in step_s)
+
+    def t(mode: str, b: float) -> float:
+        return float(np.interp(np.log(b), np.log(sizes), [step_s[str(x)][mode] for x in sizes]))
+
+    out = {}
+    for n in counts:
+        vanilla = 1 / t("sequential", 1) if n >= servers else n / (servers * t("sequential", 1))
+        best = max(n / (max(servers, k) * t("batched", n / k)) for k in range(1, n + 1) if n % k == 0)
+        out[str(n)] = {"vanilla_tokens_per_s": vanilla, "batched_tokens_per_s": best, "ratio": best / vanilla}
+    return out
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -241,6 +264,10 @@ def markdown(report: dict) -> str:
                      f"{row['throughput_ratio']:.2f} | {base['per_token_ms_median']:.0f} / "
                      f"{row['per_token_ms_median']:.0f} | {row['per_token_ratio']:.2f} | {row['p95_ratio']:.2f} | "
                      f"{row['ttft_ratio']:.2f} | {row['same_tokens_as_vanilla']} |")
+    ceiling = ceilings(report["step_profile"]["step_s"], report["servers"])
+    lines += ["", "Compute-only ceiling (in-process step times, one core per server, no RPC or client cost): "
+              + ", ".join(f"{n} sessions {c['ratio']:.2f}× ({c['vanilla_tokens_per_s']:.0f} → "
+                          f"{c['batched_tokens_per_s']:.0f} tok/s)" for n, c in ceiling.items())]
     return "\n".join(lines)
 
 
@@ -255,7 +282,13 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="intra-op threads of every process (servers and client alike; default 1: two servers "
                         "and the client share this machine's cores, and idle OpenMP threads spin)")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNG and print the table from --out")
     args = parser.parse_args(argv)
+    if args.replot:
+        report = json.loads(Path(args.out).read_text())
+        plot(report, Path(args.out).with_suffix(".png"))
+        print(markdown(report))
+        return 0
     os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # inherited by every server process started below
     from tqdm import tqdm
 
