@@ -207,7 +207,7 @@ def _allocate_run(arrays: SwarmArrays, run: ChainRun, ids, comm, compute, ranks)
     blocks[run.order] = run.blocks
     budget = ((arrays.memory_bytes - blocks * model.block_bytes) // model.slot_bytes).tolist()
     placed = [(j, a, a + m) for j, a, m in zip(run.order, run.starts, run.blocks)]
-    return allocate(model.num_blocks, ids, placed, budget, comm, compute, ranks)
+    return allocate(model.num_blocks, ids, placed, budget, comm, compute, ranks, servers=arrays.servers)
 
 
 def _truncate(run: ChainRun, processed: int) -> ChainRun:
