@@ -25,8 +25,8 @@ Cost: one O(Σ_j m_j log) setup, then per round O(path length + boundaries touch
 Batching servers (:mod:`planner.service_model`): paths and capacities are chosen exactly as above (by the
 time of a job alone, T_k(1), and by memory); then each chain's service time becomes T_k(n^cap), its time
 when every chain through its servers is full (n_j = Σ_{k∋j} c_k; T_k(1) is kept as ``Chain.solo_time``), and
-the chains are re-sorted by it (stable), so ν, the bounds, the tuner and JFFC's fastest-first order all use
-that conservative rate. Without batching servers nothing changes.
+the chains are re-sorted by it (stable), so ν and JFFC's fastest-first order use that conservative rate (the
+bounds use state-dependent rates: :mod:`planner.batch_bounds`). Without batching servers nothing changes.
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 from planner.allocation import Allocation, gca
 from planner.auto import auto_placement
 from planner.baselines import bprr_reservation, cg_bp, petals_placement, random_order, whole_model_placement
-from planner.bounds import ResponseTimeBounds, response_time_bounds
+from planner.batch_bounds import allocation_bounds
+from planner.bounds import ResponseTimeBounds
 from planner.dispatch import Dispatcher, make_dispatcher
 from planner.model import Chain, ModelSpec, Placement, Server, Span, validate_servers
 from planner.placement import DEFAULT_TARGET_LOAD, SwarmArrays, validate_load
@@ -254,9 +255,7 @@ def _assemble(
         ServerPlan(s.id, layout.spans[i], allocation.slots_total[i], allocation.slots_allocated[i])
         for i, s in enumerate(servers)
     )
-    bounds = response_time_bounds(
-        [ch.rate for ch in allocation.chains], [ch.capacity for ch in allocation.chains], arrival_rate
-    )
+    bounds = allocation_bounds(allocation.chains, servers, arrival_rate)
     return Plan(
         model=model,
         placement_method=method,

@@ -23,13 +23,15 @@ where n_j is the number of sessions j holds (on every chain through it). :class:
 A job progresses at rate 1/T_k(n(t)) while the occupancy n(t) changes (the simulators,
 :mod:`experiments.batch_sim`): processor sharing between the sessions of a server, exactly.
 
-**What the planner uses** (:func:`capacity_occupancy`, applied by GCA): the rate of chain k at the occupancy
-its capacities imply, n_j = Σ_{k∋j} c_k — every chain through j full. For nondecreasing g this is the slowest
-T_k can ever be, so μ_k = 1/T_k(n^cap) is a lower bound on the chain's rate in every state: ν = Σ c_k μ_k is the
-swarm's exact throughput at saturation (so λ < ν is the right stability test) and the Theorem 3.7 bounds
-computed from these rates describe a system no faster than the real one — conservative; the "lower" bound is
-a lower bound of that pessimistic system, not of the real one, which at light load is faster by up to the
-decode share times (g(n^cap) − 1).
+**What the planner uses.** GCA (:mod:`planner.allocation`) rates chain k at the occupancy its capacities imply,
+n_j = Σ_{k∋j} c_k — every chain through j full (:func:`capacity_occupancy`): μ_k = 1/T_k(n^cap). For
+nondecreasing g this is the slowest T_k can ever be, so μ_k is a lower bound on the chain's rate in every state
+and ν = Σ c_k μ_k is the swarm's exact throughput at saturation: λ < ν is the right stability test, and
+``Retry-After`` and JFFC's fastest-first order use these rates (conservative: at light load a chain is faster).
+The Theorem 3.7-style bounds (:mod:`planner.batch_bounds`, used by the plan and the c tuner) instead rate each
+state n at the occupancy that n jobs, placed in dispatch order, imply — so a light load is predicted at the
+light-load rates and capacity is charged only when it is used. (``placement="auto"`` scores its candidates
+from the chains' rates, i.e. at capacity occupancy: planner/auto.py passes no more than rates.)
 """
 from __future__ import annotations
 

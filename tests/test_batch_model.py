@@ -12,6 +12,8 @@ from experiments.baseline_sim import simulate_bprr, simulate_petals
 from experiments.scenarios import ScenarioConfig, build_scenario
 from experiments.simulator import Jobs, poisson_jobs, simulate_chains
 from planner.allocation import gca
+from planner.batch_bounds import allocation_bounds, fill_death_rates
+from planner.bounds import death_rates, response_time_bounds
 from planner.model import ModelSpec, Placement, Server
 from planner.plan import parse_swarm, plan
 from planner.service_model import BatchCurve, ChainService
@@ -53,6 +55,28 @@ def test_gca_uses_the_rate_at_the_occupancy_its_capacities_imply():
         chains = gca(model, same, Placement(((0, 1), (0, 1)))).chains
         assert [(ch.servers, ch.service_time, ch.solo_time) for ch in chains] == [(("s0",), 4.5, None),
                                                                                (("s1",), 5.0, None)]
+
+
+def test_bounds_rate_each_state_at_the_occupancy_it_implies():
+    model = ModelSpec(1, 1.0, 1.0)
+    seq = BatchCurve.sequential()
+    servers = [Server("s0", 4, 0.5, 4.0, decode_time_s=2.0, batch=seq),  # 3 slots, T(n) = 4.5 + 2(n − 1)
+               Server("s1", 3, 1.0, 4.0)]  # 2 slots, T = 5, g ≡ 1
+    chains = gca(model, servers, Placement(((0, 1), (0, 1)))).chains  # s1 (5.0) first, then s0 (8.5 when full)
+    assert fill_death_rates(chains, servers, fastest_first=True) == pytest.approx(
+        [1 / 5, 2 / 5, 2 / 5 + 1 / 4.5, 2 / 5 + 2 / 6.5, 2 / 5 + 3 / 8.5])
+    assert fill_death_rates(chains, servers, fastest_first=False) == pytest.approx(
+        [1 / 4.5, 2 / 6.5, 3 / 8.5, 3 / 8.5 + 1 / 5, 3 / 8.5 + 2 / 5])
+    b = allocation_bounds(chains, servers, 0.3)
+    assert b.lower < response_time_bounds([ch.rate for ch in chains], [2, 3], 0.3).lower  # light load: faster
+    assert allocation_bounds(chains, servers, 2 / 5 + 3 / 8.5) is None  # ν = the rate at capacity occupancy
+    # without batching: the paper's eqs. (28)-(29) exactly
+    plain = [dataclasses.replace(s, batch=None) for s in servers]
+    chains = gca(model, plain, Placement(((0, 1), (0, 1)))).chains
+    for first in (True, False):
+        assert fill_death_rates(chains, plain, fastest_first=first) == pytest.approx(
+            death_rates([ch.rate for ch in chains], [ch.capacity for ch in chains], fastest_first=first))
+    assert allocation_bounds(chains, plain, 0.3) == response_time_bounds([1 / 4.5, 1 / 5], [3, 2], 0.3)
 
 
 def test_plan_with_flat_curves_is_todays_plan_and_swarm_files_carry_curves():
