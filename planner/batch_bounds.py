@@ -33,6 +33,8 @@ def fill_death_rates(chains: Sequence, servers: Sequence, *, fastest_first: bool
     services = chain_services(chains, servers)
     order = list(range(len(chains))) if fastest_first else list(range(len(chains)))[::-1]
     held = [0] * len(servers)
+    factor = [1.0] * len(servers)  # g_j(held_j), updated as servers fill
+    curve = {j: g for s in services for j, g in zip(s.servers, s.curves)}  # (each curve memoizes its g(n))
     z = [0] * len(chains)
     share = [0.0] * len(chains)  # z_k / T_k(n) of every chain with jobs
     through: dict[int, list[int]] = {}
@@ -42,15 +44,19 @@ def fill_death_rates(chains: Sequence, servers: Sequence, *, fastest_first: bool
     total, out = 0.0, []
     for k in order:
         service = services[k]
+        touched = sorted({k} | {i for j in service.servers for i in through[j]})
         for _ in range(int(chains[k].capacity)):
             z[k] += 1
-            touched = {k}
             for j in service.servers:
                 held[j] += 1
-                touched.update(through[j])
+                factor[j] = curve[j](held[j])
             for i in touched:
                 if z[i]:
-                    new = z[i] / services[i].time(held)
+                    s_i = services[i]
+                    extra = 0.0
+                    for j, w in zip(s_i.servers, s_i.weights):
+                        extra += w * (factor[j] - 1.0)
+                    new = z[i] / (s_i.solo + extra)
                     total += new - share[i]
                     share[i] = new
             out.append(total)

@@ -36,7 +36,7 @@ from the chains' rates, i.e. at capacity occupancy: planner/auto.py passes no mo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -64,6 +64,7 @@ class BatchCurve:
     factors: tuple[float, ...]
     max_batch: int | None = None
     sizes: tuple[int, ...] = BATCH_SIZES
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # g at integer n, on use
 
     def __post_init__(self) -> None:
         sizes, factors = tuple(self.sizes), tuple(float(f) for f in self.factors)
@@ -123,13 +124,19 @@ class BatchCurve:
 
     def __call__(self, n: float) -> float:
         """g(n): 1 for n ≤ 1 (a session pays at least its own step), batches of ``max_batch`` beyond it."""
+        value = self._memo.get(n)
+        if value is not None:
+            return value
         if n <= 1.0:
-            return 1.0
-        bound = self.max_batch
-        if bound is None or n <= bound:
-            return self._within(n)
-        rounds, rest = divmod(n, bound)
-        return rounds * self._within(bound) + self._within(rest)
+            value = 1.0
+        elif self.max_batch is None or n <= self.max_batch:
+            value = self._within(n)
+        else:
+            rounds, rest = divmod(n, self.max_batch)
+            value = rounds * self._within(self.max_batch) + self._within(rest)
+        if isinstance(n, int):
+            self._memo[n] = value
+        return value
 
     @property
     def is_constant(self) -> bool:
