@@ -10,7 +10,7 @@ import pytest
 from planner.service_model import BatchCurve
 from server import profiling
 from swarm import records
-from swarm.planning import Expectations, planner_inputs
+from swarm.planning import Expectations, RoutableChain, choose_plan, planned_step_s, planner_inputs
 from test_orchestrator_logic import profile
 from test_signing import NODE, _accepts, _record, _signed
 
@@ -67,3 +67,21 @@ def test_orchestrator_plans_with_the_published_curves():
     assert plain.batch is None and plain.decode_time_s == pytest.approx(base.decode_s * 20)
     assert server.batch == BatchCurve.from_step_times(STEPS, 8)
     assert (server.compute_time_s, server.decode_time_s) == (plain.compute_time_s, plain.decode_time_s)
+
+
+def test_orchestrator_plans_and_times_steps_with_the_curves():
+    expect = Expectations(max_length=512, input_tokens=100, output_tokens=21, arrival_rate=0.5)
+    steps = [5e-4 * f for f in (1, 1.5, 1.6, 2.2, 3.0)]
+    curved = [records.ServerProfile.from_dict(dict(profile(n, 3).to_dict(), batch_step_s=steps, max_batch=8))
+              for n in ("n1", "n2")]
+    plan, _ = choose_plan(curved, 8, expect, None)
+    plain, _ = choose_plan([profile(n, 3) for n in ("n1", "n2")], 8, expect, None)
+    assert all(ch.solo_time is not None and ch.service_time > ch.solo_time for ch in plan.chains)
+    assert all(ch.solo_time is None for ch in plain.chains)
+    assert plan.total_rate < plain.total_rate  # ν at capacity occupancy: the batch slows full chains
+    # the stall timeout's planned decode step: g(sessions) on a curve, one session after another without
+    chain = RoutableChain("p/0", 0, ("n1",), ((0, 8),), 4, 1.0, (("peer", 0, 8),), True)
+    assignment = {"n1": records.Assignment("p", 0, 8, cache_slots=8 * 4, max_length=512)}
+    rtt = curved[0].rtt_s
+    assert planned_step_s(chain, {"n1": curved[0]}, assignment, 1) == pytest.approx(8 * 5e-4 * 1.6 + rtt)
+    assert planned_step_s(chain, {"n1": profile("n1", 3)}, assignment, 1) == pytest.approx(8 * 5e-4 * 4 + rtt)
