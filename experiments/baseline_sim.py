@@ -18,6 +18,10 @@ proposed method, so the three methods see the same workload).
   to end at start + mean service time; when it actually runs longer, the request planned behind it finds
   the slots still held ("surprise waiting"), fails, and retries with the same backoff schedule.
 
+On batching servers (servers with a ``batch`` curve, :mod:`planner.service_model`) a request's service
+progresses at the rate its path's occupancy allows (:class:`experiments.batch_sim.RequestClock`); otherwise it
+takes exactly ``r·T_path``.
+
 Simplifications, stated in the report: petals' temporary peer ban and the immediate first retry are not
 modelled (a retry at the same instant would see the same state); WS-RR's planned start is exact (no
 rounding to retry instants) as in a model-driven simulation.
@@ -33,6 +37,7 @@ import numpy as np
 
 from planner.baselines import bprr_reservation, cg_bp, petals_placement, ws_rr_route
 from planner.model import ModelSpec, Placement, Server, free_slots
+from experiments.batch_sim import RequestClock
 from experiments.simulator import Jobs, SimResult
 
 PETALS_HOP_OVERHEAD_S = 0.018
@@ -144,6 +149,7 @@ def simulate_petals(model: ModelSpec, servers: Sequence[Server], rtt_ms: Sequenc
     (the swarm cannot keep up with the arrivals; the run's mean would only measure its length).
     """
     pp = petals_placement(model, servers, seed=join_seed, cache_slots_per_block=cache_slots_per_block)
+    clock = RequestClock.for_servers(servers)
     router = PetalsRouter(model, servers, pp.placement, rtt_ms, mean_output)
     free = list(pp.slot_pool)
     hosted = router.hosted
@@ -172,7 +178,10 @@ def simulate_petals(model: ModelSpec, servers: Sequence[Server], rtt_ms: Sequenc
                 free[j] -= m
             held[job] = path
             start[job] = t
-            push(heap, (t + sizes[job] * path.service_time, 0, job))
+            if clock is None:
+                push(heap, (t + sizes[job] * path.service_time, 0, job))
+            else:
+                clock.begin(heap, job, t, sizes[job] * path.service_time, path)
         else:
             attempts[job] += 1
             retries += 1
@@ -184,6 +193,8 @@ def simulate_petals(model: ModelSpec, servers: Sequence[Server], rtt_ms: Sequenc
         if heap and heap[0][0] <= next_arrival:
             t, kind, job = pop(heap)
             if kind == 0:
+                if clock is not None and not clock.ends(heap, job, t):
+                    continue  # a stale completion: the request was projected again
                 finish[job] = t
                 path = held[job]
                 for j, m in zip(path.servers, path.need):
@@ -210,6 +221,7 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
     """Simulate BPRR (CG-BP + WS-RR) on ``jobs``. Returns (result, info)."""
     servers = list(servers)
     R = reservation if reservation is not None else bprr_reservation(model, servers, arrival_rate)
+    clock = RequestClock.for_servers(servers)
     bp = cg_bp(model, servers, R)
     placement = bp.placement
     J = len(servers)
@@ -291,7 +303,10 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
             for j, m in zip(path.servers, path.need):
                 used[j] += m
             start[job] = t
-            push(heap, (t + sizes[job] * path.service_time, 0, job))
+            if clock is None:
+                push(heap, (t + sizes[job] * path.service_time, 0, job))
+            else:
+                clock.begin(heap, job, t, sizes[job] * path.service_time, path)
         else:  # the slots are still held by a request that outlived its estimate
             stats["surprise_failures"] += 1
             for j, m in zip(path.servers, path.need):
@@ -306,6 +321,8 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
         if heap and heap[0][0] <= next_arrival:
             t, kind, job = pop(heap)
             if kind == 0:
+                if clock is not None and not clock.ends(heap, job, t):
+                    continue  # a stale completion: the request was projected again
                 finish[job] = t
                 path = plan[job]
                 for j, m in zip(path.servers, path.need):

@@ -122,6 +122,9 @@ def start_nodes(swarm, hosts: Sequence[str], memory_gb: dict[str, float], gpus: 
         emulated = emulation(hosts[0]).get("emulated_compute", {})
         MEASURED_COMPUTE.update({k: float(first.info["profile"][k]) - emulated.get(k, 0.0)
                                  for k in ("prefill_s", "decode_s")})
+        steps = first.info["profile"].get("batch_step_s")
+        if steps:  # the measured batch curve too, so that every node is planned with the same one
+            MEASURED_COMPUTE["batch_step_s"] = [t - emulated.get("decode_s", 0.0) for t in steps]
         if log is not None:
             log(f"  measured compute (quiet node): prefill {MEASURED_COMPUTE['prefill_s'] * 1e3:.3f} ms, decode "
                 f"{MEASURED_COMPUTE['decode_s'] * 1e3:.3f} ms per block per token")

@@ -21,6 +21,12 @@ so among them the choice is by their own cost rounded to 40 significant bits (re
 all this differs from the textbook only for times within float noise of each other.
 
 Cost: one O(Σ_j m_j log) setup, then per round O(path length + boundaries touched × distinct ends).
+
+Batching servers (:mod:`planner.service_model`): paths and capacities are chosen exactly as above (by the
+time of a job alone, T_k(1), and by memory); then each chain's service time becomes T_k(n^cap), its time
+when every chain through its servers is full (n_j = Σ_{k∋j} c_k; T_k(1) is kept as ``Chain.solo_time``), and
+the chains are re-sorted by it (stable), so ν and JFFC's fastest-first order use that conservative rate (the
+bounds use state-dependent rates: :mod:`planner.batch_bounds`). Without batching servers nothing changes.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from planner.model import (
     total_rate,
     validate_servers,
 )
+from planner.service_model import capacity_occupancy, has_batching, path_service
 
 _INF = float("inf")
 
@@ -103,6 +110,7 @@ def gca(
         [s.comm_time_s for s in servers],
         [s.compute_time_s for s in servers],
         [id_rank[s.id] for s in servers],
+        servers=servers,
     )
 
 
@@ -114,9 +122,12 @@ def allocate(
     comm: Sequence[float],
     compute: Sequence[float],
     ranks: Sequence[int],
+    *,
+    servers: Sequence[Server] | None = None,
 ) -> Allocation:
     """GCA over pre-validated inputs (the tuner's hot path): ``placed`` lists (server, start, end);
-    ``budget``, ``comm``, ``compute`` and ``ranks`` (id order) are indexed by server."""
+    ``budget``, ``comm``, ``compute`` and ``ranks`` (id order) are indexed by server. With ``servers`` (the
+    same swarm as planner Servers) batching servers' chains get T_k(n^cap) (see the module doc)."""
     paths = _gca_paths(num_blocks, placed, budget, comm, compute, ranks)
     chains = []
     allocated = [0] * len(ids)
@@ -133,7 +144,21 @@ def allocate(
                 service_time=time,
             )
         )
+    if servers is not None and has_batching(servers):
+        chains = _at_capacity_occupancy(chains, paths, servers)
     return Allocation(tuple(chains), tuple(budget), tuple(allocated))
+
+
+def _at_capacity_occupancy(chains: list[Chain], paths, servers: Sequence[Server]) -> list[Chain]:
+    """The chains with T_k(n^cap) as service time and T_k(1) as solo time, re-sorted by T_k(n^cap)."""
+    hops = [[j for j, _ in path] for path, _ in paths]
+    held = capacity_occupancy(hops, [cap for _, cap in paths], len(servers))
+    out = []
+    for chain, path in zip(chains, hops):
+        service = path_service(servers, path, chain.slots_needed, chain.service_time)
+        out.append(Chain(chain.servers, chain.spans, chain.capacity, service.time(held), chain.service_time))
+    out.sort(key=lambda ch: ch.service_time)  # stable: ties keep GCA's order
+    return out
 
 
 def _build_groups(num_blocks, placed, comm, compute, ranks):

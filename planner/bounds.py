@@ -9,6 +9,10 @@ with birth rate λ and state-dependent death rates ν_n bracketed by
 
 Mean response time is E[N]/λ by Little's law (eq. 24). All functions take chain rates and capacities in
 any order and sort them fastest first (stable: equal rates keep their given order).
+
+With batching servers the rates a plan passes here are μ_k = 1/T_k(n^cap), each chain's rate when every
+chain is full (GCA, :mod:`planner.service_model`): the bounds are then those of a system no faster than the
+real one in any state (conservative; exact at saturation).
 """
 from __future__ import annotations
 

@@ -14,13 +14,17 @@ Conventions (spec §0.2, §2.8, §15.17):
 * Times are mean seconds per job (all tokens).
 
 Symbols: ``L`` = ``ModelSpec.num_blocks``, ``s_m`` = ``block_size_gb``, ``s_c`` = ``cache_slot_gb``,
-``M_j`` = ``Server.memory_gb``, ``τc_j`` = ``Server.comm_time_s``, ``τp_j`` = ``Server.compute_time_s``.
+``M_j`` = ``Server.memory_gb``, ``τc_j`` = ``Server.comm_time_s``, ``τp_j`` = ``Server.compute_time_s``;
+for batching servers ``D_j`` = ``Server.decode_time_s`` and ``g_j`` = ``Server.batch``
+(:mod:`planner.service_model`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+from planner.service_model import BatchCurve
 
 BYTES_PER_GB = 10**9
 
@@ -88,6 +92,10 @@ class Server:
     """τc_j, mean time to involve j in one job, summed over all tokens (s)."""
     compute_time_s: float
     """τp_j, mean time to run one block for one job, summed over all tokens (s)."""
+    decode_time_s: float = 0.0
+    """D_j, the decode steps' share of τp_j (s, per block per job): the part that slows down with occupancy."""
+    batch: BatchCurve | None = None
+    """g_j, the server's decode step time with n sessions relative to one (None: g ≡ 1, the paper's model)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -97,6 +105,11 @@ class Server:
         _check_number(f"server {self.id}: compute_time_s", self.compute_time_s)
         if self.comm_time_s + self.compute_time_s <= 0:
             raise ValueError(f"server {self.id}: comm_time_s + compute_time_s must be > 0")
+        _check_number(f"server {self.id}: decode_time_s", self.decode_time_s)
+        if self.decode_time_s > self.compute_time_s:
+            raise ValueError(f"server {self.id}: decode_time_s must not exceed compute_time_s")
+        if self.batch is not None and not isinstance(self.batch, BatchCurve):
+            raise ValueError(f"server {self.id}: batch must be a BatchCurve or None")
 
     @property
     def memory_bytes(self) -> int:
@@ -230,7 +243,15 @@ class Chain:
     capacity: int
     """c_k, the maximum number of concurrent jobs on the chain."""
     service_time: float
-    """T_k of eq. (2), mean seconds per job."""
+    """T_k of eq. (2), mean seconds per job; with batching servers T_k(n^cap), at the occupancy the
+    capacities imply (:mod:`planner.service_model`)."""
+    solo_time: float | None = None
+    """T_k(1), a job alone on the chain's servers, when it differs from ``service_time`` (batching servers)."""
+
+    @property
+    def alone_time(self) -> float:
+        """T_k of a job alone on the chain's servers (= ``service_time`` without batching servers)."""
+        return self.service_time if self.solo_time is None else self.solo_time
 
     @property
     def rate(self) -> float:

@@ -14,10 +14,12 @@ from typing import Any, Mapping, Sequence
 from planner.allocation import Allocation, gca
 from planner.auto import auto_placement
 from planner.baselines import bprr_reservation, cg_bp, petals_placement, random_order, whole_model_placement
-from planner.bounds import ResponseTimeBounds, response_time_bounds
+from planner.batch_bounds import allocation_bounds
+from planner.bounds import ResponseTimeBounds
 from planner.dispatch import Dispatcher, make_dispatcher
 from planner.model import Chain, ModelSpec, Placement, Server, Span, validate_servers
 from planner.placement import DEFAULT_TARGET_LOAD, SwarmArrays, validate_load
+from planner.service_model import BatchCurve
 from planner.tuning import TUNINGS, Candidate, InfeasibleError, evaluate_c, tune_c
 
 PLACEMENTS = ("gbp-cr", "petals", "bprr", "whole-model", "random", "auto")
@@ -59,13 +61,17 @@ class ServerPlan:
 
 
 def chain_to_dict(chain: Chain) -> dict[str, Any]:
-    return {
+    """A chain as JSON; with batching servers also ``solo_time``, T_k(1) (``service_time`` is T_k(n^cap))."""
+    doc = {
         "servers": list(chain.servers),
         "spans": [list(span) for span in chain.spans],
         "capacity": chain.capacity,
         "service_time": chain.service_time,
         "rate": chain.rate,
     }
+    if chain.solo_time is not None:
+        doc["solo_time"] = chain.solo_time
+    return doc
 
 
 @dataclass(frozen=True)
@@ -249,9 +255,7 @@ def _assemble(
         ServerPlan(s.id, layout.spans[i], allocation.slots_total[i], allocation.slots_allocated[i])
         for i, s in enumerate(servers)
     )
-    bounds = response_time_bounds(
-        [ch.rate for ch in allocation.chains], [ch.capacity for ch in allocation.chains], arrival_rate
-    )
+    bounds = allocation_bounds(allocation.chains, servers, arrival_rate)
     return Plan(
         model=model,
         placement_method=method,
@@ -272,7 +276,8 @@ def parse_swarm(doc: Mapping[str, Any]) -> tuple[ModelSpec, tuple[Server, ...], 
 
     ``{"model": {"num_blocks", "block_size_gb", "cache_slot_gb"}, "servers": [{"id", "memory_gb",
     "comm_time_s", "compute_time_s"}, ...], "arrival_rate", "target_load"}``; ``target_load`` is optional
-    (default 0.7). Returns (model, servers, arrival_rate, target_load); raises ValueError with a one-line
+    (default 0.7), and so is a batching server's ``"decode_time_s"`` (D_j) with its ``"batch": {"factors",
+    "max_batch", "sizes"}`` (:class:`planner.service_model.BatchCurve`). Returns (model, servers, arrival_rate, target_load); raises ValueError with a one-line
     message on any problem.
     """
     if not isinstance(doc, Mapping):
@@ -299,12 +304,19 @@ def parse_swarm(doc: Mapping[str, Any]) -> tuple[ModelSpec, tuple[Server, ...], 
         sid = _field(sdoc, "id", where)
         if isinstance(sid, bool) or not isinstance(sid, (str, int)):
             raise ValueError(f"{where}.id must be a string")
+        batch = sdoc.get("batch")
+        try:
+            curve = None if batch is None else BatchCurve.from_dict(batch)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}.batch: {exc}") from None
         servers.append(
             Server(
                 id=str(sid),
                 memory_gb=_field(sdoc, "memory_gb", where),
                 comm_time_s=_field(sdoc, "comm_time_s", where),
                 compute_time_s=_field(sdoc, "compute_time_s", where),
+                decode_time_s=sdoc.get("decode_time_s", 0.0),
+                batch=curve,
             )
         )
     arrival_rate = _field(doc, "arrival_rate", "swarm")

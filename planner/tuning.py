@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from planner.allocation import Allocation, allocate
-from planner.bounds import response_time_bounds
+from planner.batch_bounds import allocation_bounds
 from planner.model import ModelSpec, Server
 from planner.placement import (
     DEFAULT_TARGET_LOAD,
@@ -176,9 +176,7 @@ def iter_candidates(
             key = tuple(zip(sub.order, sub.starts, sub.blocks))
             if key not in memo:
                 alloc = _allocate_run(arrays, sub, ids, comm, compute, ranks)
-                rates = [ch.rate for ch in alloc.chains]
-                caps = [ch.capacity for ch in alloc.chains]
-                bounds = response_time_bounds(rates, caps, arrival_rate)
+                bounds = allocation_bounds(alloc.chains, arrays.servers, arrival_rate)
                 memo[key] = (
                     alloc,
                     alloc.total_rate,
@@ -207,7 +205,7 @@ def _allocate_run(arrays: SwarmArrays, run: ChainRun, ids, comm, compute, ranks)
     blocks[run.order] = run.blocks
     budget = ((arrays.memory_bytes - blocks * model.block_bytes) // model.slot_bytes).tolist()
     placed = [(j, a, a + m) for j, a, m in zip(run.order, run.starts, run.blocks)]
-    return allocate(model.num_blocks, ids, placed, budget, comm, compute, ranks)
+    return allocate(model.num_blocks, ids, placed, budget, comm, compute, ranks, servers=arrays.servers)
 
 
 def _truncate(run: ChainRun, processed: int) -> ChainRun:

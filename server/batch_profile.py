@@ -5,7 +5,8 @@
 caches in one ``MemoryCache`` of this process. :class:`Sessions` allocates caches for sessions the way the
 runtime holds them. :func:`decode_step_times` times one decode step of ``b`` sessions for each batch size:
 ``batched`` (one :class:`server.batching.BatchedInferenceStep` group) and ``sequential`` (petals' own
-per-session path, b tasks one after another). Used by the batching benchmark and its tests.
+per-session path, b tasks one after another). Used by the batching benchmark and its tests, and by
+:func:`server.profiling.batch_factors` (a server's published batch curve) on :func:`random_backends`.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from server.prefix_cache import PrefixBackend
 
 def load_backends(model_dir: str, blocks: Iterable[int], dtype: torch.dtype = torch.float32) -> dict:
     """``{uid: PrefixBackend}`` for ``blocks`` of the checkpoint, sharing one in-process ``MemoryCache``."""
-    from hivemind import BatchTensorDescriptor
     from petals.server.from_pretrained import load_pretrained_block
     from petals.utils.convert_block import QuantType, convert_block
 
@@ -38,12 +38,31 @@ def load_backends(model_dir: str, blocks: Iterable[int], dtype: torch.dtype = to
     for i in blocks:
         block = load_pretrained_block(str(model_dir), i, config=config, torch_dtype=dtype)
         block = convert_block(block, i, config, [cpu], cpu, QuantType.NONE)
-        schema = (BatchTensorDescriptor(1, 2048, config.hidden_size, dtype=dtype),)
-        uid = f"block.{i}"
-        backends[uid] = PrefixBackend(uid, block, config=config, memory_cache=cache, backend_dtype=dtype,
-                                      max_chunk_size_bytes=256 * 1024 * 1024, args_schema=schema, kwargs_schema={},
-                                      outputs_schema=schema, min_batch_size=1, max_batch_size=2048)
+        backends[f"block.{i}"] = _backend(f"block.{i}", block, config, cache, dtype)
     return backends
+
+
+def random_backends(config, device: torch.device, dtype: torch.dtype, quant_type, num_blocks: int = 1) -> dict:
+    """``{uid: PrefixBackend}`` for ``num_blocks`` randomly initialised blocks of ``config``'s architecture, built
+    and converted as a petals server holds them (what a server profiles before it knows its blocks)."""
+    from petals.utils.convert_block import convert_block
+
+    cache = MemoryCache(None)
+    backends = {}
+    for i in range(num_blocks):
+        block = config.block_class(config).to(dtype)
+        block = convert_block(block, i, config, [device], device, quant_type=quant_type, freeze=True)
+        backends[f"block.{i}"] = _backend(f"block.{i}", block, config, cache, dtype)
+    return backends
+
+
+def _backend(uid: str, block, config, cache: MemoryCache, dtype: torch.dtype) -> PrefixBackend:
+    from hivemind import BatchTensorDescriptor
+
+    schema = (BatchTensorDescriptor(1, 2048, config.hidden_size, dtype=dtype),)
+    return PrefixBackend(uid, block, config=config, memory_cache=cache, backend_dtype=dtype,
+                         max_chunk_size_bytes=256 * 1024 * 1024, args_schema=schema, kwargs_schema={},
+                         outputs_schema=schema, min_batch_size=1, max_batch_size=2048)
 
 
 class Session:
@@ -92,21 +111,24 @@ def step_sessions(step: BatchedInferenceStep, sessions: Sequence[Session], hidde
 
 
 def decode_step_times(backends: dict, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), *, context: int = 64,
-                      repeats: int = 10) -> dict:
-    """Median seconds per decode step over all of ``backends`` for each batch size, batched and sequential,
-    with every session holding ``context`` cached tokens."""
+                      repeats: int = 10, modes: Sequence[str] = ("batched", "sequential")) -> dict:
+    """Median seconds per decode step over all of ``backends`` for each batch size, batched and sequential
+    (``modes``), with every session holding ``context`` cached tokens."""
     step = BatchedInferenceStep(backends)
-    hidden_size = next(iter(backends.values())).config.hidden_size
+    first = next(iter(backends.values()))
+    hidden_size, dtype = first.config.hidden_size, first.dtype
+    device = next(first.module.parameters()).device
     result = {}
     torch.manual_seed(0)
     for b in batch_sizes:
         row = {}
-        for mode in ("batched", "sequential"):
+        for mode in modes:
             sessions = [Session(backends, max_length=context + repeats + 4) for _ in range(b)]
-            step_sessions(step, sessions, [torch.randn(1, context, hidden_size) for _ in sessions], batched=False)
+            step_sessions(step, sessions, [torch.randn(1, context, hidden_size, device=device, dtype=dtype)
+                                           for _ in sessions], batched=False)
             times = []
             for _ in range(repeats + 1):
-                tokens = [torch.randn(1, 1, hidden_size) for _ in sessions]
+                tokens = [torch.randn(1, 1, hidden_size, device=device, dtype=dtype) for _ in sessions]
                 start = time.perf_counter()
                 step_sessions(step, sessions, tokens, batched=mode == "batched")
                 times.append(time.perf_counter() - start)

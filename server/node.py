@@ -69,9 +69,12 @@ class ChainswarmServer(Server):
     * ``profile_ttl_factor`` — profile TTL in heartbeats (default 2.5); the heartbeat is ``update_period``;
     * ``rtt_period`` — how often (s) the RTT to the orchestrator is re-measured (default 30);
     * ``report`` — optional ``multiprocessing`` connection for launcher reports (see the module doc);
-    * ``declared_profile`` — ``{"prefill_s", "decode_s", "rtt_s"}`` (any subset) to report instead of what
-      is measured: emulated hardware in experiments (a "slow GPU" on a CPU box) and reproducible plans in
-      tests. Real volunteers leave it unset; the RTT is still reported only once an orchestrator exists.
+    * ``declared_profile`` — ``{"prefill_s", "decode_s", "rtt_s", "batch_step_s"}`` (any subset) to report
+      instead of what is measured: emulated hardware in experiments (a "slow GPU" on a CPU box) and reproducible
+      plans in tests. Real volunteers leave it unset; the RTT is still reported only once an orchestrator exists.
+      (The batch curve: :func:`server.profiling.published_batch_steps`.)
+    * ``max_batch`` — the batch bound of the server's inference pool (``run_node`` installs the batching pool
+      and passes it; 1 = petals' own pool), published with the batch curve.
     * ``emulated_compute`` — ``{"prefill_s", "decode_s"}``: emulate an accelerator (:mod:`server.emulation`).
       Every inference step is delayed by that much per block and token, and the profile reports the
       measured (or declared) compute plus the emulated time.
@@ -98,6 +101,7 @@ class ChainswarmServer(Server):
         identity_key: Optional[str] = None,
         orchestrator_key: Optional[str | bytes] = None,
         open_sessions: bool = False,
+        max_batch: int = 1,
         **server_kwargs: Any,
     ):
         for key in ("num_blocks", "block_indices"):
@@ -140,9 +144,10 @@ class ChainswarmServer(Server):
                                                      cache_dir=profile_cache_dir or profiling.default_cache_dir())
             self.cache_bytes_per_token = profiling.cache_bytes_per_token(self.block_config, self.torch_dtype)
             self.declared = dict(declared_profile or {})
-            unknown = set(self.declared) - {"prefill_s", "decode_s", "rtt_s"}
+            unknown = set(self.declared) - {"prefill_s", "decode_s", "rtt_s", "batch_step_s"}
             if unknown:
-                raise ValueError(f"declared_profile accepts prefill_s, decode_s and rtt_s, not {sorted(unknown)}")
+                raise ValueError("declared_profile accepts prefill_s, decode_s, rtt_s and batch_step_s, "
+                                 f"not {sorted(unknown)}")
             if "prefill_s" in self.declared and "decode_s" in self.declared:
                 self.compute = profiling.ComputeTimes(float(self.declared["prefill_s"]),
                                                       float(self.declared["decode_s"]))
@@ -151,11 +156,16 @@ class ChainswarmServer(Server):
                     self.block_config, self.device, self.torch_dtype, self.quant_type,
                     cache_dir=profile_cache_dir, tensor_parallel_devices=self.tensor_parallel_devices,
                 )
+            self.max_batch = int(max_batch)
+            self.batch_steps = profiling.published_batch_steps(
+                self.declared, self.block_config, self.device, self.torch_dtype, self.quant_type,
+                max_batch=self.max_batch, decode_s=self.compute.decode_s, cache_dir=profile_cache_dir)
             if emulated_compute is not None:
                 self.emulated = emulation.install(emulated_compute)
                 self.compute = profiling.ComputeTimes(
                     self.compute.prefill_s + self.emulated.prefill_s, self.compute.decode_s + self.emulated.decode_s,
                     self.compute.measured_s, self.compute.cached)
+                self.batch_steps = profiling.with_emulated_decode(self.batch_steps, self.emulated.decode_s)
         except BaseException:
             self.dht.shutdown()  # do not leave the DHT process and its p2pd behind
             raise
@@ -224,6 +234,8 @@ class ChainswarmServer(Server):
                 end=current.end if current is not None else None,
                 cache_slots=current.cache_slots if current is not None else 0,
                 version=petals.__version__,
+                batch_step_s=self.batch_steps,
+                max_batch=self.max_batch,
             )
 
     def _set_state(self, state: str, current: Optional[Assignment] = None, *, keep_current: bool = False) -> None:
@@ -481,7 +493,9 @@ def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
     from server import batching
 
     server_tickets.install_ticket_handler(push_counter=push_counter)
-    server = ChainswarmServer(report=report, **batching.install(server_kwargs))
+    bound = server_kwargs.get("max_batch")
+    server = ChainswarmServer(report=report, max_batch=batching.DEFAULT_MAX_BATCH if bound is None else bound,
+                              **batching.install(server_kwargs))
     try:
         server.run()
     finally:

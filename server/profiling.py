@@ -9,6 +9,10 @@ The profile has three parts (chain-composition spec §2.3, §2.7; petals-integra
   prefill time (a forward over many tokens), timed on one randomly initialised block of the real
   architecture with a timed forward and decode of a block built as petals builds it. The result is cached in a JSON file keyed by the model
   config's fingerprint, the device, dtype and quantisation, so a restarted server skips the measurement;
+* **batching** — the per-block time of one decode step of b sessions, b ∈ {1, 2, 4, 8, 16}
+  (:func:`batch_step_times`): measured once on a random block with the server's batched step
+  (:mod:`server.batch_profile`) and cached next to the compute times; a server whose pool runs one session at a
+  time (``--max-batch 1``) publishes b × its one-session step without measuring;
 * **communication** — the round-trip time to the orchestrator's peer, pinged over the swarm.
 
 The orchestrator turns the per-token times into the planner's per-job times with :func:`job_compute_time`.
@@ -242,6 +246,91 @@ def compute_times(
     times = measure_block_times(config, device, torch_dtype, quant_type, **measure_options)
     _update_cache(path, key, {**asdict(times), "cached": False, "measured_at": time.time()})
     return times
+
+
+def batch_cache_key(config, device, torch_dtype, quant_type) -> str:
+    return "batch|" + compute_cache_key(config, device, torch_dtype, quant_type)
+
+
+def measure_batch_factors(config, device="cpu", torch_dtype="float32", quant_type="none", *, num_blocks: int = 4,
+                          context: int = 32, repeats: int = 8, passes: int = 2) -> tuple[float, ...]:
+    """g(b) = t(b)/t(1) at :data:`planner.service_model.BATCH_SIZES`: the batched decode step of b sessions
+    (``context`` cached tokens each) over ``num_blocks`` randomly initialised blocks of ``config``'s
+    architecture (one block fits in the CPU's caches and is unrepresentatively fast), relative to one session.
+    Each time is the smallest of ``passes`` medians over ``repeats`` steps (the device's speed, not a
+    neighbour's load); the factors are made nondecreasing (:meth:`~planner.service_model.BatchCurve.from_step_times`)
+    and at most b (a noisy measurement must not model a batch slower than running its sessions in turn). On a
+    CPU it runs with one torch thread: with several, contention on a shared machine made the ratios vary
+    tenfold here; on a many-core CPU, where larger batches parallelise better, one thread overstates g
+    (conservative)."""
+    import torch
+
+    from planner.service_model import BATCH_SIZES, BatchCurve
+    from server.batch_profile import decode_step_times, random_backends
+
+    device = torch.device(device)
+    blocks = max(1, min(num_blocks, getattr(config, "num_hidden_layers", num_blocks) or num_blocks))
+    best = [math.inf] * len(BATCH_SIZES)
+    threads = torch.get_num_threads()
+    try:
+        if device.type == "cpu":
+            torch.set_num_threads(1)  # stable on a shared CPU (see the docstring)
+        with torch.inference_mode():
+            backends = random_backends(config, device, _dtype(torch_dtype), _quant(quant_type), num_blocks=blocks)
+            for _ in range(passes):
+                times = decode_step_times(backends, BATCH_SIZES, context=context, repeats=repeats,
+                                          modes=("batched",))
+                best = [min(t, times[b]["batched"]) for t, b in zip(best, BATCH_SIZES)]
+    finally:
+        torch.set_num_threads(threads)
+    factors = BatchCurve.from_step_times(best).factors
+    return tuple(min(f, b) for f, b in zip(factors, BATCH_SIZES))  # never modelled slower than one at a time
+
+
+def batch_step_times(config, device="cpu", torch_dtype="float32", quant_type="none", *, max_batch: int,
+                     decode_s: float, cache_dir: Optional[str | os.PathLike] = None, force: bool = False,
+                     **measure_options) -> tuple[float, ...]:
+    """The per-block decode step time of b sessions at each batch size of the published curve, scaled so that
+    one session takes ``decode_s`` (the compute profile's decode time): ``b·decode_s`` when the server's pool
+    runs one session at a time (``max_batch`` 1, petals' own pool), else ``decode_s·g(b)`` with g measured by
+    :func:`measure_batch_factors` once per (model, device, dtype, quantisation) and cached like the compute
+    times (``force`` re-measures). The planner applies ``max_batch`` itself (rounds past the bound)."""
+    from planner.service_model import BATCH_SIZES
+
+    if max_batch <= 1:
+        return tuple(b * decode_s for b in BATCH_SIZES)
+    path = Path(cache_dir or default_cache_dir()) / CACHE_FILE
+    key = batch_cache_key(config, device, torch_dtype, quant_type)
+    factors = None if force else _read_cache(path).get(key)
+    if not (isinstance(factors, list) and len(factors) == len(BATCH_SIZES)
+            and all(isinstance(f, (int, float)) and f >= 1 for f in factors)):
+        started = time.perf_counter()
+        factors = list(measure_batch_factors(config, device, torch_dtype, quant_type, **measure_options))
+        logger.info("batched decode step on %s: g(b) = %s for b = %s, measured in %.2f s", device_name(device),
+                    [round(f, 3) for f in factors], BATCH_SIZES, time.perf_counter() - started)
+        _update_cache(path, key, factors)
+    return tuple(decode_s * float(f) for f in factors)
+
+
+def published_batch_steps(declared: dict, config, device, torch_dtype, quant_type, *, max_batch: int,
+                          decode_s: float, cache_dir: Optional[str | os.PathLike] = None) -> Optional[tuple]:
+    """The batch curve a server publishes (``ServerProfile.batch_step_s``): the declared ``batch_step_s``; none
+    when ``prefill_s`` and ``decode_s`` are declared without it (test and experiment profiles keep the planner's
+    g ≡ 1); otherwise :func:`batch_step_times` (measured or cached, or b × decode_s for ``max_batch`` 1)."""
+    from swarm.records import check_batch_steps
+
+    if "batch_step_s" in declared:
+        return check_batch_steps(declared["batch_step_s"])
+    if "prefill_s" in declared and "decode_s" in declared:
+        return None
+    return batch_step_times(config, device, torch_dtype, quant_type, max_batch=max_batch, decode_s=decode_s,
+                            cache_dir=cache_dir)
+
+
+def with_emulated_decode(steps: Optional[tuple], emulated_decode_s: float) -> Optional[tuple]:
+    """The curve with an emulated accelerator's decode time added to every point: the emulation is a sleep
+    per session (:mod:`server.emulation`), so it does not batch and does not grow with the batch."""
+    return None if steps is None else tuple(t + emulated_decode_s for t in steps)
 
 
 def job_compute_time(prefill_s: float, decode_s: float, mean_input: float, mean_output: float,

@@ -5,6 +5,9 @@ expected request lengths (chain-composition spec §2.7 footnote 11 and §10.2):
 
     τp_j = t_o + prefill_s·l̄_I + decode_s·(l̄_O − 1)        τc_j = l̄_O·(RTT_j + per-hop overhead)
 
+and, from a server's published batch curve (``ServerProfile.batch_step_s``), the decode share
+D_j = decode_s·(l̄_O − 1) of τp_j and g_j (:mod:`planner.service_model`: GCA then rates each chain at the
+occupancy its capacities imply); servers without a curve are planned with g ≡ 1. It
 runs the planner (GBP-CR with c tuned by the Theorem 3.7 lower bound, then GCA, by default), and keeps
 plans stable: when membership changes it compares the best fresh plan with GCA over the *current*
 placement (restricted to the servers still present) and keeps the current block ranges unless the fresh
@@ -85,12 +88,14 @@ def planner_inputs(
     servers = []
     for p in sorted(profiles, key=lambda p: p.node_id):
         rtt = p.rtt_s or 0.0
+        decode = p.decode_s * (expect.output_tokens - 1)
         servers.append(Server(
             id=p.node_id,
             memory_gb=p.memory_bytes / BYTES_PER_GB,
             comm_time_s=expect.output_tokens * (rtt + expect.hop_overhead_s),
-            compute_time_s=expect.block_overhead_s + p.prefill_s * expect.input_tokens
-            + p.decode_s * (expect.output_tokens - 1),
+            compute_time_s=expect.block_overhead_s + p.prefill_s * expect.input_tokens + decode,
+            decode_time_s=decode,
+            batch=p.batch_curve(),
         ))
     return model, servers
 
@@ -102,7 +107,9 @@ def swarm_document(profiles: Sequence[ServerProfile], num_blocks: int, expect: E
         "model": {"num_blocks": model.num_blocks, "block_size_gb": model.block_size_gb,
                   "cache_slot_gb": model.cache_slot_gb},
         "servers": [{"id": s.id, "memory_gb": s.memory_gb, "comm_time_s": s.comm_time_s,
-                     "compute_time_s": s.compute_time_s} for s in servers],
+                     "compute_time_s": s.compute_time_s,
+                     **({} if s.batch is None else {"decode_time_s": s.decode_time_s, "batch": s.batch.to_dict()})}
+                    for s in servers],
         "arrival_rate": expect.arrival_rate,
         "target_load": expect.target_load,
     }
@@ -223,15 +230,21 @@ def chain_prefill_s(chain: RoutableChain, profiles: Mapping[str, ServerProfile])
 def planned_step_s(chain: RoutableChain, profiles: Mapping[str, ServerProfile],
                    assignments: Mapping[str, Assignment], tokens: int) -> float:
     """Planned time of one inference step of ``tokens`` positions through ``chain`` when each server also runs
-    the steps of every other session it is planned for (petals 2.2 serves a server's steps one at a time):
-    Σ_j blocks_j · (prefill_s if tokens > 1 else decode_s) · tokens · sessions_j + rtt_j."""
+    the steps of every other session it is planned for: prefills one after another (petals 2.2 serves a
+    server's steps one at a time), a decode step as the server's published batch curve says (g_j(sessions_j);
+    without a curve one at a time too):
+    Σ_j blocks_j · (prefill_s · tokens · sessions_j  or  decode_s · g_j(sessions_j)) + rtt_j."""
     total = 0.0
     for node, (start, end) in zip(chain.servers, chain.spans):
         profile, assignment = profiles.get(node), assignments.get(node)
         if profile is None:
             continue
-        per_token = profile.prefill_s if tokens > 1 else profile.decode_s
         held = max(1, (assignment.end - assignment.start) if assignment is not None else 1)
         sessions = max(1, (assignment.cache_slots if assignment is not None else 1) // held)
-        total += (end - start) * per_token * max(1, tokens) * sessions + (profile.rtt_s or 0.0)
+        curve = profile.batch_curve() if tokens <= 1 else None
+        if curve is not None:
+            step = profile.decode_s * curve(sessions)
+        else:
+            step = (profile.prefill_s if tokens > 1 else profile.decode_s) * max(1, tokens) * sessions
+        total += (end - start) * step + (profile.rtt_s or 0.0)
     return total

@@ -14,8 +14,11 @@ record is signed by its writer (owned subkeys, :mod:`swarm.identity`); readers n
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from planner.service_model import BATCH_SIZES, MAX_BATCH_LIMIT, BatchCurve
 
 PROFILES = "_cs.profiles"
 ASSIGNMENTS = "_cs.assignments"
@@ -41,7 +44,8 @@ def _typed(doc: Mapping[str, Any], cls) -> dict[str, Any]:
                 raise RecordError(f"{cls.__name__} record lacks {f.name!r}")
             continue
         value = doc[f.name]
-        kinds = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+        kinds = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+                 "tuple[float,...]": (list, tuple)}
         expected = str(f.type).replace(" ", "").split("|")
         ok = value is None and "None" in expected
         for name in expected:
@@ -59,6 +63,11 @@ class ServerProfile:
     Times are per block per token, so the orchestrator can turn them into the planner's per-job times
     for its own expected request lengths (chain-composition spec §2.7, footnote 11):
     τp_j = overhead + prefill_s·l̄_I + decode_s·(l̄_O − 1), τc_j = l̄_O·(rtt_s + per-hop overhead).
+
+    ``batch_step_s`` is the per-block time of one decode step of b sessions at b = 1, 2, 4, 8, 16
+    (:data:`planner.service_model.BATCH_SIZES`; nondecreasing, at most twice b sessions run one after another)
+    and ``max_batch`` the server's batch bound: the planner's g_j (:meth:`batch_curve`). A server without
+    them (older servers, declared test profiles) is planned with g ≡ 1.
     """
 
     node_id: str  # stable name of the volunteer's server (survives restarts of its petals peer)
@@ -78,6 +87,8 @@ class ServerProfile:
     end: int | None = None
     cache_slots: int = 0
     version: str = ""
+    batch_step_s: tuple[float, ...] | None = None  # per block: one decode step of b sessions, b in BATCH_SIZES
+    max_batch: int | None = None  # the server's batch bound (1: petals' one-session-at-a-time pool)
 
     def __post_init__(self) -> None:
         if self.state not in SERVER_STATES:
@@ -86,6 +97,16 @@ class ServerProfile:
             raise RecordError("memory, block and cache sizes must be positive")
         if self.prefill_s < 0 or self.decode_s < 0 or (self.rtt_s is not None and self.rtt_s < 0):
             raise RecordError("times must be non-negative")
+        if self.batch_step_s is not None:
+            object.__setattr__(self, "batch_step_s", check_batch_steps(self.batch_step_s))
+        if self.max_batch is not None and not (1 <= self.max_batch <= MAX_BATCH_LIMIT):
+            raise RecordError(f"max_batch must be in [1, {MAX_BATCH_LIMIT}]")
+
+    def batch_curve(self) -> BatchCurve | None:
+        """g_j for the planner from ``batch_step_s`` and ``max_batch`` (None: not published)."""
+        if self.batch_step_s is None:
+            return None
+        return BatchCurve.from_step_times(self.batch_step_s, self.max_batch)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,6 +114,23 @@ class ServerProfile:
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> "ServerProfile":
         return cls(**_typed(doc, cls))
+
+
+def check_batch_steps(values) -> tuple[float, ...]:
+    """A published batch curve as a tuple of floats, or RecordError: one positive finite time (≤ 1 h) per size
+    of :data:`~planner.service_model.BATCH_SIZES`, nondecreasing, t(b) ≤ 2·b·t(1)."""
+    if not isinstance(values, (list, tuple)) or len(values) != len(BATCH_SIZES):
+        raise RecordError(f"batch_step_s must list {len(BATCH_SIZES)} step times (batch sizes {BATCH_SIZES})")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 3600:
+            raise RecordError(f"batch_step_s holds an invalid time {v!r}")
+        out.append(float(v))
+    if any(b < a for a, b in zip(out, out[1:])):
+        raise RecordError("batch_step_s must be nondecreasing in the batch size")
+    if any(t > 2 * b * out[0] for b, t in zip(BATCH_SIZES, out)):
+        raise RecordError("batch_step_s is slower than running the sessions one after another, twice over")
+    return tuple(out)
 
 
 @dataclass(frozen=True)

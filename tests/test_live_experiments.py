@@ -52,6 +52,8 @@ def test_validation_smoke_compares_service_times_with_the_model(table1):
     assert data["summary"]["n"] == 6
     for row in data["rows"]:
         assert row["predicted"] > 0 and row["measured"] > 0 and row["comm"] > 0 and row["comp"] > 0
+        # the batch term (petals' one-at-a-time pool on the CPU part) only ever adds time
+        assert row["predicted_batch"] >= row["predicted"] * (1 - 1e-12)
     assert (out / "live_validation_quick.png").stat().st_size > 0
 
 

@@ -197,9 +197,15 @@ def test_nodes_publish_their_profiles(swarm, orchestrator_dht):
         assert (profile.device, profile.torch_dtype, profile.quant_type) == ("cpu", "float32", "none")
         assert profile.plan_id is None and profile.start is None and profile.rtt_s is None
         assert peer.info["profile"] == profile.to_dict() | {"state": records.WAITING}
-    # both nodes share one cache entry for this model on this device (plus the block size)
+        # the batching pool's decode step at 1, 2, 4, 8, 16 sessions: one session is the profile's decode time
+        steps = profile.batch_step_s
+        assert profile.max_batch == 8 and len(steps) == 5 and steps[0] == pytest.approx(profile.decode_s)
+        assert list(steps) == sorted(steps) and steps[-1] <= 16 * steps[0] + 1e-12
+    # both nodes share one cache entry for this model on this device (plus the block size and batch curve)
     keys = sorted(json.loads((swarm.profile_dir / profiling.CACHE_FILE).read_text()))
-    assert len(keys) == 2 and keys[1].startswith("block_bytes|") and keys[0].endswith("|float32|none")
+    compute = [k for k in keys if not k.startswith(("block_bytes|", "batch|"))]
+    assert len(keys) == 3 and len(compute) == 1 and compute[0].endswith("|float32|none")
+    assert f"batch|{compute[0]}" in keys and any(k.startswith("block_bytes|") for k in keys)
     # once an orchestrator is known, the nodes measure their RTT to it over the swarm
     info = OrchestratorInfo(peer_id=orchestrator_dht.peer_id.to_base58(), http_url=None)
     assert records.publish_orchestrator(orchestrator_dht, swarm.dht_prefix, info, ttl=300,

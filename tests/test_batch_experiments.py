@@ -1,0 +1,56 @@
+"""Fig. 8 with batching servers (experiments/fig_batching.py) and the batch term of the validation experiment
+(experiments/batch_validation.py), on small inputs and on the committed benchmark."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import batch_validation as bv
+from experiments.fig_batching import METHODS, fig8_batching, measured_curve, run_cli
+from experiments.figure_common import Settings
+from planner.service_model import BatchCurve
+
+RESULTS = Path(__file__).resolve().parents[1] / "experiments" / "results"
+
+
+def test_service_time_under_the_observed_occupancy_by_hand():
+    steps = bv.occupancy([{"servers": ["a"], "started": 0.0, "completed": 1.0},
+                          {"servers": ["a"], "started": 0.0, "completed": 5.0}])
+    assert steps["a"] == ([0.0, 0.0, 1.0, 5.0], [1, 2, 1, 0])
+    # alone 2 s, 1 s of it decode on a server with g(n) = n: 2 sessions until t = 1 (speed 2/3), then alone
+    assert bv.ps_service_time(0.0, 2.0, [("a", 1.0, BatchCurve.sequential())], steps) == pytest.approx(1 + 4 / 3)
+    assert bv.ps_service_time(2.0, 2.0, [("a", 1.0, BatchCurve.sequential())], steps) == pytest.approx(2.0)
+
+
+def test_the_batch_term_explains_the_benchmarks_slowdown_with_sessions():
+    rows = bv.bench_check(json.loads((RESULTS / "bench_batching.json").read_text()))
+    assert {r["servers"] for r in rows} == {"vanilla_petals", "chainswarm_batched"}
+    for kind in ("vanilla_petals", "chainswarm_batched"):
+        multi = [r for r in rows if r["servers"] == kind and r["sessions"] > 1]
+        err = lambda key: np.median([abs(np.log(r[key])) for r in multi])  # noqa: E731
+        assert err("ratio") < err("ratio_no_batch"), kind
+    one = [r for r in rows if r["sessions"] == 1]
+    assert one and all(r["ratio"] == r["ratio_no_batch"] == 1.0 for r in one)
+
+
+def test_fig8_batching_small_run_and_its_report(tmp_path):
+    curve, meta = measured_curve()
+    assert curve.max_batch == 8 and curve.factors[-1] > curve.factors[0] == 1.0
+    data = fig8_batching(Settings(runs=1, num_jobs=600, quick=True, workers=1, progress=False), curve, meta)
+    assert [(c["J"], c["eta"]) for c in data["cells"]] == [(10, 0.1), (10, 0.2), (20, 0.1), (20, 0.2)]
+    for cell in data["cells"]:
+        run = cell["runs"][0]
+        assert set(run["batching"]) == set(METHODS["batching"]) and set(run["paper"]) == set(METHODS["paper"])
+        # the same plan and jobs on batching servers take longer than with g ≡ 1
+        assert run["batching"]["proposed (c*), blind"]["service"] > run["paper"]["proposed (c*)"]["service"]
+    (tmp_path / f"{data['figure']}.json").write_text(json.dumps(data))
+    args = argparse.Namespace(out=tmp_path, replot=True, quick=True, runs=None, workers=None, no_progress=True,
+                              comm_model="per-token")
+    assert run_cli(args) == 0
+    section = (tmp_path / "sections" / "fig8_batching.md").read_text()
+    assert "| 20 | 0.2 |" in section and "**Proposed (c*) vs PETALS**" in section and "Cost of real servers" in section
+    assert (tmp_path / "fig8_batching.png").stat().st_size > 0 and (tmp_path / "REPORT.md").exists()
