@@ -45,6 +45,18 @@ class Ticket:
     def covers(self, peer_id: str, start: int, end: int) -> bool:
         return any(p == peer_id and s <= start and end <= e for p, s, e in self.route)
 
+    def pushers(self, peer_id: str, start: int, end: int) -> frozenset[str]:
+        """The peers that may push into a session of this ticket on ``peer_id``'s blocks ``[start, end)``: the
+        route's server for block ``start - 1`` (none for the first span, or when the route does not name
+        ``peer_id`` for these blocks)."""
+        if start <= 0 or not self.covers(peer_id, start, end):
+            return frozenset()
+        return frozenset(p for p, s, e in self.route if s <= start - 1 < e)
+
+    def same_grant(self, other: "Ticket") -> bool:
+        """Whether both tickets were minted for the same granted session (a reroute keeps both ids)."""
+        return (self.request_id, self.chain_id) == (other.request_id, other.chain_id)
+
 
 def pages_digest(hashes: Sequence[bytes]) -> bytes:
     h = hashlib.blake2b(b"chainswarm-pages", digest_size=16)
@@ -90,9 +102,10 @@ def _parse(body: Any) -> Ticket:
 
 
 def verify(blob: Any, orchestrator_key: bytes, *, peer_id: str, start: int, end: int,
-           at: float | None = None) -> Ticket:
+           at: float | None = None, check_expiry: bool = True) -> Ticket:
     """The ticket in ``blob`` if it grants ``peer_id`` blocks ``[start, end)`` now; else :class:`TicketError`
-    with a one-line reason."""
+    with a one-line reason. ``check_expiry=False`` accepts an expired ticket (a push carries the ticket its
+    session opened with, long before)."""
     from swarm.identity import verify as verify_signature
 
     if blob is None:
@@ -113,7 +126,7 @@ def verify(blob: Any, orchestrator_key: bytes, *, peer_id: str, start: int, end:
         raise
     except Exception:
         raise TicketError("chainswarm: session refused: malformed ticket") from None
-    if ticket.expires_at < (now() if at is None else at):
+    if check_expiry and ticket.expires_at < (now() if at is None else at):
         raise TicketError("chainswarm: session refused: the ticket has expired")
     if not ticket.covers(peer_id, start, end):
         raise TicketError(f"chainswarm: session refused: the ticket does not grant blocks [{start}, {end}) "
