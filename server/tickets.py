@@ -15,7 +15,7 @@ step). Unless the gate is open, a push is taken only from the peer that the rout
 before this session's span — the route of the session's own ticket, or of a ticket the pusher carries for the
 same grant (same request and chain, signed by the pinned key, naming this server for this span): after a
 failover the client's new ticket places the replacement server before this one, and the replacement pushes
-with it. The pusher is the authenticated libp2p peer of the call (the handler that receives the push writes
+with it. A push that carries a ticket of another grant, or one not signed by the pinned key, is refused. The pusher is the authenticated libp2p peer of the call (the handler that receives the push writes
 it into the push's metadata; the handler that owns the session decides). Anything else is dropped and
 counted (``chainswarm_pushes.refused`` in ``rpc_info``, :mod:`server.handler`): the session goes on with the
 client's own copy of the step. A stranger that learned a session id (every server before it on the route
@@ -75,13 +75,13 @@ class _Grant:
     refused: int = 0
 
     def pushers_carried(self, blob) -> Optional[frozenset]:
-        """The pushers a ticket carried by a push names for this span; None when it is not a ticket of this
+        """The pushers a ticket carried by a push names for this span (none when its route does not place this
+        server there: the pusher's session may be older than this one); None when it is not a ticket of this
         grant signed by the pinned key (the push is refused)."""
-        if blob in self.carried:
+        if isinstance(blob, bytes) and blob in self.carried:
             return self.carried[blob]
         try:
-            ticket = tickets.verify(blob, GATE.orchestrator_key, peer_id=GATE.peer_id, start=self.start,
-                                    end=self.end, check_expiry=False)
+            ticket = tickets.read(blob, GATE.orchestrator_key)  # expired or not: the grant is what counts
             named = ticket.pushers(GATE.peer_id, self.start, self.end) if ticket.same_grant(self.ticket) else None
         except TicketError:
             named = None

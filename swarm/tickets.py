@@ -101,11 +101,9 @@ def _parse(body: Any) -> Ticket:
                   float(doc["expires_at"]), doc["max_length"], pages)
 
 
-def verify(blob: Any, orchestrator_key: bytes, *, peer_id: str, start: int, end: int,
-           at: float | None = None, check_expiry: bool = True) -> Ticket:
-    """The ticket in ``blob`` if it grants ``peer_id`` blocks ``[start, end)`` now; else :class:`TicketError`
-    with a one-line reason. ``check_expiry=False`` accepts an expired ticket (a push carries the ticket its
-    session opened with, long before)."""
+def read(blob: Any, orchestrator_key: bytes) -> Ticket:
+    """The ticket in ``blob`` if ``orchestrator_key`` signed it (whatever it grants, expired or not); else
+    :class:`TicketError` with a one-line reason."""
     from swarm.identity import verify as verify_signature
 
     if blob is None:
@@ -121,12 +119,19 @@ def verify(blob: Any, orchestrator_key: bytes, *, peer_id: str, start: int, end:
     if not verify_signature(orchestrator_key, doc["body"], doc["sig"]):
         raise TicketError("chainswarm: session refused: the ticket is not signed by this swarm's orchestrator")
     try:
-        ticket = _parse(doc["body"])
+        return _parse(doc["body"])
     except TicketError:
         raise
     except Exception:
         raise TicketError("chainswarm: session refused: malformed ticket") from None
-    if check_expiry and ticket.expires_at < (now() if at is None else at):
+
+
+def verify(blob: Any, orchestrator_key: bytes, *, peer_id: str, start: int, end: int,
+           at: float | None = None) -> Ticket:
+    """The ticket in ``blob`` if it grants ``peer_id`` blocks ``[start, end)`` now; else :class:`TicketError`
+    with a one-line reason."""
+    ticket = read(blob, orchestrator_key)
+    if ticket.expires_at < (now() if at is None else at):
         raise TicketError("chainswarm: session refused: the ticket has expired")
     if not ticket.covers(peer_id, start, end):
         raise TicketError(f"chainswarm: session refused: the ticket does not grant blocks [{start}, {end}) "
