@@ -126,47 +126,79 @@ def client_loop(url: str, index: int, stop: threading.Event, outcomes: list):
                 outcomes.append((prompt, response.status_code, response.text[:200]))
 
 
-def test_no_server_holds_more_sessions_than_its_kv_slots_through_a_join_and_a_leave(smollm2_dir, reference):
-    t0 = time.monotonic()
-    half = _budget_gb(smollm2_dir, 15, 3)  # half the model, 3 sessions on it
-    with LocalSwarm(smollm2_dir) as swarm:
-        first = [swarm.add_node(node_id=f"n{i}", memory_gb=half, wait=False, declared_profile=DECLARED,
+@pytest.fixture(scope="module")
+def swarm(smollm2_dir):
+    """Two nodes, each with half the model and KV for 3 sessions on it: one chain n0 -> n1 of capacity 3."""
+    started = time.monotonic()
+    half = _budget_gb(smollm2_dir, 15, 3)
+    with LocalSwarm(smollm2_dir) as local:
+        first = [local.add_node(node_id=f"n{i}", memory_gb=half, wait=False, declared_profile=DECLARED,
                                 torch_dtype="float32", num_handlers=2, update_period=1.0) for i in range(2)]
         for node in first:
-            swarm.wait_profiled(node, timeout=120)
-        swarm.add_orchestrator(policy="fcfs", expected_rate=2.0, max_length=MAX_LENGTH, expected_input_tokens=8,
+            local.wait_profiled(node, timeout=120)
+        local.add_orchestrator(policy="fcfs", expected_rate=2.0, max_length=MAX_LENGTH, expected_input_tokens=8,
                                expected_output_tokens=TOKENS, refresh_s=0.5, request_timeout_s=8.0,
                                torch_dtype="float32", replan_tolerance=0.0, settle_s=1.0)
-        url = swarm.orchestrator.info["url"]
-        start = swarm.wait_chains_ready(timeout=120)
-        setup_s = time.monotonic() - t0
-        sampler = Sampler(swarm)
-        sampler.start()
-        stop, outcomes = threading.Event(), []
-        clients = [threading.Thread(target=client_loop, args=(url, i, stop, outcomes), daemon=True)
-                   for i in range(CLIENTS)]
-        try:
-            for thread in clients:
-                thread.start()
-            time.sleep(2.0)
-            joiner = swarm.add_node(node_id="n2", memory_gb=_budget_gb(smollm2_dir, 30, 3), wait=False,
-                                    declared_profile=DECLARED, torch_dtype="float32", num_handlers=2,
-                                    update_period=1.0)
-            swarm.wait_profiled(joiner, timeout=120)
-            joined = wait_plan(url, lambda planned: {"n1", "n2"} <= planned, timeout=120)  # re-plan 1: a join
-            time.sleep(2.0)
-            swarm.stop_server(first[1])
-            left = wait_plan(url, lambda planned: "n1" not in planned, timeout=60)  # re-plan 2: a leave
-            time.sleep(2.0)
-        finally:
-            stop.set()
-            for thread in clients:
-                thread.join(90)
-            sampler.close()
-        plans = [start, joined, left]
-        print(f"\nsetup {setup_s:.1f} s, total {time.monotonic() - t0:.1f} s; {len(outcomes)} requests, "
-              f"{len(sampler.samples)} samples; chains: "
-              f"{[[(c['servers'], c['spans'], c['capacity']) for c in p['chains']] for p in plans]}")
+        local.url = local.orchestrator.info["url"]
+        local.start = local.wait_chains_ready(timeout=120)
+        local.setup_s = time.monotonic() - started
+        yield local
+
+
+def test_requests_are_bounded_before_any_work(swarm):
+    """A prompt longer than any text of the session's max_length tokens, messages as long together, an
+    oversized failed peer id and logit_bias key: refused before tokenizing, queueing or routing anything."""
+    from swarm.openai_api import prompt_char_limit
+    from transformers import AutoTokenizer
+
+    limit = prompt_char_limit(AutoTokenizer.from_pretrained(swarm.model_dir), MAX_LENGTH)
+    assert 0 < limit < 100 * MAX_LENGTH
+    with httpx.Client(base_url=swarm.url, headers={"X-Client-Id": "bounds"}, timeout=30) as http:
+        long = http.post("/v1/completions", json={"prompt": "a" * (limit + 1), "max_tokens": 1})
+        assert long.status_code == 400 and "longer than" in long.json()["error"]["message"], long.text
+        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "b" * (limit // 2)},
+                                                                     {"role": "user", "content": "c" * limit}]})
+        assert chat.status_code == 400 and "longer than" in chat.json()["error"]["message"], chat.text
+        bias = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logit_bias": {"1" * 40: 1}})
+        assert bias.status_code == 422, bias.text
+        lease = http.post("/v1/leases", json={"input_tokens": 4, "max_new_tokens": 2}).json()
+        reroute = http.post(f"/v1/leases/{lease['lease_id']}/reroute",
+                            json={"start": 0, "end": 30, "failed_peers": ["x" * 129]})
+        assert reroute.status_code == 422, reroute.text
+        assert http.delete(f"/v1/leases/{lease['lease_id']}").status_code in (200, 204)
+        ok = http.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+
+
+def test_no_server_holds_more_sessions_than_its_kv_slots_through_a_join_and_a_leave(swarm, smollm2_dir, reference):
+    began = time.monotonic()
+    start, leaver = swarm.start, swarm.nodes[1]
+    sampler = Sampler(swarm)
+    sampler.start()
+    stop, outcomes = threading.Event(), []
+    clients = [threading.Thread(target=client_loop, args=(swarm.url, i, stop, outcomes), daemon=True)
+               for i in range(CLIENTS)]
+    try:
+        for thread in clients:
+            thread.start()
+        time.sleep(2.0)
+        joiner = swarm.add_node(node_id="n2", memory_gb=_budget_gb(smollm2_dir, 30, 3), wait=False,
+                                declared_profile=DECLARED, torch_dtype="float32", num_handlers=2, update_period=1.0)
+        swarm.wait_profiled(joiner, timeout=120)
+        joined = wait_plan(swarm.url, lambda planned: {"n1", "n2"} <= planned, timeout=120)  # re-plan 1: a join
+        time.sleep(2.0)
+        swarm.stop_server(leaver)
+        left = wait_plan(swarm.url, lambda planned: "n1" not in planned, timeout=60)  # re-plan 2: a leave
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(90)
+        sampler.close()
+    plans = [start, joined, left]
+    print(f"\nswarm up in {swarm.setup_s:.1f} s, this test {time.monotonic() - began:.1f} s; {len(outcomes)} "
+          f"requests, {len(sampler.samples)} samples; chains: "
+          f"{[[(c['servers'], c['spans'], c['capacity']) for c in p['chains']] for p in plans]}")
 
     assert len({p["plan"]["plan_id"] for p in plans}) == 3  # two re-plans while the sessions ran
     for server in start["servers"]:  # the first servers' own slot counts are their first assignments'
