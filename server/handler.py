@@ -1,10 +1,17 @@
 """Chainswarm's connection handler for petals servers.
 
-:class:`ChainswarmHandler` subclasses petals' ``TransformerConnectionHandler`` and, for now, fixes one bug
-of petals 2.2.0.post1 (petals-integration spec §7.1): the server-to-server push after an inference step is
-built from the *opening* request's metadata, which never lists ``next_servers``, so no push is ever sent.
-The handler remembers each session's latest step metadata and pushes with that. It also counts the pushes
-it receives (shared across all handler processes of a server) so tests and metrics can see them.
+:class:`ChainswarmHandler` subclasses petals' ``TransformerConnectionHandler`` and
+
+* fixes one bug of petals 2.2.0.post1 (petals-integration spec §7.1): the server-to-server push after an
+  inference step is built from the *opening* request's metadata, which never lists ``next_servers``, so no
+  push is ever sent. The handler remembers each session's latest step metadata and pushes with that;
+* counts the pushes it receives and refuses (shared across all handler processes of a server);
+* keeps the server's own count of the KV block-slots its open inference sessions hold (:class:`KvCounters`:
+  a session served on ``m`` blocks holds ``m`` block-slots, the unit of the orchestrator's ``cache_slots``),
+  next to the slots its KV pool was sized for.
+
+Both counters are reported in petals' ``rpc_info`` (keys ``chainswarm_pushes`` and ``chainswarm_kv``), so a
+client, a test or an operator can read what the server itself sees.
 
 The class keeps petals' name ``TransformerConnectionHandler``, because hivemind registers RPCs under the
 class name and clients call ``TransformerConnectionHandler.rpc_*``; any ``rpc_*`` method a later subclass
@@ -16,23 +23,75 @@ where ``ModuleContainer`` looks them up; call it in the server process before ``
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 from typing import Any, AsyncIterator, Optional, Sequence, Tuple
 
 from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from hivemind import MSGPackSerializer
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
 from petals.server.handler import TransformerConnectionHandler as _PetalsHandler
 
+KV_INFO = "chainswarm_kv"  # rpc_info key: {"slots", "used", "peak", "sessions", "max_length"}
+PUSH_INFO = "chainswarm_pushes"  # rpc_info key: {"received", "refused"}
+
 _push_counter: Any = None  # mp.Value shared with the forked handler processes, created by install()
+_push_refused: Any = None
+_kv: Optional["KvCounters"] = None  # the counters of the container whose handlers were created last
+
+
+class KvCounters:
+    """KV block-slots held by the open inference sessions of one ``ModuleContainer`` (all its handler
+    processes share it: it is created in the server process before they fork).
+
+    ``slots`` is what the KV pool was sized for, in block-slots of ``max_length`` tokens; ``used`` counts a
+    session served on ``m`` blocks (batch ``b``) as ``b·m`` from the moment its cache is allocated until it is
+    freed, whatever length it asked for; ``peak`` is the largest ``used`` since the container started.
+    """
+
+    def __init__(self, slots: int, max_length: int):
+        self.slots, self.max_length = int(slots), int(max_length)
+        self._used = mp.Value(ctypes.c_int64, 0)
+        self._sessions = mp.Value(ctypes.c_int64, 0, lock=False)
+        self._peak = mp.Value(ctypes.c_int64, 0, lock=False)
+
+    @classmethod
+    def for_backends(cls, module_backends: dict, max_length: int) -> "KvCounters":
+        """The counters of a pool shared by ``module_backends`` (petals gives all blocks of a server one)."""
+        backend = next(iter(module_backends.values()), None)
+        per_slot = 0 if backend is None else sum(backend.cache_bytes_per_token.values()) * max_length
+        return cls(backend.memory_cache.max_size_bytes // per_slot if per_slot else 0, max_length)
+
+    def take(self, block_slots: int) -> None:
+        with self._used.get_lock():
+            self._used.value += block_slots
+            self._sessions.value += 1
+            self._peak.value = max(self._peak.value, self._used.value)
+
+    def give(self, block_slots: int) -> None:
+        with self._used.get_lock():
+            self._used.value -= block_slots
+            self._sessions.value -= 1
+
+    def snapshot(self) -> dict:
+        with self._used.get_lock():
+            return {"slots": self.slots, "used": int(self._used.value), "peak": int(self._peak.value),
+                    "sessions": int(self._sessions.value), "max_length": self.max_length}
 
 
 class ChainswarmHandler(_PetalsHandler):
-    """petals' handler with working server-to-server pushes and a shared count of received pushes."""
+    """petals' handler with working server-to-server pushes, push counters and KV slot counters."""
 
     def __init__(self, *args, **kwargs):
+        global _kv
         super().__init__(*args, **kwargs)
         self._latest_step_metadata: dict[str, dict] = {}
         self._pushes_received = _push_counter
+        if self._handler_index == 0 or _kv is None:  # ModuleContainer creates handler 0 first
+            _kv = KvCounters.for_backends(self.module_backends, self.inference_max_length)
+        self._kv = _kv
 
     async def _iterate_inference_steps(
         self, first_request, requests, session_id: Optional[str], requested_uids: Sequence[str], context
@@ -47,6 +106,17 @@ class ChainswarmHandler(_PetalsHandler):
         finally:
             if session_id is not None:
                 self._latest_step_metadata.pop(session_id, None)
+
+    @contextlib.asynccontextmanager
+    async def _allocate_cache(self, backends, *, batch_size: int, max_length: int, timeout: Optional[float]):
+        async with super()._allocate_cache(backends, batch_size=batch_size, max_length=max_length,
+                                           timeout=timeout) as handles:
+            held = max(1, int(batch_size)) * len(backends)
+            self._kv.take(held)
+            try:
+                yield handles
+            finally:
+                self._kv.give(held)
 
     def _put_into_session_queue(self, session_id: str, request) -> None:
         # rpc_push hands every received push to this helper, whether it wins the race or arrives late
@@ -64,7 +134,19 @@ class ChainswarmHandler(_PetalsHandler):
 
     async def _push_outputs(self, request, serialized_outputs, metadata: dict) -> None:
         latest = self._latest_step_metadata.get(metadata.get("session_id"))
-        await super()._push_outputs(request, serialized_outputs, latest if latest is not None else metadata)
+        await super()._push_outputs(request, serialized_outputs,
+                                    self._push_metadata(latest if latest is not None else metadata))
+
+    def _push_metadata(self, metadata: dict) -> dict:
+        """The step metadata a push to the next server is built from (a subclass may add to it)."""
+        return metadata
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """petals' server and block metadata, plus this server's push and KV slot counters."""
+        info = MSGPackSerializer.loads((await super().rpc_info(request, context)).serialized_info)
+        info[PUSH_INFO] = {"received": pushes_received(), "refused": pushes_refused()}
+        info[KV_INFO] = self._kv.snapshot()
+        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(info))
 
 
 ChainswarmHandler.__name__ = ChainswarmHandler.__qualname__ = "TransformerConnectionHandler"
@@ -78,12 +160,13 @@ def install(handler_class: type = ChainswarmHandler, backend_class: Optional[typ
     ``multiprocessing.Value('q')`` that counts pushes received by all handlers (one is created if not
     given); it is returned.
     """
-    global _push_counter
+    global _push_counter, _push_refused
     import petals.server.server as server_module
 
     if handler_class.__name__ != "TransformerConnectionHandler":
         raise ValueError("a petals handler subclass must keep the name TransformerConnectionHandler")
     _push_counter = push_counter if push_counter is not None else (_push_counter or mp.Value(ctypes.c_int64, 0))
+    _push_refused = _push_refused or mp.Value(ctypes.c_int64, 0)
     server_module.TransformerConnectionHandler = handler_class
     if backend_class is not None:
         server_module.TransformerBackend = backend_class
@@ -93,3 +176,14 @@ def install(handler_class: type = ChainswarmHandler, backend_class: Optional[typ
 def pushes_received() -> int:
     """Pushes received by this server's handlers since :func:`install` (0 before)."""
     return int(_push_counter.value) if _push_counter is not None else 0
+
+
+def pushes_refused() -> int:
+    """Pushes this server's handlers refused (:mod:`server.tickets`) since :func:`install` (0 before)."""
+    return int(_push_refused.value) if _push_refused is not None else 0
+
+
+def count_refused_push() -> None:
+    if _push_refused is not None:
+        with _push_refused.get_lock():
+            _push_refused.value += 1

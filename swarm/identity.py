@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, TypeVar
 
@@ -217,22 +218,41 @@ class KeyPins:
     a live node id). A node id whose pinned key's record expired is unpinned, and a node id claimed by exactly
     one key is pinned to it; one claimed by several keys at once with none pinned is refused altogether (who
     came first cannot be told) until only one remains.
+
+    Pins survive an orchestrator restart (:mod:`swarm.persistence` saves :attr:`pins` and :meth:`restore`\ s
+    them): a restored pin holds for ``hold_s`` even while its key's record is not seen (a restarted DHT peer
+    finds records only as it reconnects), so an impostor cannot claim a live node's id in the moments after a
+    restart; once its record is seen it is an ordinary pin again, and one whose record never comes back is
+    dropped when the hold ends.
     """
 
     def __init__(self) -> None:
         self.pins: dict[str, bytes] = {}
+        self._held_until: dict[str, float] = {}  # restored pins not seen since: kept until then (monotonic)
 
-    def select(self, claims: Mapping[str, Mapping[bytes, T]]) -> tuple[dict[str, T], list[tuple[str, str]]]:
+    def restore(self, pins: Mapping[str, bytes], hold_s: float, now: float | None = None) -> None:
+        """Pins saved by an earlier run, each held ``hold_s`` seconds before its record must be seen."""
+        until = (time.monotonic() if now is None else now) + hold_s
+        for node, key in pins.items():
+            self.pins[node] = key
+            self._held_until[node] = until
+
+    def select(self, claims: Mapping[str, Mapping[bytes, T]],
+               now: float | None = None) -> tuple[dict[str, T], list[tuple[str, str]]]:
         """``({node id: record of its pinned key}, [(node id, refused key fingerprint), ...])``."""
+        now = time.monotonic() if now is None else now
         chosen, refused = {}, []
         for node in list(self.pins):
-            if node not in claims or self.pins[node] not in claims[node]:
+            if node in claims and self.pins[node] in claims[node]:
+                self._held_until.pop(node, None)  # seen: an ordinary pin from now on
+            elif self._held_until.get(node, now) <= now:
                 del self.pins[node]  # the pinned key's record is gone: the node id is free again
+                self._held_until.pop(node, None)
         for node, by_owner in claims.items():
             pinned = self.pins.get(node)
             if pinned is None and len(by_owner) == 1:
                 pinned = self.pins[node] = next(iter(by_owner))
-            if pinned is not None:
+            if pinned in by_owner:  # (a held pin may have no record yet)
                 chosen[node] = by_owner[pinned]
             refused += [(node, fingerprint(owner)) for owner in by_owner if owner != pinned]
         return chosen, refused

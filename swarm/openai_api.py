@@ -33,12 +33,28 @@ from swarm.schemas import (
     CompletionResponse,
 )
 
+def prompt_char_limit(tokenizer, max_length: int) -> int:
+    """The most characters a text of ``max_length`` tokens can have: ``max_length`` times the longest vocabulary
+    entry (no token stands for more characters than its entry has: byte-level BPE spells one byte per
+    character, sentencepiece a space as one ``▁``). A tokenizer without a vocabulary: the schema's bound."""
+    from swarm.schemas import MAX_PROMPT_CHARS
+
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+    except Exception:
+        return MAX_PROMPT_CHARS
+    return min(MAX_PROMPT_CHARS, max_length * max(1, longest))
+
+
 def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_length: int,
                       client_of: Callable[[str | None, str | None], str]) -> None:
     """Register the OpenAI-compatible routes on ``app``. ``client_of(authorization, fallback)`` names the
     client (API key or self-declared id)."""
 
-    def check(body, unsupported) -> None:
+    limit: list[int] = []  # characters a prompt of max_length tokens can have (computed once)
+
+    def check(body, unsupported, chars: int) -> None:
+        """Refuse what cannot be served before any work (``chars``: the prompt's or the messages' length)."""
         if engine is None:
             raise ApiError(503, "unavailable", "this orchestrator does not proxy completions (no engine)")
         used = [name for name in unsupported if getattr(body, name) is not None]
@@ -46,6 +62,11 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
             raise ApiError(400, "unsupported_parameter", f"not supported by Chainswarm: {', '.join(used)}")
         if body.model is not None and body.model != model_name:
             raise ApiError(404, "model_not_found", f"this swarm serves {model_name!r}, not {body.model!r}")
+        if not limit:
+            limit.append(prompt_char_limit(engine.tokenizer, max_length))
+        if chars > limit[0]:  # tokenizing it (on the event loop) would be work for nothing
+            raise ApiError(400, "invalid_request", f"the prompt ({chars} characters) is longer than "
+                           f"{max_length} tokens can be, the swarm's maximum session length")
 
     def sampling(body, input_ids: list[int], max_tokens: int | None, logprobs: int | None) -> list[SamplingParams]:
         room = max_length - len(input_ids)
@@ -199,7 +220,7 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
               responses={400: {}, 401: {}, 404: {}, 422: {}, 429: {}, 503: {}})
     async def completions(body: CompletionRequest, request: Request, response: Response,
                           authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
-        check(body, UNSUPPORTED_COMPLETION_FIELDS)
+        check(body, UNSUPPORTED_COMPLETION_FIELDS, len(body.prompt))
         client = client_of(authorization, x_client_id or body.user)
         input_ids = engine.encode(body.prompt)
         stop, meta, items = begin(body, client, input_ids, body.max_tokens, body.logprobs, request, "cmpl")
@@ -236,7 +257,7 @@ def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_leng
     @app.post("/v1/chat/completions", responses={400: {}, 401: {}, 404: {}, 422: {}, 429: {}, 503: {}})
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
-        check(body, UNSUPPORTED_CHAT_FIELDS)
+        check(body, UNSUPPORTED_CHAT_FIELDS, sum(len(m.content) for m in body.messages))
         client = client_of(authorization, x_client_id or body.user)
         template = getattr(engine.tokenizer, "chat_template", None)
         if not template:

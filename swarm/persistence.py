@@ -8,11 +8,14 @@
 * **Before the control loop starts** (:meth:`Persistence.restore`): the saved plan is rebuilt exactly — GCA
   over the saved block ranges with the saved planner inputs — and re-adopted with its plan id and
   assignments, so servers see the assignment they hold and do not reload; the fairness counters are imported
-  into the scheduler. :meth:`Persistence.await_servers` then waits (bounded) until the planned servers'
+  into the scheduler; the node id → key pins (:class:`swarm.identity.KeyPins`) are restored and held for
+  ``assignment_ttl_s`` while the servers' records come back, so nobody can claim a live node's id under
+  another key in the moments after a restart. :meth:`Persistence.await_servers` then waits (bounded) until the planned servers'
   profile records are back — republishing the orchestrator's record meanwhile so they re-measure their RTT —
   because a first refresh without them would re-plan.
-* **While running** (:meth:`Persistence.run`): the plan is saved whenever its id or assignments change and
-  the fairness counters whenever they change, at most once per ``min_interval_s``; once more on a clean stop.
+* **While running** (:meth:`Persistence.run`): the plan is saved whenever its id or assignments change, the
+  fairness counters and the pins whenever they change, at most once per ``min_interval_s``; once more on a
+  clean stop.
   After a SIGKILL the counters are those of the last snapshot (at most ``min_interval_s`` old).
 """
 from __future__ import annotations
@@ -66,8 +69,7 @@ class Persistence:
         self.store = store
         self.orchestrator = orchestrator
         self.min_interval_s = min_interval_s
-        self._saved_plan: dict | None = None
-        self._saved_fairness: dict | None = None
+        self._saved: dict[str, dict] = {}  # file name -> the document saved last
         self._saved_at = 0.0
 
     @property
@@ -89,29 +91,29 @@ class Persistence:
             "assignments": {node: a.to_dict() for node, a in sorted(view.assignments.items())},
         }
 
+    def pins_document(self) -> dict[str, Any]:
+        return {"pins": {node: key.decode() for node, key in sorted(self.orchestrator.pins.pins.items())}}
+
+    def documents(self) -> dict[str, dict]:
+        """Every document kept, as it would be saved now (file name -> document)."""
+        docs = {StateDir.PLAN: self.plan_document(), StateDir.PINS: self.pins_document()}
+        if self.scheduler is not None:
+            docs[StateDir.FAIRNESS] = {"policy": self.orchestrator.config.policy,
+                                       "scheduler": self.scheduler.export_state()}
+        return docs
+
     def changes(self, *, force: bool = False) -> list[tuple[str, dict]]:
         """The documents changed since the last save, as (file name, document); none when saved less than
         ``min_interval_s`` ago (unless ``force``). Runs on the orchestrator's loop (it reads its state)."""
         if not force and time.monotonic() - self._saved_at < self.min_interval_s:
             return []
-        changed = []
-        plan = self.plan_document()
-        if plan != self._saved_plan:
-            changed.append((StateDir.PLAN, plan))
-        if self.scheduler is not None:
-            fairness = {"policy": self.orchestrator.config.policy, "scheduler": self.scheduler.export_state()}
-            if fairness != self._saved_fairness:
-                changed.append((StateDir.FAIRNESS, fairness))
-        return changed
+        return [(name, doc) for name, doc in self.documents().items() if doc != self._saved.get(name)]
 
     def write(self, changed: list[tuple[str, dict]]) -> bool:
         """Write :meth:`changes`' documents (any thread); whether anything was written."""
         for name, doc in changed:
             self.store.write(name, doc)
-            if name == StateDir.PLAN:
-                self._saved_plan = doc
-            else:
-                self._saved_fairness = doc
+            self._saved[name] = doc
         if changed:
             self._saved_at = time.monotonic()
         return bool(changed)
@@ -151,12 +153,31 @@ class Persistence:
     # -- restore -------------------------------------------------------------------------------------
     def restore(self) -> dict[str, Any]:
         """Re-adopt the saved plan and fairness counters (before the orchestrator starts); what was restored."""
-        restored: dict[str, Any] = {"plan_id": self._restore_plan(), "clients": self._restore_fairness()}
-        self._saved_plan = self.plan_document()
-        if self.scheduler is not None:
-            self._saved_fairness = {"policy": self.orchestrator.config.policy,
-                                    "scheduler": self.scheduler.export_state()}
+        restored: dict[str, Any] = {"plan_id": self._restore_plan(), "clients": self._restore_fairness(),
+                                    "pins": self._restore_pins()}
+        self._saved = self.documents()
         return restored
+
+    def _restore_pins(self) -> list[str]:
+        """The saved node id → key pins, held ``assignment_ttl_s`` until the servers' records are seen again."""
+        from swarm.identity import BadKeyError, parse_public_key
+
+        doc = self.store.read(StateDir.PINS)
+        if doc is None:
+            return []
+        pins = doc.get("pins")
+        try:
+            if not isinstance(pins, dict) or not all(isinstance(n, str) and isinstance(k, str)
+                                                     for n, k in pins.items()):
+                raise ValueError("no node id -> key object")
+            for key in pins.values():  # a key as the claims' subkeys spell it (kept as saved, never a path)
+                if not key.startswith("ssh-rsa ") or parse_public_key(key.encode()) is None:
+                    raise ValueError(f"not an ssh-rsa key: {key[:24]!r}")
+            keys = {node: key.encode() for node, key in pins.items()}
+        except (ValueError, BadKeyError) as exc:
+            raise StateError(f"state file {self.store.file(StateDir.PINS)} is corrupt ({exc})") from None
+        self.orchestrator.pins.restore(keys, hold_s=self.orchestrator.config.assignment_ttl_s)
+        return sorted(keys)
 
     def _restore_plan(self) -> str | None:
         doc = self.store.read(StateDir.PLAN)

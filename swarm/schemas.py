@@ -5,7 +5,7 @@ HTTP 422 and a message naming the field.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -64,7 +64,7 @@ class _Sampling(_Strict):
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for key, bias in value.items():
-            if not key.lstrip("-").isdigit() or not -100 <= bias <= 100:
+            if len(key) > 12 or not key.lstrip("-").isdigit() or not -100 <= bias <= 100:
                 raise ValueError("logit_bias maps token ids (as strings) to biases in [-100, 100]")
         return value
 
@@ -153,7 +153,7 @@ class LeaseRequest(_Strict):
     input_tokens: int = Field(ge=1, description="prompt tokens the session will send")
     max_new_tokens: int = Field(ge=1)
     timeout_s: Optional[float] = Field(None, gt=0, description="give up waiting for a chain after this long")
-    client_id: Optional[str] = Field(None, description="client id when no API keys are configured")
+    client_id: Optional[str] = Field(None, max_length=256, description="client id when no API keys are configured")
 
 
 class RouteSpanModel(BaseModel):
@@ -184,8 +184,8 @@ class RenewResponse(BaseModel):
 class RerouteRequest(_Strict):
     start: int = Field(ge=0)
     end: int = Field(ge=1)
-    failed_peers: list[str] = Field(default_factory=list, max_length=16,
-                                    description="peers of this lease's route that failed (at most 16)")
+    failed_peers: list[Annotated[str, Field(max_length=128)]] = Field(
+        default_factory=list, max_length=16, description="peers of this lease's route that failed (at most 16)")
 
 
 class RerouteResponse(BaseModel):

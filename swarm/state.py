@@ -8,7 +8,8 @@ Mechanism only (what is kept and when is :mod:`swarm.persistence`'s business). T
   got, later starts bind the same), the secret that roots the prefix-hash namespace and the multiaddrs of the
   servers' DHT peers seen last;
 * ``api_keys.json`` — API key -> client (mode 0600): written when keys are given, loaded when present;
-* ``plan.json`` — the current plan and its assignments; ``fairness.json`` — the scheduler's counters.
+* ``plan.json`` — the current plan and its assignments; ``fairness.json`` — the scheduler's counters;
+* ``pins.json`` — which key each node id's profile is signed with (:class:`swarm.identity.KeyPins`).
 
 Every write is atomic: a temporary file in the same directory is written, fsynced, renamed over the target
 (``os.replace``) and the directory fsynced, so a crash at any point leaves either the old or the new file,
@@ -76,6 +77,7 @@ class StateDir:
     API_KEYS = "api_keys.json"
     PLAN = "plan.json"
     FAIRNESS = "fairness.json"
+    PINS = "pins.json"
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

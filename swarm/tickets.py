@@ -45,6 +45,18 @@ class Ticket:
     def covers(self, peer_id: str, start: int, end: int) -> bool:
         return any(p == peer_id and s <= start and end <= e for p, s, e in self.route)
 
+    def pushers(self, peer_id: str, start: int, end: int) -> frozenset[str]:
+        """The peers that may push into a session of this ticket on ``peer_id``'s blocks ``[start, end)``: the
+        route's server for block ``start - 1`` (none for the first span, or when the route does not name
+        ``peer_id`` for these blocks)."""
+        if start <= 0 or not self.covers(peer_id, start, end):
+            return frozenset()
+        return frozenset(p for p, s, e in self.route if s <= start - 1 < e)
+
+    def same_grant(self, other: "Ticket") -> bool:
+        """Whether both tickets were minted for the same granted session (a reroute keeps both ids)."""
+        return (self.request_id, self.chain_id) == (other.request_id, other.chain_id)
+
 
 def pages_digest(hashes: Sequence[bytes]) -> bytes:
     h = hashlib.blake2b(b"chainswarm-pages", digest_size=16)
@@ -89,10 +101,9 @@ def _parse(body: Any) -> Ticket:
                   float(doc["expires_at"]), doc["max_length"], pages)
 
 
-def verify(blob: Any, orchestrator_key: bytes, *, peer_id: str, start: int, end: int,
-           at: float | None = None) -> Ticket:
-    """The ticket in ``blob`` if it grants ``peer_id`` blocks ``[start, end)`` now; else :class:`TicketError`
-    with a one-line reason."""
+def read(blob: Any, orchestrator_key: bytes) -> Ticket:
+    """The ticket in ``blob`` if ``orchestrator_key`` signed it (whatever it grants, expired or not); else
+    :class:`TicketError` with a one-line reason."""
     from swarm.identity import verify as verify_signature
 
     if blob is None:
@@ -108,11 +119,18 @@ def verify(blob: Any, orchestrator_key: bytes, *, peer_id: str, start: int, end:
     if not verify_signature(orchestrator_key, doc["body"], doc["sig"]):
         raise TicketError("chainswarm: session refused: the ticket is not signed by this swarm's orchestrator")
     try:
-        ticket = _parse(doc["body"])
+        return _parse(doc["body"])
     except TicketError:
         raise
     except Exception:
         raise TicketError("chainswarm: session refused: malformed ticket") from None
+
+
+def verify(blob: Any, orchestrator_key: bytes, *, peer_id: str, start: int, end: int,
+           at: float | None = None) -> Ticket:
+    """The ticket in ``blob`` if it grants ``peer_id`` blocks ``[start, end)`` now; else :class:`TicketError`
+    with a one-line reason."""
+    ticket = read(blob, orchestrator_key)
     if ticket.expires_at < (now() if at is None else at):
         raise TicketError("chainswarm: session refused: the ticket has expired")
     if not ticket.covers(peer_id, start, end):

@@ -11,6 +11,7 @@ it signed itself and with one for other blocks. The unit-level checks are in tes
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import time
@@ -19,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from server import handler as handler_keys
 from server.local_swarm import LocalSwarm, SwarmStartError
 from swarm import prefix as protocol, records, tickets
 from swarm.identity import Identity
@@ -234,3 +236,115 @@ def test_sessions_without_a_valid_ticket_are_refused(swarm, tiny_model, peers, b
         valid = tickets.mint(real, request_id="r", chain_id="c", route=route, max_length=MAX_LENGTH)
         assert run(valid).shape[1] == ids.shape[1] + 4
     served_as_before(swarm, baseline)
+
+
+def _server_info(p2p, peer_id: str, uid: str) -> dict:
+    """A server's petals rpc_info (with Chainswarm's push and KV counters), asked over ``p2p``."""
+    from hivemind import MSGPackSerializer
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+    from hivemind.p2p import PeerID
+    from hivemind.proto import runtime_pb2
+
+    info = RemoteExpertWorker.run_coroutine(asyncio.wait_for(p2p.call_protobuf_handler(
+        PeerID.from_base58(peer_id), "TransformerConnectionHandler.rpc_info", runtime_pb2.ExpertUID(uid=uid),
+        runtime_pb2.ExpertInfo), 10))
+    return MSGPackSerializer.loads(info.serialized_info)
+
+
+def _push(p2p, peer_id: str, uid: str, hidden: torch.Tensor, metadata: dict) -> None:
+    """One rpc_push of ``hidden`` (a step's inputs, packed as a petals client packs them) into a session."""
+    from hivemind import MSGPackSerializer, serialize_torch_tensor
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+    from hivemind.p2p import PeerID
+    from hivemind.proto import runtime_pb2
+    from petals.utils.misc import DUMMY, DUMMY_INT64
+    from petals.utils.packaging import pack_args_kwargs
+
+    tensors, _ = pack_args_kwargs(hidden, DUMMY, DUMMY_INT64)
+    request = runtime_pb2.ExpertRequest(uid=uid, tensors=[serialize_torch_tensor(t) for t in tensors],
+                                        metadata=MSGPackSerializer.dumps(metadata))
+    RemoteExpertWorker.run_coroutine(asyncio.wait_for(p2p.call_protobuf_handler(
+        PeerID.from_base58(peer_id), "TransformerConnectionHandler.rpc_push", request, runtime_pb2.ExpertResponse), 10))
+
+
+def test_pushes_are_taken_only_from_the_previous_server_of_the_route():
+    """The rule itself (server.tickets): who may push into a session, by its own ticket or a carried one."""
+    from server import tickets as gate
+
+    real, other = Identity.generate(), Identity.generate()
+    route = (("A", 0, 2), ("B", 2, 4), ("C", 4, 6))
+    mint = lambda key, route, request="r": tickets.mint(key, request_id=request, chain_id="c", route=route,  # noqa
+                                                         max_length=64)
+    own = tickets.verify(mint(real, route), real.public, peer_id="C", start=4, end=6)
+    assert own.pushers("C", 4, 6) == {"B"} and own.pushers("A", 0, 2) == set() and own.pushers("D", 4, 6) == set()
+    gate.configure(open=False, orchestrator_key=real.public, peer_id="C", dht_prefix="m")
+    grant = gate._Grant(own, mint(real, route), 4, 6, own.pushers("C", 4, 6))
+    rerouted = (("A", 0, 2), ("D", 2, 4), ("C", 4, 6))  # B failed; D replaced it (same grant, a fresh ticket)
+    cases = {
+        ("B", None): True, ("A", None): False, ("X", None): False,
+        ("D", mint(real, rerouted)): True,  # the replacement, carrying its session's ticket
+        ("D", None): False, ("D", mint(other, rerouted)): False,  # ... not without it, nor with a forged one
+        ("D", mint(real, rerouted, request="another")): False,  # a ticket of another grant
+        ("X", mint(real, route)): False,  # a stolen ticket names the previous server, not the thief
+        ("B", mint(real, rerouted)): True,  # the route of the session's own ticket still counts
+        ("B", mint(real, route[:1])): True,  # the pusher's older ticket need not name this server
+        ("X", mint(real, route[:1])): False,
+        ("B", b"garbage"): False,
+    }
+    for (sender, carried), allowed in cases.items():
+        metadata = {gate.PUSHED_BY: sender} | ({} if carried is None else {tickets.META_KEY: carried})
+        assert grant.allows(metadata) is allowed, (sender, carried)
+    assert not grant.allows({tickets.META_KEY: mint(real, route)})  # no authenticated sender at all
+
+
+def test_a_push_from_a_peer_off_the_route_is_refused(swarm, tiny_model, peers, baseline, reference_generate):
+    """A stranger that learned a live session's id pushes made-up hidden states into it — with no ticket, and
+    with the session's own (stolen) ticket. Both pushes are refused by the server; the session, which a single
+    accepted push would derail (an extra step in its KV cache and an extra answer on its stream), ends with the
+    reference tokens. Honest servers' pushes are taken meanwhile."""
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+
+    hostile = peers[0]
+    p2p = RemoteExpertWorker.run_coroutine(hostile.replicate_p2p())  # the hostile peer's own libp2p identity
+    try:
+        _push_into_a_live_session(swarm, tiny_model, p2p, baseline, reference_generate)
+    finally:
+        RemoteExpertWorker.run_coroutine(p2p.shutdown())
+
+
+def _push_into_a_live_session(swarm, tiny_model, p2p, baseline, reference_generate):
+    from swarm.petals_client import open_distributed_model
+    from swarm.routing import Lease, install, use_lease
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model)(PROMPT, return_tensors="pt").input_ids
+    expected = reference_generate(ids, 8)
+    chain = baseline[1]["chains"][0]
+    route = tuple(tuple(r) for r in chain["route"])
+    victim, v_start, v_end = route[1]
+    uid = " ".join(f"{swarm.dht_prefix}.{i}" for i in range(v_start, v_end))
+    info = lambda: _server_info(p2p, victim, f"{swarm.dht_prefix}.{v_start}")[handler_keys.PUSH_INFO]  # noqa
+    honest = info()
+    assert honest["received"] > 0 and honest["refused"] == 0  # the honest completions' pushes were taken
+    ticket = tickets.mint(swarm.orchestrator_identity, request_id="push", chain_id=chain["id"], route=route,
+                          max_length=MAX_LENGTH)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                max_retries=1) as model:
+        install(model)
+        with use_lease(Lease("push", chain["id"], route, MAX_LENGTH, ticket=ticket)), torch.inference_mode():
+            with model.inference_session(max_length=ids.shape[1] + 8) as session:
+                head = model.generate(ids, max_new_tokens=2, session=session, **kw)
+                target = session._server_sessions[1]
+                assert target.span.peer_id.to_base58() == victim
+                hidden = torch.randn(1, 1, model.config.hidden_size)
+                forged = {"session_id": target.session_id, "step_id": "hostile", "pushed": True}
+                _push(p2p, victim, uid, hidden, forged)
+                _push(p2p, victim, uid, hidden, forged | {"step_id": "hostile-2", tickets.META_KEY: ticket})
+                wait_for(lambda: info()["refused"] == honest["refused"] + 2, 10, what="both pushes refused")
+                produced = model.generate(None, max_new_tokens=6, session=session, **kw)
+    assert torch.equal(torch.cat([head, produced], dim=1), expected)
+    served_as_before(swarm, baseline)
+    after = info()
+    assert after["refused"] == honest["refused"] + 2
+    assert after["received"] - honest["received"] >= 2 + 5  # the first server's pushes of this session were taken

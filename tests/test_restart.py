@@ -87,6 +87,8 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
         local.kill(orch)
         orch.process.join(10)
         assert not orch.process.is_alive()
+        # while it is down, an impostor claims the live node id "left" under its own key
+        impostor = claim_node_id(local, "left", json.loads((state_dir / "node.json").read_text())["peers"])
         retried: list[str] = []
         retrier = threading.Thread(target=retrying_complete, args=(url, retried))
         retrier.start()
@@ -102,6 +104,12 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
         status = admin_status(url)  # the saved API keys: the admin key still works
         assert status["clients"]["flood"]["service"] == flood["service"]
         assert status["clients"]["flood"]["deficit"] == flood["deficit"]
+        # the saved pins: the impostor's claim is refused (unpinned, two keys on "left" would have kept it out
+        # of the plan, and the plan would have changed)
+        assert any(e["event"] == "server_key_refused" and e["node"] == "left" and e["key"] == impostor.fingerprint
+                   for e in status["events"])
+        assert next(s for s in status["servers"] if s["node_id"] == "left")["peer_id"] == \
+            next(s for s in before["servers"] if s["node_id"] == "left")["peer_id"]
 
         again_text, again_reused = complete(url)
         assert again_text == text
@@ -114,7 +122,25 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
             assert len(peer.info.get("history", [])) == history[peer.name], peer.info["history"]
         print(f"orchestrator serving {started_s:.1f} s after the restart began, all chains ready after {back_s:.1f} s")
     finally:
+        if getattr(local, "impostor_dht", None) is not None:
+            local.impostor_dht.shutdown()
         local.stop()
+
+
+def claim_node_id(local, node_id, peers):
+    """A DHT peer with its own key republishes ``node_id``'s profile as its own (a validly signed claim)."""
+    import hivemind
+
+    from swarm import records
+    from swarm.identity import Identity
+
+    identity = Identity.generate()
+    local.impostor_dht = dht = hivemind.DHT(initial_peers=peers, start=True,
+                                            record_validators=identity.validators(local.dht_prefix))
+    real = wait_for(lambda: records.fetch_profile_claims(dht, local.dht_prefix).get(node_id), 15,
+                    what=f"{node_id}'s profile")
+    assert records.publish_profile(dht, local.dht_prefix, next(iter(real.values())), 120, identity.public)
+    return identity
 
 
 def _group_alive(pgid):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm import persistence
+from swarm import persistence, records
 from swarm.options import OrchestratorOptions
 from swarm.state import StateDir, StateError, atomic_write
 from test_orchestrator_logic import make, profile, publish, run, serve_assignments, SERVERS
@@ -123,7 +123,7 @@ def test_plan_and_fairness_counters_survive_a_restart(tmp_path):
         store = StateDir(tmp_path)
         orch, dht = make(quantum=500.0)
         keeper = persistence.Persistence(store, orch)
-        assert keeper.restore() == {"plan_id": None, "clients": []}
+        assert keeper.restore() == {"plan_id": None, "clients": [], "pins": []}
         publish(dht, *(profile(n, m) for n, m in SERVERS))
         await orch.start()
         serve_assignments(dht)
@@ -141,7 +141,7 @@ def test_plan_and_fairness_counters_survive_a_restart(tmp_path):
         again, dht2 = make(quantum=500.0)
         dht2.data = dht.data  # the servers' records, as the DHT still holds them
         restored = persistence.Persistence(StateDir(tmp_path), again).restore()
-        assert restored == {"plan_id": before["plan"]["plan_id"], "clients": ["flood"]}
+        assert restored == {"plan_id": before["plan"]["plan_id"], "clients": ["flood"], "pins": ["a", "b", "c", "d"]}
         await again.start()
         after = again.status()
         assert after["plan"]["plan_id"] == before["plan"]["plan_id"] and after["plan"]["replans"] == 0
@@ -159,6 +159,75 @@ def test_plan_and_fairness_counters_survive_a_restart(tmp_path):
             persistence.Persistence(StateDir(tmp_path), other).restore()
 
     run(scenario())
+
+
+def test_node_key_pins_survive_a_restart_and_an_impostor_is_refused_right_after(tmp_path):
+    """The node id -> key pins are saved; after a restart an impostor's profile for a live node id is refused
+    from the first refresh (without the saved pins, two keys claiming one id would keep the node out of the
+    plan), and a restored pin whose node never comes back is released when its hold ends."""
+    from swarm.identity import Identity
+    from test_orchestrator_logic import PREFIX, node_key
+
+    async def scenario():
+        orch, dht = make()
+        keeper = persistence.Persistence(StateDir(tmp_path), orch)
+        publish(dht, *(profile(n, m) for n, m in SERVERS))
+        await orch.start()
+        assert keeper.save(force=True)
+        saved = json.loads((tmp_path / "pins.json").read_text())["pins"]
+        assert saved == {n: node_key(n).decode() for n, _ in SERVERS}
+        assert not keeper.save(force=True)  # unchanged pins: nothing written
+        plan_id = orch.status()["plan"]["plan_id"]
+        await orch.stop()
+
+        impostor = Identity.generate()
+        records.publish_profile(dht, PREFIX, profile("a", 60), ttl=10, owner=impostor.public)  # a bigger "a"
+        again, dht2 = make()
+        dht2.data = dht.data
+        restored = persistence.Persistence(StateDir(tmp_path), again).restore()
+        assert restored["pins"] == ["a", "b", "c", "d"] and restored["plan_id"] == plan_id
+        await again.start()
+        status = again.status()
+        assert status["plan"]["plan_id"] == plan_id and status["plan"]["replans"] == 0
+        assert {s["id"] for s in status["plan"]["servers"]} == {"a", "b", "c", "d"}
+        assert again.pins.owner("a") == node_key("a")
+        assert any(e["event"] == "server_key_refused" and e["node"] == "a" and e["key"] == impostor.fingerprint
+                   for e in status["events"])
+        await again.stop()
+
+        # without the saved pins the same two claims keep "a" out: that is what the file prevents
+        fresh, dht3 = make()
+        dht3.data = dht.data
+        await fresh.start()
+        assert "a" not in {s["id"] for s in fresh.status()["plan"]["servers"]}
+        await fresh.stop()
+
+    run(scenario())
+
+
+def test_a_restored_pin_is_held_only_until_its_node_is_seen_or_the_hold_ends():
+    from swarm.identity import KeyPins
+
+    pins = KeyPins()
+    pins.restore({"a": b"key-a", "b": b"key-b"}, hold_s=30.0, now=100.0)
+    # no records yet (the DHT reconnects): both held; an impostor's claim on "a" is refused
+    chosen, refused = pins.select({"a": {b"evil": "forged"}}, now=110.0)
+    assert chosen == {} and [node for node, _ in refused] == ["a"] and pins.owner("a") == b"key-a"
+    # "a" is seen under its key: an ordinary pin again (dropped as soon as its record goes)
+    assert pins.select({"a": {b"key-a": "real"}}, now=111.0)[0] == {"a": "real"}
+    assert pins.owner("b") == b"key-b"  # still held
+    assert pins.select({}, now=131.0) == ({}, [])  # hold over for "b"; "a"'s record gone
+    assert pins.owner("a") is None and pins.owner("b") is None
+    assert pins.select({"b": {b"new-b": "new"}}, now=132.0)[0] == {"b": "new"}  # the id is free again
+
+
+def test_a_corrupt_pins_file_is_a_one_line_error(tmp_path):
+    orch, _ = make()
+    for text in ('{"pins": ["a"]}', '{"pins": {"a": "/etc/passwd"}}', '{"pins": {"a": "ssh-rsa AAAA"}}'):
+        (tmp_path / "pins.json").write_text(text)
+        with pytest.raises(StateError, match=r"pins\.json is corrupt") as err:
+            persistence.Persistence(StateDir(tmp_path), orch).restore()
+        assert "\n" not in str(err.value)
 
 
 def test_the_cli_refuses_a_corrupt_state_file_with_one_line(tiny_model, tmp_path):
