@@ -27,3 +27,38 @@ def _served_in_place(new: Assignment, current: Optional[Assignment]) -> Optional
     if new.cache_slots > current.cache_slots:
         return None
     return dataclasses.replace(new, cache_slots=current.cache_slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class AssignmentMemory:
+    """The memory an assignment takes on this node: ``block_bytes`` per block plus its KV cache."""
+
+    block_bytes: int
+    cache_bytes_per_token: int
+
+    def cache_bytes(self, assignment: Assignment) -> int:
+        """KV cache pool for the assignment: ``cache_slots`` block-slots of ``max_length`` tokens (one slot holds
+        one session's KV for one block; petals shares the pool across the server's blocks) plus the prefix
+        budget on every block."""
+        return self.session_cache_bytes(assignment) + self.prefix_cache_bytes(assignment)
+
+    def session_cache_bytes(self, assignment: Assignment) -> int:
+        """The part of :meth:`cache_bytes` that petals' session pool gets (the rest is the prefix store's, kept
+        apart so that cached prefixes never take a planned session slot)."""
+        return self.cache_bytes_per_token * assignment.cache_slots * assignment.max_length
+
+    def prefix_cache_bytes(self, assignment: Assignment) -> int:
+        return self.cache_bytes_per_token * assignment.prefix_cache_tokens * assignment.num_blocks
+
+    def needed(self, assignment: Assignment) -> int:
+        return self.block_bytes * assignment.num_blocks + self.cache_bytes(assignment)
+
+    def problems(self, assignment: Assignment, budget_bytes: int) -> list[str]:
+        """Why the assignment would serve badly here (it is loaded anyway: the orchestrator planned it)."""
+        out = []
+        if assignment.num_blocks and assignment.cache_slots == 0 and assignment.prefix_cache_tokens == 0:
+            out.append("has blocks but no cache slots")
+        need = self.needed(assignment)
+        if need > budget_bytes:
+            out.append(f"needs {need / 2**30:.3f} GiB, more than the {budget_bytes / 2**30:.3f} GiB budget")
+        return out

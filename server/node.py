@@ -39,7 +39,7 @@ from swarm.compat import petals  # noqa: F401  (the shim must precede petals.ser
 from petals.data_structures import ServerState
 from petals.server.server import Server
 
-from server import emulation, profiling, tickets as server_tickets, trust
+from server import emulation, layout, profiling, tickets as server_tickets, trust
 from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
 from swarm import records
 from swarm.identity import fetch_owned
@@ -143,6 +143,7 @@ class ChainswarmServer(Server):
             self.block_bytes = profiling.block_bytes(self.block_config, self.torch_dtype, self.quant_type,
                                                      cache_dir=profile_cache_dir or profiling.default_cache_dir())
             self.cache_bytes_per_token = profiling.cache_bytes_per_token(self.block_config, self.torch_dtype)
+            self.memory = layout.AssignmentMemory(self.block_bytes, self.cache_bytes_per_token)
             self.declared = dict(declared_profile or {})
             unknown = set(self.declared) - {"prefill_s", "decode_s", "rtt_s", "batch_step_s"}
             if unknown:
@@ -180,7 +181,7 @@ class ChainswarmServer(Server):
         self._next: Optional[Assignment] = None  # the assignment to load after a drain
         self._acked_plan: Optional[str] = None  # plan id of an empty assignment we are waiting under
         self._failed: Optional[Assignment] = None  # the last assignment whose blocks failed to load
-        self._ignored: set[str] = set()  # malformed records already logged
+        self._ignored: set = set()  # malformed records and infeasible assignments already logged
         self._wake = threading.Event()
         self._reports: "Optional[queue.Queue[tuple]]" = queue.Queue() if report is not None else None
         self.timings: dict[str, float] = {"petals_init_s": self.petals_init_s, "profiling_s": self.profiling_s,
@@ -338,33 +339,15 @@ class ChainswarmServer(Server):
         return None
 
     def _check_feasible(self, assignment: Assignment) -> None:
+        """Refuse blocks past the model's end; warn (once per assignment) of one this node cannot serve well."""
         num_layers = self.block_config.num_hidden_layers
         if assignment.end > num_layers:
             raise RecordError(f"blocks {assignment.start}:{assignment.end} exceed the model's {num_layers} blocks")
-        if assignment.num_blocks and assignment.cache_slots == 0 and assignment.prefix_cache_tokens == 0:
-            logger.warning("node %s: assignment %s has blocks but no cache slots", self.node_id, assignment)
-        need = self.memory_needed(assignment)
-        if need > self.memory_bytes:
-            logger.warning("node %s: assignment %s needs %.3f GiB, more than the %.3f GiB budget", self.node_id,
-                           assignment, need / profiling.GIB, self.memory_bytes / profiling.GIB)
-
-    def cache_bytes_for(self, assignment: Assignment) -> int:
-        """KV cache pool for the assignment: ``cache_slots`` block-slots of ``max_length`` tokens (one slot
-        holds one session's KV for one block; petals shares the pool across the server's blocks) plus the
-        prefix budget on every block."""
-        tokens = assignment.cache_slots * assignment.max_length + assignment.prefix_cache_tokens * assignment.num_blocks
-        return self.cache_bytes_per_token * tokens
-
-    def session_cache_bytes_for(self, assignment: Assignment) -> int:
-        """The part of :meth:`cache_bytes_for` that petals' session pool gets (the rest is the prefix store's,
-        kept apart so that cached prefixes never take a planned session slot)."""
-        return self.cache_bytes_per_token * assignment.cache_slots * assignment.max_length
-
-    def prefix_cache_bytes_for(self, assignment: Assignment) -> int:
-        return self.cache_bytes_per_token * assignment.prefix_cache_tokens * assignment.num_blocks
-
-    def memory_needed(self, assignment: Assignment) -> int:
-        return self.block_bytes * assignment.num_blocks + self.cache_bytes_for(assignment)
+        fingerprint = ("feasible", repr(assignment))
+        if fingerprint not in self._ignored:
+            self._ignored.add(fingerprint)
+            for problem in self.memory.problems(assignment, self.memory_bytes):
+                logger.warning("node %s: assignment %s %s", self.node_id, assignment, problem)
 
     # -- petals hooks --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -407,15 +390,15 @@ class ChainswarmServer(Server):
             assignment = None
         self.timings["last_wait_s"] = time.perf_counter() - waited_since
         self._load_started = time.perf_counter()
-        self.attn_cache_bytes = self.session_cache_bytes_for(assignment)
-        self._prefix_store().configure(self.prefix_cache_bytes_for(assignment))
+        self.attn_cache_bytes = self.memory.session_cache_bytes(assignment)
+        self._prefix_store().configure(self.memory.prefix_cache_bytes(assignment))
         self.inference_max_length = assignment.max_length
         self.num_blocks = assignment.num_blocks
         self.server_info.throughput = self.server_info.forward_rps / ((assignment.num_blocks + 1) / 2)
         logger.info("node %s loads blocks %d:%d for plan %s: %d cache slots × %d tokens (+%d prefix tokens), "
                     "%.1f MiB of KV cache", self.node_id, assignment.start, assignment.end, assignment.plan_id,
                     assignment.cache_slots, assignment.max_length, assignment.prefix_cache_tokens,
-                    self.cache_bytes_for(assignment) / 2**20)
+                    self.memory.cache_bytes(assignment) / 2**20)
         self._set_state(LOADING, assignment)
         server_tickets.configure(open=self.open_sessions, orchestrator_key=self.trust.pinned, peer_id=self.peer_id,
                                  dht_prefix=self.dht_prefix)  # inherited by the handler processes forked next
