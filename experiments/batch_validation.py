@@ -3,9 +3,9 @@
 Two checks, both on data already in ``experiments/results`` (no new run):
 
 * **Table 1 replay** (``live_table1.json``): each served request's service time predicted with and without the
-  batch term. Those servers ran petals' own pool (the run predates the batching pool), so the CPU part of each
-  decode step is sequential, g(n) = n, on D_j = m_j·decode_cpu·(l_O − 1) (the CPU decode time the run measured);
-  the emulated GPU time is a sleep per session and does not batch. With the batch term the request runs at speed
+  batch term. The CPU part of each decode step is taken as sequential, g(n) = n, on D_j = m_j·decode_cpu·(l_O − 1)
+  (the CPU decode time the run measured): the largest term it can have, whether the run's servers ran petals' own
+  pool or the batching pool; the emulated GPU time is a sleep per session and does not batch. With the batch term the request runs at speed
   T(1)/T(n(t)), n_j(t) = the requests its server j was serving at t (from the same run's records), and the
   prediction is the τ with ∫_start^{start+τ} T(1)/T(n(t)) dt = T(1), exactly as the simulator runs it
   (:func:`ps_service_time`).

@@ -127,9 +127,10 @@ def _batch_lines(batch: dict) -> list[str]:
              "`planner/service_model.py`; computed by `experiments/batch_validation.py`):", ""]
     if "table1" in s:
         t = s["table1"]
-        lines.append(f"* Table 1 (servers with petals' one-at-a-time pool: g(n) = n on the CPU part of the decode "
-                     f"steps, {1e3 * batch['cpu_decode_s']:.2f} ms per block and token; the emulated GPU time does not "
-                     f"batch; occupancy from the run's own records): measured / model median "
+        lines.append(f"* Table 1 (the CPU part of the decode steps, {1e3 * batch['cpu_decode_s']:.2f} ms per block and "
+                     f"token, taken as sequential, g(n) = n: the most it can add, whether or not the run's servers "
+                     f"batch; the emulated GPU time does not batch; occupancy from the run's own records): "
+                     f"measured / model median "
                      f"{t['ratio_median_no_batch']:.2f} without the batch term, {t['ratio_median_batch']:.2f} with it "
                      f"(the term adds a median {100 * (t['batch_term_median'] - 1):.1f}% to the prediction; {t['n']} "
                      "requests). What is left is CPU contention between the processes on 2 shared cores, which the "
