@@ -146,6 +146,9 @@ class CompletionRunner:
                         last_token = now
                         produced.append(item)
                         yield item
+            except (GeneratorExit, asyncio.CancelledError):  # the consumer went away mid-stream (streamed client left)
+                self.metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
+                raise
             except _Stopped as stop:
                 if stop.reason == "client_gone":
                     self.metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
