@@ -159,10 +159,9 @@ def fig8(settings: Settings) -> dict:
                          jd[0] >= jd[-1] and ed[0] >= ed[-1],
                          f"mean reduction vs BPRR by J: {', '.join(f'{J}: {100 * v:.1f}%' for J, v in by_J.items())}; "
                          f"by η: {', '.join(f'{e}: {100 * v:.1f}%' for e, v in by_eta.items())}"))
-    from experiments.fig_auto import auto_verdict, exhaustive_for_missed
+    from experiments.fig_auto import bounds_and_verdict
 
-    verdict = auto_verdict(cells)
-    verdict["exhaustive"] = exhaustive_for_missed(verdict, settings, limit=1 if settings.quick else 3)
+    verdict = bounds_and_verdict(cells, settings)
     return {"figure": "fig8", "Js": Js, "etas": etas, "config": describe(settings.config()), "runs": settings.runs,
             "num_jobs": settings.num_jobs, "baseline_jobs": base_jobs, "cells": cells, "summary": summary,
             "claims": claims, "auto": verdict}

@@ -11,6 +11,9 @@ Everything is in three steps, each readable on its own:
      the fewest hops its servers allow and the largest common capacity x (Σ m_j(x) ≥ L), fastest
      servers filled first — fast servers get as many blocks as their memory allows while the chain
      keeps the cache the load needs;
+   * ``fastest c=…`` (the first ``fastest_cs`` c of hop-min): the same, but the first chain is the exact
+     fastest chain whose servers hold cache for c jobs (a knapsack DP over the servers,
+     planner/fastest_chain.py), so the T_min chain of the lower bound is always a candidate;
    * ``petals`` and ``whole-model`` (planner/baselines.py), with GCA over their full memory.
    GCA runs on each, and Theorem 3.7's bounds bracket each one's mean response time.
 2. **Score** (:func:`planner.auto_score.predict`): exact CTMC when small, else the bounds when tight,
@@ -21,7 +24,7 @@ Everything is in three steps, each readable on its own:
    two servers' spans; first improvement is kept, at most ``move_budget`` moves are evaluated.
 
 The choice is the lowest score, ties to the earliest candidate (so GBP-CR(c*) wins ties). Deterministic
-for a given input; the budgets (``refine``, ``move_budget``, ``hop_min_cs``) keep J = 1,000 under 1 s.
+for a given input; the budgets (``refine``, ``move_budget``, ``hop_min_cs``, ``fastest_cs``) keep J = 1,000 under 1 s.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from planner.allocation import Allocation, gca
 from planner.auto_score import Prediction, predict
 from planner.baselines import petals_placement, whole_model_placement
 from planner.bounds import response_time_bounds
+from planner.fastest_chain import fastest_chain_caps
 from planner.model import ModelSpec, Placement, Server, Span, free_slots, validate_servers
 from planner.placement import DEFAULT_TARGET_LOAD, SwarmArrays, validate_load
 from planner.tuning import _argmin, iter_candidates
@@ -75,11 +79,13 @@ class AutoResult:
 
 def auto_placement(model: ModelSpec, servers: Sequence[Server], arrival_rate: float,
                    target_load: float = DEFAULT_TARGET_LOAD, *, refine: int | None = None,
-                   move_budget: int | None = None, hop_min_cs: int = 24) -> AutoResult:
+                   move_budget: int | None = None, hop_min_cs: int = 24, fastest_cs: int | None = None
+                   ) -> AutoResult:
     """Choose the placement (and GCA chains) with the lowest predicted mean response time.
 
     ``refine`` defaults to ``max(4, min(12, 1200 // J))`` scored seeds and ``move_budget`` to
-    ``max(8, min(80, 8000 // J))`` local-search evaluations. Raises
+    ``max(8, min(80, 8000 // J))`` local-search evaluations, ``fastest_cs`` to ``max(1, min(8, 2000 // J))``
+    ``fastest`` candidates. Raises
     planner.tuning.InfeasibleError (via GBP-CR) when no chain can be formed at all.
     """
     servers = validate_servers(servers)
@@ -88,7 +94,9 @@ def auto_placement(model: ModelSpec, servers: Sequence[Server], arrival_rate: fl
     J = len(servers)
     budget = max(8, min(80, 8000 // J)) if move_budget is None else move_budget
     refine = max(4, min(12, 1200 // J)) if refine is None else refine
-    seeds, star = seed_candidates(model, servers, arrival_rate, target_load, arrays=arrays, hop_min_cs=hop_min_cs)
+    fastest_cs = max(1, min(8, 2000 // J)) if fastest_cs is None else fastest_cs
+    seeds, star = seed_candidates(model, servers, arrival_rate, target_load, arrays=arrays, hop_min_cs=hop_min_cs,
+                                  fastest_cs=fastest_cs)
     if star is None:
         from planner.tuning import InfeasibleError, _infeasible_message
 
@@ -115,8 +123,8 @@ def _evaluate(model, servers, label: str, placement: Placement, c: int | None, a
     return Scored(label, placement, alloc, c, lo, up)
 
 
-def seed_candidates(model, servers, arrival_rate, target_load, *, arrays: SwarmArrays, hop_min_cs: int
-                    ) -> tuple[list[Scored], int | None]:
+def seed_candidates(model, servers, arrival_rate, target_load, *, arrays: SwarmArrays, hop_min_cs: int,
+                    fastest_cs: int = 0) -> tuple[list[Scored], int | None]:
     """The seed candidates in their fixed order and the index of GBP-CR(c*) among them (None: no chain)."""
     seeds: list[Scored] = []
     index_of_alloc: dict[int, int] = {}
@@ -142,10 +150,11 @@ def seed_candidates(model, servers, arrival_rate, target_load, *, arrays: SwarmA
             seeds[star] = Scored(f"gbp-cr c={ev.candidate.c} (c*)", s.placement, s.allocation, ev.candidate.c,
                                  s.lower, s.upper)
     seen = {s.placement for s in seeds}
-    for c, placement in hop_min_placements(arrays, hop_min_cs, HOP_MIN_HEADROOM * arrival_rate / target_load):
+    for label, c, placement in hop_min_placements(arrays, hop_min_cs, HOP_MIN_HEADROOM * arrival_rate / target_load,
+                                                  fastest_first=fastest_cs):
         if placement not in seen:
             seen.add(placement)
-            seeds.append(_evaluate(model, servers, f"hop-min c={c}", placement, c, arrival_rate))
+            seeds.append(_evaluate(model, servers, label, placement, c, arrival_rate))
     for label, placement in (("petals", petals_placement(model, servers).placement),
                              ("whole-model", whole_model_placement(model, servers))):
         if placement not in seen and placement.placed():
@@ -154,8 +163,12 @@ def seed_candidates(model, servers, arrival_rate, target_load, *, arrays: SwarmA
     return [s for s in seeds if s.allocation.chains], star
 
 
-def hop_min_placements(arrays: SwarmArrays, how_many: int, enough_rate: float) -> Iterator[tuple[int, Placement]]:
-    """``hop-min`` placements for the first ``how_many`` distinct m-vectors c = 1, 2, … (see module doc).
+def hop_min_placements(arrays: SwarmArrays, how_many: int, enough_rate: float, *, fastest_first: int = 0
+                       ) -> Iterator[tuple[str, int, Placement]]:
+    """``hop-min`` placements for the first ``how_many`` distinct m-vectors c = 1, 2, … (see module doc),
+    as (label, c, placement); for the first ``fastest_first`` of them also a ``fastest`` variant whose
+    first chain is the exact fastest chain with cache for c jobs (planner/fastest_chain.py), the rest
+    stacked as in hop-min.
 
     Chains stop once their guaranteed rate Σ x_k/T_k (x_k: the chain's common reservation, T_k: its
     time) reaches ``enough_rate``; the servers left over stay unused."""
@@ -175,19 +188,38 @@ def hop_min_placements(arrays: SwarmArrays, how_many: int, enough_rate: float) -
             continue
         last = key
         done += 1
-        spans: list[Span | None] = [None] * len(arrays)
-        chain: list[int] = []
-        covered, rate = 0, 0.0
-        for j in arrays.gbp_cr_order(m).tolist():
-            chain.append(j)
-            covered += int(m[j])
-            if covered >= L:
-                rate += _split_chain(arrays, chain, c, cmax, spans)
-                chain, covered = [], 0
-                if rate >= enough_rate:
-                    break
-        if any(s is not None for s in spans):
-            yield c, Placement(tuple(spans))
+        order = arrays.gbp_cr_order(m).tolist()
+        placement = _stack_chains(arrays, order, m, c, cmax, enough_rate, [None] * len(arrays), 0.0)
+        if placement is not None:
+            yield f"hop-min c={c}", c, placement
+        if done <= fastest_first:
+            first = fastest_chain_caps(arrays, m)
+            spans: list[Span | None] = [None] * len(arrays)
+            for j, span in first.spans():
+                spans[j] = span
+            used = {j for j, _ in first.parts}
+            placement = _stack_chains(arrays, [j for j in order if j not in used], m, c, cmax, enough_rate, spans,
+                                      c / first.time)
+            if placement is not None:
+                yield f"fastest c={c}", c, placement
+
+
+def _stack_chains(arrays: SwarmArrays, order: list[int], m: np.ndarray, c: int, cmax: int, enough_rate: float,
+                  spans: list, rate: float) -> Placement | None:
+    """Stack the servers of ``order`` into chains (hop-min) after the chains already in ``spans`` (of
+    guaranteed rate ``rate``) until the rate reaches ``enough_rate``; None if no server got a span."""
+    L = arrays.num_blocks
+    chain: list[int] = []
+    covered = 0
+    for j in order:
+        if rate >= enough_rate:
+            break
+        chain.append(j)
+        covered += int(m[j])
+        if covered >= L:
+            rate += _split_chain(arrays, chain, c, cmax, spans)
+            chain, covered = [], 0
+    return Placement(tuple(spans)) if any(s is not None for s in spans) else None
 
 
 def _split_chain(arrays: SwarmArrays, chain: list[int], c: int, cmax: int, spans: list) -> float:
