@@ -1,12 +1,13 @@
 """``chainswarm simulate``: run the model-driven simulations and regenerate the paper figures and report.
 
-    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|fig9|all|fairness [--runs N] [--quick] [--out DIR] [--replot]
+    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|fig9|all|fairness|churn [--runs N] [--quick] [--out DIR] [--replot]
 
 Each figure writes ``<out>/figN.json`` (every number), ``<out>/figN.png`` and ``<out>/sections/figN.md``,
 then ``<out>/REPORT.md`` is reassembled from all sections present. ``--replot`` recomputes nothing: it
 re-renders the PNGs and sections from the JSON already in ``<out>`` and reassembles the report.
 ``fairness`` is delegated to ``experiments.fairness_sim.run_cli(args)`` (options it does not share with
-the figures pass through).
+the figures pass through). ``churn`` (re-planning while servers join and leave) is delegated to
+``experiments.churn_report.run_cli(args)``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "all", "fairness")
+TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "all", "fairness", "churn")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -48,6 +49,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.target == "fairness":
         return _fairness(args)
+    if args.target == "churn":
+        from experiments import report
+        from experiments.churn_report import run_cli
+
+        code = run_cli(args)
+        if code == 0:
+            report.assemble(Path(args.out))
+        return code
     from experiments import report
     from experiments.figures import FIGURES, Settings, write_figure
 
