@@ -95,9 +95,13 @@ def _findings(agg: dict, names: list[str]) -> list[str]:
         o = agg[n]
         bl, bo = inc["blocks_loaded"]["mean"], o["blocks_loaded"]["mean"]
         ci, co = inc["cost"]["mean"], o["cost"]["mean"]
-        ratio = "–" if not bo else f"{100 * (1 - bl / bo):.0f}% fewer" if bl <= bo else f"{100 * (bl / bo - 1):.0f}% more"
-        cost = ("–" if ci is None or co is None else
-                f"{'lower' if ci < co else 'higher'} response-time cost of churn ({_s(ci)} s against {_s(co)} s)")
+        if not bo:
+            ratio = "–"
+        else:
+            ratio = ("as many" if bl == bo else f"{100 * (1 - bl / bo):.0f}% fewer" if bl < bo
+                     else f"{100 * (bl / bo - 1):.0f}% more")
+        word = None if ci is None or co is None else "the same" if ci == co else "a lower" if ci < co else "a higher"
+        cost = "–" if word is None else f"{word} response-time cost of churn ({_s(ci)} s against {_s(co)} s)"
         out.append(f"* incremental against {n}: {ratio} blocks loaded ({_s(bl, 0)} against {_s(bo, 0)}), {cost}.")
     return out
 

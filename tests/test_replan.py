@@ -83,3 +83,30 @@ def test_a_broken_chain_restarts_its_jobs():
     assert run.finish[0] == pytest.approx(41.0)  # requeued at 5, starts on b when it frees at 21: 21 + 20
     static = simulate_epochs([0.0, 1.0], [1.0, 1.0], [0.0], [[a, b]])
     assert np.allclose(static.finish, [10.0, 21.0]) and static.restarts.sum() == 0
+
+
+def test_churn_experiment_end_to_end(tmp_path):
+    """A short churn run with the incremental re-planner and petals' own rebalancing (petals' functions
+    applied to constructed module infos), rendered to a section."""
+    from experiments.churn import ChurnConfig, churn_events, one_run
+    from experiments.churn_report import section
+
+    cfg = ChurnConfig(num_servers=12, horizon_s=300.0, runs=1, churn_per_min=0.2)
+    data = one_run(cfg, 0, strategies=("incremental", "petals rebalancing"))
+    initial, events = churn_events(cfg, [f"s{j:02d}" for j in range(24)], 0)
+    assert data["leaves"] + data["joins"] == len(events) > 0 and len(initial) == 12
+    inc, pet = data["strategies"]["incremental"], data["strategies"]["petals rebalancing"]
+    assert pet["decisions"]["join"] == data["joins"]  # every petals joiner chooses blocks (and loads them)
+    assert pet["blocks_loaded"] > 0 and pet["reloads"] >= data["joins"] - 1
+    assert sum(inc["decisions"].values()) == len(events)  # one decision per change
+    for s in (inc, pet):
+        assert s["blocks_new"] <= s["blocks_loaded"]
+        assert s["churn"]["jobs"] == s["static"]["jobs"] > 0
+        assert s["churn"]["mean"] >= s["static"]["mean"] - 1e-9 or s["churn"]["restarted"] == 0
+    agg = {n: {k: {"mean": 1.0, "std": 0.0} for k in ("blocks_loaded", "blocks_new", "reloads", "mean", "p95",
+                                                      "static_mean", "cost", "restarted", "no_chain_s", "unfinished")}
+           | {"decisions": data["strategies"][n]["decisions"]} for n in data["strategies"]}
+    text = section({"config": cfg.__dict__, "aggregate": agg, "runs": [data], "elapsed_s": 1.0,
+                    "load_average": [[1.0], [1.0]]})
+    assert "| incremental |" in text and "| petals rebalancing |" in text
+    assert "as many blocks loaded (1 against 1), the same response-time cost" in text
