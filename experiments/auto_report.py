@@ -82,6 +82,8 @@ def auto_lines(d: dict) -> list[str]:
         out[-1] += (f" Grid average of the room any placement has below c* (service bound): **{_p(room)}**"
                     + (f" — below the {_p(v['target_gain'])} target, so no placement can meet it on this grid."
                        if room < v["target_gain"] else " — the bound does not rule the target out."))
+    if v.get("load_average"):
+        out[-1] += f" (Computed at load average {v['load_average'][0]:.1f} on 2 shared cores, at the end of the run.)"
     if v["missed"]:
         out += ["", f"Cells where a target is missed ({len(v['missed'])} of {len(v['rows'])}):", ""]
         out += [f"* {_where(r)}: {_reason(r, v.get('queue_bounds', []), v['target_gain'])}." for r in v["missed"]]
@@ -91,11 +93,13 @@ def auto_lines(d: dict) -> list[str]:
                 f"{len(v['queue_bounds'])} missed cells whose service bound leaves the most room: a MILP bounds the "
                 "largest total service rate ν*_n that n jobs running at once could have on any placement (servers "
                 "hold their blocks plus every job's cache; block ranges need not be contiguous; rates on a "
-                f"{100 * (qs['level_ratio'] - 1):.0f}% grid), for n up to max({qs['n0']}, ⌈2λT_min⌉) "
+                f"{100 * (qs['level_ratio'] - 1):.0f}% grid), for n up to min({qs.get('nmax', '∞')}, max({qs['n0']}, "
+                "⌈2λT_min⌉)) "
                 f"({qs['seconds_per_milp']:g} s per MILP, HiGHS' dual bound), and the birth–death process with those "
                 "death rates bounds every placement's steady-state mean response under JFFC from below "
                 "(Theorem 3.7's argument). c* and auto are the planner's predictions (exact CTMC when small, else "
-                "bounds or simulation) on the same scenarios.", "",
+                "bounds or simulation) on the same scenarios. A large MILP gap (the solve stopped at its time limit) "
+                "makes the bound looser, never invalid.", "",
                 "| cell | queue-aware bound (s) | T_min (s) | c* predicted (s) | auto predicted (s) | room below c* "
                 "| largest MILP gap |", "|---|---|---|---|---|---|---|"]
         for q in v["queue_bounds"]:

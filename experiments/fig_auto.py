@@ -39,8 +39,8 @@ QUEUE_BOUND_CELLS = 6
 """The queue-aware bound is computed for at most this many missed cells (largest service-bound room first)."""
 QUEUE_BOUND_SCENARIOS = 3
 """…on the first this-many scenarios of each (a MILP per job count; minutes per scenario on 2 cores)."""
-QUEUE_BOUND_N0 = 6
-"""MILPs for n = 1..max(QUEUE_BOUND_N0, ⌈2·λ·T_min⌉) concurrent jobs."""
+QUEUE_BOUND_N0, QUEUE_BOUND_NMAX = 6, 10
+"""MILPs for n = 1..min(QUEUE_BOUND_NMAX, max(QUEUE_BOUND_N0, ⌈2·λ·T_min⌉)) concurrent jobs."""
 QUEUE_BOUND_SECONDS = 20.0
 """HiGHS time limit per MILP (its dual bound stays valid when the limit stops it)."""
 
@@ -178,7 +178,8 @@ def attach_queue_bounds(verdict: dict, settings: Settings, limit: int) -> None:
         for s in range(min(scenarios, settings.runs)):
             sc = build_scenario(cfg, s)
             lam = sc.arrival_rate
-            n0 = n_min if settings.quick else max(n_min, math.ceil(2 * lam * service_bound(sc.model, sc.servers)))
+            n0 = n_min if settings.quick else min(QUEUE_BOUND_NMAX, max(
+                n_min, math.ceil(2 * lam * service_bound(sc.model, sc.servers))))
             qb = queue_bound(sc.model, sc.servers, lam, n0=n0, time_limit=seconds)
             pred = {}
             for name, p in plan_methods(sc, ["proposed (c*)", "auto"]).items():
@@ -193,16 +194,16 @@ def attach_queue_bounds(verdict: dict, settings: Settings, limit: int) -> None:
                     "scenarios": per, "bound": mean("bound"), "cstar_pred": mean("proposed (c*)"),
                     "auto_pred": mean("auto"), "room": room})
     verdict["queue_bounds"] = out
-    verdict["queue_bound_settings"] = {"scenarios": scenarios, "n0": n_min, "seconds_per_milp": seconds,
-                                       "level_ratio": LEVEL_RATIO}
+    verdict["queue_bound_settings"] = {"scenarios": scenarios, "n0": n_min, "nmax": QUEUE_BOUND_NMAX,
+                                       "seconds_per_milp": seconds, "level_ratio": LEVEL_RATIO}
 
 
-def bounds_and_verdict(cells: list[dict], settings: Settings) -> dict:
-    """Service bounds on every cell, the auto verdict with them, and the queue-aware bounds on the cells
-    the service bound cannot settle."""
+def bounds_and_verdict(cells: list[dict], settings: Settings, queue_cells: int = QUEUE_BOUND_CELLS) -> dict:
+    """Service bounds on every cell, the auto verdict with them, and the queue-aware bounds on (at most
+    ``queue_cells`` of) the cells the service bound cannot settle."""
     attach_service_bounds(cells, settings)
     verdict = auto_verdict(cells)
-    attach_queue_bounds(verdict, settings, limit=1 if settings.quick else QUEUE_BOUND_CELLS)
+    attach_queue_bounds(verdict, settings, limit=1 if settings.quick else queue_cells)
     verdict["load_average"] = list(os.getloadavg())
     return verdict
 
@@ -234,7 +235,7 @@ def fig9(settings: Settings) -> dict:
     cells = [c for part in parts for c in part]
     for c in cells:
         c["stats"] = _cell_stats(c, METHODS_FIG9)
-    verdict = bounds_and_verdict(cells, settings)
+    verdict = bounds_and_verdict(cells, settings, queue_cells=3)
     return {"figure": "fig9", "Js": Js, "etas": etas, "arrival_rates": lams, "arrivals": list(ARRIVALS),
             "config": f"Fig. 8 grid at λ ∈ {{{', '.join(f'{x:g}' for x in lams)}}} req/s, Poisson and Azure-trace arrivals",
             "runs": settings.runs, "num_jobs": settings.num_jobs, "cells": cells, "auto": verdict, "claims": auto_claims(verdict, len(cells))}
