@@ -49,7 +49,7 @@ class ChurnConfig:
     eta: float = 0.2
     arrival_rate: float = 0.2
     target_load: float = 0.7
-    horizon_s: float = 7200.0
+    horizon_s: float = 3600.0
     churn_per_min: float = 0.1
     reload_s_per_block: float = 5.8
     tolerance: float = 0.05
