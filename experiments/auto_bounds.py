@@ -123,7 +123,8 @@ def queue_bound(model: ModelSpec, servers: Sequence[Server], arrival_rate: float
     for n in range(1, n0 + 1):
         v, gap = max_rate_bound(model, servers, n, tmin, time_limit=time_limit)
         prev = rates[-1] if rates else 0.0
-        # nondecreasing (a placement with fewer slots than n runs at most its ν*_C), and ν*_n ≤ ν*_{n−1} + 1/T_min
+        # nondecreasing (a placement with fewer slots than n runs at most its ν*_C),
+        # and ν*_n ≤ ν*_{n−1} + 1/T_min
         rates.append(min(max(v, prev), prev + 1.0 / tmin))
         gaps.append(gap)
     # beyond n0 the rate grows by at most 1/T_min per job; the array is cut where the birth–death process's

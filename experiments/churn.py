@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass

@@ -57,7 +57,8 @@ def section(data: dict) -> str:
              f"*Settings:* {cfg['runs']} runs of {cfg['horizon_s'] / 60:g} min; J = {cfg['num_servers']} servers drawn "
              f"from a Fig. 8 scenario of {2 * cfg['num_servers']} (η = {cfg['eta']}); each server leaves at "
              f"{100 * cfg['churn_per_min']:g}% per minute and servers join at the same rate (on average {leaves:.0f} "
-             f"leaves and {joins:.0f} joins per run); Azure code-trace arrivals rescaled to λ = {cfg['arrival_rate']:g} "
+             f"leaves and {joins:.0f} joins per run); Azure code-trace arrivals rescaled to "
+             f"λ = {cfg['arrival_rate']:g} "
              f"req/s, Exp(1) sizes; a server whose span changes serves it only after loading it at "
              f"{cfg['reload_s_per_block']:.2f} s per block (the load path measured by experiments/churn_load.py, "
              "scaled to a 1.32 GB BLOOM-176B block), and a job on a chain that breaks restarts; replanning "
@@ -67,8 +68,9 @@ def section(data: dict) -> str:
              "the whole range when it changes); blocks new to the server leave out blocks it already held. The "
              "cost of churn is the mean response with churn minus the same strategy's static run (its initial "
              "placement, the same jobs, nobody leaves). Mean ± std over runs.", "",
-             "| strategy | blocks loaded | blocks new to the server | servers reloading | decisions | mean response (s) "
-             "| P95 (s) | static mean (s) | cost of churn (s) | jobs restarted | jobs never served | time with no chain (s) |",
+             "| strategy | blocks loaded | blocks new to the server | servers reloading | decisions "
+             "| mean response (s) | P95 (s) | static mean (s) | cost of churn (s) | jobs restarted "
+             "| jobs never served | time with no chain (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in names:
         a = agg[n]

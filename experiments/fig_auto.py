@@ -238,7 +238,8 @@ def fig9(settings: Settings) -> dict:
     verdict = bounds_and_verdict(cells, settings, queue_cells=3)
     return {"figure": "fig9", "Js": Js, "etas": etas, "arrival_rates": lams, "arrivals": list(ARRIVALS),
             "config": f"Fig. 8 grid at λ ∈ {{{', '.join(f'{x:g}' for x in lams)}}} req/s, Poisson and Azure-trace arrivals",
-            "runs": settings.runs, "num_jobs": settings.num_jobs, "cells": cells, "auto": verdict, "claims": auto_claims(verdict, len(cells))}
+            "runs": settings.runs, "num_jobs": settings.num_jobs, "cells": cells, "auto": verdict,
+            "claims": auto_claims(verdict, len(cells))}
 
 
 def auto_claims(verdict: dict, num_cells: int) -> list[dict]:

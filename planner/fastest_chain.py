@@ -69,7 +69,8 @@ def fastest_chain_caps(arrays: SwarmArrays, caps: np.ndarray) -> FastestChain:
     for r, j in enumerate(idx.tolist()):
         cap = int(caps[j])
         a, b = float(arrays.comm[j]), float(arrays.compute[j])
-        # F(x) = min(F(x), a + b·x + min_{x−cap ≤ y ≤ x−1} (F(y) − b·y)): windows[x] holds y = x−cap .. x−1
+        # F(x) = min(F(x), a + b·x + min_{x−cap ≤ y ≤ x−1} (F(y) − b·y));
+        # windows[x] holds y = x−cap .. x−1
         h = np.concatenate((np.full(cap, np.inf), f - b * x))
         windows = sliding_window_view(h, cap)[: L + 1]
         k = cap - 1 - np.argmin(windows[:, ::-1], axis=1)  # the largest y on ties: the fewest blocks
