@@ -1,6 +1,6 @@
 """``chainswarm simulate``: run the model-driven simulations and regenerate the paper figures and report.
 
-    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|fig9|all|fairness|churn [--runs N] [--quick] [--out DIR] [--replot]
+    chainswarm simulate fig3|...|fig9|all|fairness|churn [--runs N] [--jobs N] [--quick] [--out DIR] [--replot]
 
 Each figure writes ``<out>/figN.json`` (every number), ``<out>/figN.png`` and ``<out>/sections/figN.md``,
 then ``<out>/REPORT.md`` is reassembled from all sections present. ``--replot`` recomputes nothing: it
@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", choices=TARGETS, help="which figure to regenerate ('all': fig3..fig9)")
     parser.add_argument("--runs", type=int, default=None,
                         help="Monte Carlo runs per point (default 20; 2 with --quick)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="jobs per simulated run (default 20,000; 2,000 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="small sweeps and 2,000-job runs (under a minute; what the tests run)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
@@ -43,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.runs is not None and args.runs < 1:
         print("chainswarm simulate: --runs must be >= 1", file=sys.stderr)
+        return 2
+    if getattr(args, "jobs", None) is not None and args.jobs < 100:
+        print("chainswarm simulate: --jobs must be >= 100", file=sys.stderr)
         return 2
     if args.workers is not None and args.workers < 1:
         print("chainswarm simulate: --workers must be >= 1", file=sys.stderr)
@@ -65,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replot:
         return _replot(out, names)
     settings = Settings.make(runs=args.runs, quick=args.quick, workers=args.workers,
-                             progress=not args.no_progress and sys.stderr.isatty(), comm_model=args.comm_model)
+                             progress=not args.no_progress and sys.stderr.isatty(), comm_model=args.comm_model,
+                             num_jobs=getattr(args, "jobs", None))
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     for name in names:
