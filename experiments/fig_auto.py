@@ -235,7 +235,7 @@ def fig9(settings: Settings) -> dict:
     cells = [c for part in parts for c in part]
     for c in cells:
         c["stats"] = _cell_stats(c, METHODS_FIG9)
-    verdict = bounds_and_verdict(cells, settings, queue_cells=3)
+    verdict = bounds_and_verdict(cells, settings, queue_cells=2)
     return {"figure": "fig9", "Js": Js, "etas": etas, "arrival_rates": lams, "arrivals": list(ARRIVALS),
             "config": f"Fig. 8 grid at λ ∈ {{{', '.join(f'{x:g}' for x in lams)}}} req/s, Poisson and Azure-trace arrivals",
             "runs": settings.runs, "num_jobs": settings.num_jobs, "cells": cells, "auto": verdict,
