@@ -184,6 +184,10 @@ def plot_fig8(data: dict, path: Path) -> None:
                 ys.append(np.nan if st["mean"] is None else st["mean"])
                 es.append(0 if st["mean_std"] is None else st["mean_std"])
             ax.bar(np.arange(len(etas)) + (m_i - (len(METHODS_FIG8) - 1) / 2) * width, ys, width, yerr=es, capsize=2, color=colors[m], label=m)
+        bound = [np.mean(c["bound"]["service"]) if c.get("bound") else np.nan
+                 for c in (next(c for c in data["cells"] if c["J"] == J and c["eta"] == eta) for eta in etas)]
+        ax.hlines(bound, np.arange(len(etas)) - 0.42, np.arange(len(etas)) + 0.42, colors="k", linewidth=1.2,
+                  label="no placement below (T_min × size)" if J == Js[0] else None)
         ax.set_xticks(range(len(etas)), [f"η={e}" for e in etas])
         ax.set_title(f"J = {J}")
         ax.set_yscale("log")
