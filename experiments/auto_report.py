@@ -60,6 +60,9 @@ def auto_lines(d: dict) -> list[str]:
            "placements and local-search moves, scored by predicted mean response time (planner/auto.py). Per "
            "cell: mean response (s), reduction 1 − auto/baseline on the cell means, ok = the paired per-scenario "
            "difference auto − baseline is at most one standard error."]
+    if d.get("auto_score"):
+        out += ["", "auto's score: " + "; ".join(f"{k} cells: {v}" for k, v in d["auto_score"].items())
+                + ". Proposed (c*), PETALS and BPRR plan the same way in both."]
     if has_bound:
         out += ["", "bound = T_min × the measured jobs' mean size, averaged over the cell's scenarios: T_min is the "
                 "fastest chain any placement can form with cache for one job on every block it processes (exact DP, "

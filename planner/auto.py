@@ -16,9 +16,11 @@ Everything is in three steps, each readable on its own:
      planner/fastest_chain.py), so the T_min chain of the lower bound is always a candidate;
    * ``petals`` and ``whole-model`` (planner/baselines.py), with GCA over their full memory.
    GCA runs on each, and Theorem 3.7's bounds bracket each one's mean response time.
-2. **Score** (:func:`planner.auto_score.predict`): exact CTMC when small, else the bounds when tight,
-   else a fixed-seed simulation. Only candidates whose lower bound is below the best upper bound can
-   win; the ``refine`` best of them by lower bound (plus GBP-CR(c*)) are scored.
+2. **Score** (``score``; default :func:`planner.auto_score.predict`, Poisson arrivals): exact CTMC when
+   small, else the bounds when tight, else a fixed-seed simulation. Only candidates whose lower bound is
+   below the best upper bound can win; the ``refine`` best of them by lower bound (plus GBP-CR(c*)) are
+   scored. When the arrival process is known to be bursty, :class:`planner.auto_trace.TraceScore` scores
+   by JFFC on a sample of it instead (Theorem 3.7's Poisson bounds then prune nothing).
 3. **Local search** (:func:`_moves`) from the best candidate: move a range boundary between two
    consecutive servers of a fast chain, let one absorb its neighbour's part (one hop less), or swap
    two servers' spans; first improvement is kept, at most ``move_budget`` moves are evaluated.
@@ -35,7 +37,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from planner.allocation import Allocation, gca
-from planner.auto_score import Prediction, predict
+from planner.auto_score import Prediction
+from planner.auto_trace import POISSON, Scorer
 from planner.baselines import petals_placement, whole_model_placement
 from planner.bounds import response_time_bounds
 from planner.fastest_chain import fastest_chain_caps
@@ -79,8 +82,8 @@ class AutoResult:
 
 def auto_placement(model: ModelSpec, servers: Sequence[Server], arrival_rate: float,
                    target_load: float = DEFAULT_TARGET_LOAD, *, refine: int | None = None,
-                   move_budget: int | None = None, hop_min_cs: int = 24, fastest_cs: int | None = None
-                   ) -> AutoResult:
+                   move_budget: int | None = None, hop_min_cs: int = 24, fastest_cs: int | None = None,
+                   score: Scorer = POISSON) -> AutoResult:
     """Choose the placement (and GCA chains) with the lowest predicted mean response time.
 
     ``refine`` defaults to ``max(4, min(12, 1200 // J))`` scored seeds and ``move_budget`` to
@@ -101,12 +104,12 @@ def auto_placement(model: ModelSpec, servers: Sequence[Server], arrival_rate: fl
         from planner.tuning import InfeasibleError, _infeasible_message
 
         raise InfeasibleError(_infeasible_message(model, servers))
-    scored = _score_seeds(seeds, star, arrival_rate, refine)
+    scored = _score_seeds(seeds, star, arrival_rate, refine, score)
     baseline = scored[star]
     best = min((s for s in scored if s.prediction is not None), key=lambda s: s.score)
     if not math.isfinite(best.score):
         best = baseline
-    best, tried, accepted = _local_search(model, servers, best, arrival_rate, budget)
+    best, tried, accepted = _local_search(model, servers, best, arrival_rate, budget, score)
     return AutoResult(best, baseline, tuple(scored), tried, accepted)
 
 
@@ -251,27 +254,28 @@ def _split_chain(arrays: SwarmArrays, chain: list[int], c: int, cmax: int, spans
 # ------------------------------------------------------------------------------------------------
 
 
-def _with_prediction(s: Scored, arrival_rate: float, memo: dict | None = None) -> Scored:
+def _with_prediction(s: Scored, arrival_rate: float, score: Scorer, memo: dict | None = None) -> Scored:
     """``s`` with its score; ``memo`` caches predictions by the chains' (rates, capacities)."""
     chains = s.allocation.chains
     key = tuple((ch.service_time, ch.capacity) for ch in chains)
     p = None if memo is None else memo.get(key)
     if p is None:
-        p = predict([ch.rate for ch in chains], [ch.capacity for ch in chains], arrival_rate)
+        p = score([ch.rate for ch in chains], [ch.capacity for ch in chains], arrival_rate)
         if memo is not None:
             memo[key] = p
     return Scored(s.label, s.placement, s.allocation, s.c, s.lower, s.upper, p)
 
 
-def _score_seeds(seeds: list[Scored], star: int, arrival_rate: float, refine: int) -> list[Scored]:
+def _score_seeds(seeds: list[Scored], star: int, arrival_rate: float, refine: int, score: Scorer) -> list[Scored]:
     """Score GBP-CR(c*) and the ``refine`` seeds with the lowest lower bound among those that can win
-    (lower bound below the best upper bound); the others keep ``prediction=None``."""
-    best_upper = min(s.upper for s in seeds)
+    (lower bound below the best upper bound; under a non-Poisson score every stable seed can); the others
+    keep ``prediction=None``."""
+    best_upper = min(s.upper for s in seeds) if score.poisson else math.inf
     contenders = sorted((i for i, s in enumerate(seeds) if s.lower <= best_upper and math.isfinite(s.lower)),
                         key=lambda i: (seeds[i].lower, i))[:refine]
     out = list(seeds)
     for i in sorted(set(contenders) | {star}):
-        out[i] = _with_prediction(seeds[i], arrival_rate)
+        out[i] = _with_prediction(seeds[i], arrival_rate, score)
     return out
 
 
@@ -280,7 +284,8 @@ def _score_seeds(seeds: list[Scored], star: int, arrival_rate: float, refine: in
 # ------------------------------------------------------------------------------------------------
 
 
-def _local_search(model, servers, best: Scored, arrival_rate: float, budget: int) -> tuple[Scored, int, int]:
+def _local_search(model, servers, best: Scored, arrival_rate: float, budget: int, score: Scorer
+                  ) -> tuple[Scored, int, int]:
     tried = accepted = 0
     memo: dict = {}
     improved = True
@@ -296,9 +301,9 @@ def _local_search(model, servers, best: Scored, arrival_rate: float, budget: int
             seen.add(placement)
             tried += 1
             cand = _evaluate(model, servers, f"{best.label} + {label}", placement, best.c, arrival_rate)
-            if not cand.allocation.chains or cand.lower >= best.score:
-                continue  # its score is at least its lower bound: no improvement possible
-            cand = _with_prediction(cand, arrival_rate, memo)
+            if not cand.allocation.chains or (score.poisson and cand.lower >= best.score):
+                continue  # its (Poisson) score is at least its lower bound: no improvement possible
+            cand = _with_prediction(cand, arrival_rate, score, memo)
             if cand.score < best.score * (1 - 1e-9):
                 best, improved, accepted = cand, True, accepted + 1
                 break
