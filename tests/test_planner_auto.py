@@ -8,12 +8,14 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.auto import auto_placement, hop_min_placements
 from planner.auto_score import predict, simulate_jffc
+from planner.auto_trace import TraceScore
 from planner.bounds import exact_mean_response_time, response_time_bounds
 from planner.fastest_chain import fastest_chain
 from planner.model import ModelSpec, Server, check_chain, check_memory, max_blocks
@@ -152,3 +154,21 @@ def test_fastest_chain_is_exact_and_no_plan_beats_it(swarm, sessions):
         except ValueError:
             continue
         assert all(ch.service_time >= tmin * (1 - 1e-12) for ch in p.chains)
+
+
+def test_trace_score_matches_the_ctmc_on_poisson_gaps_and_steers_auto_under_bursts():
+    rng = np.random.default_rng(5)
+    rates, caps = [1 / 10, 1 / 11, 1 / 13], [3, 4, 2]
+    poisson = TraceScore(tuple(rng.exponential(1.0, 40_000).tolist()))
+    p = poisson(rates, caps, 0.5)
+    assert p.method == "trace" and p.value == pytest.approx(exact_mean_response_time(rates, caps, 0.5), rel=0.03)
+    # bursts: 20 requests at once, then a long pause (mean gap 1): more slots beat faster ones
+    bursty = TraceScore(tuple(([0.0] * 19 + [20.0]) * 200))
+    assert bursty([0.1], [2], 0.05).value > bursty([0.09], [6], 0.05).value
+    model, servers = bloom_like(12)
+    res = auto_placement(model, servers, 0.2, 0.7, score=bursty)
+    assert res == auto_placement(model, servers, 0.2, 0.7, score=bursty)
+    assert res.best.score <= res.baseline.score and res.best.prediction.method == "trace"
+    check_memory(model, servers, res.best.placement, res.best.allocation.chains)
+    assert sum(c.capacity for c in res.best.allocation.chains) >= sum(
+        c.capacity for c in auto_placement(model, servers, 0.2, 0.7).best.allocation.chains)
