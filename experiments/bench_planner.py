@@ -8,9 +8,12 @@ default J = 20, λ = 0.2) and ρ̄ = 0.7. Planning uses the default tuning (Theo
 c in [c_max] = 1..351).
 
 It also times ``placement="auto"`` (planner/auto.py: every candidate, scoring and the local search;
-target < 1 s at J = 1,000) at the sizes given by ``--auto-sizes``.
+target < 1 s at J = 1,000) at the sizes given by ``--auto-sizes``, and one churn step of the incremental
+re-planner (planner/replan.py: 10% of the servers leave, as many join; it plans auto from scratch to compare,
+then repairs) at ``--replan-sizes``.
 
     python -m experiments.bench_planner [--sizes 10 100 1000 10000] [--repeats 3] [--auto-sizes 10 100 1000]
+                                        [--replan-sizes 100 1000]
 """
 from __future__ import annotations
 
@@ -59,6 +62,25 @@ def time_plan(num_servers: int, repeats: int, placement: str = "gbp-cr") -> tupl
     return best, result
 
 
+def time_replan(num_servers: int, seed: int = 0):
+    """One churn step: auto plan on J servers, then the first 10% of the placed servers leave and 10% new
+    servers join; the incremental re-plan is timed."""
+    from planner.auto import auto_placement
+    from planner.replan import incremental_replan
+
+    pool = bloom_swarm(num_servers + num_servers // 10, seed)
+    servers, joiners = pool[:num_servers], pool[num_servers:]
+    lam = 0.01 * num_servers
+    start = auto_placement(BLOOM, servers, lam, 0.7).best
+    current = {s.id: span for s, span in zip(servers, start.placement.spans)}
+    placed = [s.id for s, span in zip(servers, start.placement.spans) if span is not None]
+    gone = set(placed[:: 10][: max(1, num_servers // 10)])
+    now = [s for s in servers if s.id not in gone] + joiners
+    t0 = time.perf_counter()
+    r = incremental_replan(BLOOM, now, current, start.allocation.chains, lam, 0.7)
+    return time.perf_counter() - t0, r
+
+
 def jffc_decisions_per_second(num_chains: int = 1000, decisions: int = 1_000_000, seed: int = 0) -> float:
     """Drive JFFC with a random arrive/complete stream near saturation; count both kinds of decision."""
     rng = np.random.default_rng(seed)
@@ -98,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="best of N for sizes <= 1000")
     parser.add_argument("--chains", type=int, default=1000)
     parser.add_argument("--auto-sizes", type=int, nargs="*", default=[10, 100, 1000])
+    parser.add_argument("--replan-sizes", type=int, nargs="*", default=[100, 1000])
     args = parser.parse_args(argv)
 
     print(f"Planning time, BLOOM-176B swarm, lambda = 0.01*J, default tuning (lower bound over c = 1..351)")
@@ -133,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:>7} {seconds:>10.3f} {fmt(star):>12} {fmt(result):>10}  {result.tuning}")
         if n == 1000:
             print(f"target auto at 1000 servers < 1 s: {'met' if seconds < 1 else 'MISSED'} ({seconds:.3f} s)")
+
+    if args.replan_sizes:
+        print("incremental re-plan after 10% leave and 10% join (includes the fresh auto plan it compares with)")
+        print(f"{'J':>7} {'time (s)':>10} {'decision':>9} {'blocks loaded':>14} {'fresh would load':>17}")
+    for n in args.replan_sizes:
+        seconds, r = time_replan(n)
+        print(f"{n:>7} {seconds:>10.3f} {r.strategy:>9} {r.blocks_loaded:>14} {r.fresh_blocks_loaded:>17}")
 
     rate = jffc_decisions_per_second(args.chains)
     print(f"JFFC with {args.chains} chains: {rate:,.0f} decisions/s "

@@ -159,10 +159,9 @@ def fig8(settings: Settings) -> dict:
                          jd[0] >= jd[-1] and ed[0] >= ed[-1],
                          f"mean reduction vs BPRR by J: {', '.join(f'{J}: {100 * v:.1f}%' for J, v in by_J.items())}; "
                          f"by η: {', '.join(f'{e}: {100 * v:.1f}%' for e, v in by_eta.items())}"))
-    from experiments.fig_auto import auto_verdict, exhaustive_for_missed
+    from experiments.fig_auto import bounds_and_verdict
 
-    verdict = auto_verdict(cells)
-    verdict["exhaustive"] = exhaustive_for_missed(verdict, settings, limit=1 if settings.quick else 3)
+    verdict = bounds_and_verdict(cells, settings)
     return {"figure": "fig8", "Js": Js, "etas": etas, "config": describe(settings.config()), "runs": settings.runs,
             "num_jobs": settings.num_jobs, "baseline_jobs": base_jobs, "cells": cells, "summary": summary,
             "claims": claims, "auto": verdict}
@@ -185,6 +184,10 @@ def plot_fig8(data: dict, path: Path) -> None:
                 ys.append(np.nan if st["mean"] is None else st["mean"])
                 es.append(0 if st["mean_std"] is None else st["mean_std"])
             ax.bar(np.arange(len(etas)) + (m_i - (len(METHODS_FIG8) - 1) / 2) * width, ys, width, yerr=es, capsize=2, color=colors[m], label=m)
+        bound = [np.mean(c["bound"]["service"]) if c.get("bound") else np.nan
+                 for c in (next(c for c in data["cells"] if c["J"] == J and c["eta"] == eta) for eta in etas)]
+        ax.hlines(bound, np.arange(len(etas)) - 0.42, np.arange(len(etas)) + 0.42, colors="k", linewidth=1.2,
+                  label="no placement below (T_min × size)" if J == Js[0] else None)
         ax.set_xticks(range(len(etas)), [f"η={e}" for e in etas])
         ax.set_title(f"J = {J}")
         ax.set_yscale("log")

@@ -30,11 +30,11 @@ class Settings:
 
     @classmethod
     def make(cls, *, runs: int | None = None, quick: bool = False, workers: int | None = None,
-             progress: bool = True, comm_model: str = "per-token") -> "Settings":
+             progress: bool = True, comm_model: str = "per-token", num_jobs: int | None = None) -> "Settings":
         if quick:
-            return cls(runs=runs or 2, num_jobs=2_000, quick=True, workers=workers or 1, progress=False,
+            return cls(runs=runs or 2, num_jobs=num_jobs or 2_000, quick=True, workers=workers or 1, progress=False,
                        comm_model=comm_model)
-        return cls(runs=runs or 20, num_jobs=20_000, quick=False,
+        return cls(runs=runs or 20, num_jobs=num_jobs or 20_000, quick=False,
                    workers=workers or min(2, os.cpu_count() or 1), progress=progress, comm_model=comm_model)
 
     def config(self, **changes) -> ScenarioConfig:

@@ -1,13 +1,14 @@
 """``chainswarm simulate``: run the model-driven simulations and regenerate the paper figures and report.
 
-    chainswarm simulate fig3|fig4|fig5|fig6|fig7|fig8|fig9|all|fairness|fig8-batching [--runs N] [--quick] [--out DIR] [--replot]
+    chainswarm simulate fig3|...|fig9|all|fairness|fig8-batching|churn [--runs N] [--jobs N] [--quick] [--out DIR] [--replot]
 
 Each figure writes ``<out>/figN.json`` (every number), ``<out>/figN.png`` and ``<out>/sections/figN.md``,
 then ``<out>/REPORT.md`` is reassembled from all sections present. ``--replot`` recomputes nothing: it
 re-renders the PNGs and sections from the JSON already in ``<out>`` and reassembles the report.
 ``fairness`` is delegated to ``experiments.fairness_sim.run_cli(args)`` (options it does not share with
 the figures pass through), ``fig8-batching`` (Fig. 8 with batching servers, not part of ``all``) to
-``experiments.fig_batching.run_cli(args)``.
+``experiments.fig_batching.run_cli(args)``, ``churn`` (re-planning while servers join and leave) to
+``experiments.churn_report.run_cli(args)``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "all", "fairness", "fig8-batching")
+TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "all", "fairness", "fig8-batching", "churn")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -25,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", choices=TARGETS, help="which figure to regenerate ('all': fig3..fig9)")
     parser.add_argument("--runs", type=int, default=None,
                         help="Monte Carlo runs per point (default 20; 2 with --quick)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="jobs per simulated run (default 20,000; 2,000 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="small sweeps and 2,000-job runs (under a minute; what the tests run)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
@@ -44,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     if args.runs is not None and args.runs < 1:
         print("chainswarm simulate: --runs must be >= 1", file=sys.stderr)
         return 2
+    if getattr(args, "jobs", None) is not None and args.jobs < 100:
+        print("chainswarm simulate: --jobs must be >= 100", file=sys.stderr)
+        return 2
     if args.workers is not None and args.workers < 1:
         print("chainswarm simulate: --workers must be >= 1", file=sys.stderr)
         return 2
@@ -53,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
         from experiments import fig_batching
 
         return fig_batching.run_cli(args)
+    if args.target == "churn":
+        from experiments import report
+        from experiments.churn_report import run_cli
+
+        code = run_cli(args)
+        if code == 0:
+            report.assemble(Path(args.out))
+        return code
     from experiments import report
     from experiments.figures import FIGURES, Settings, write_figure
 
@@ -61,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replot:
         return _replot(out, names)
     settings = Settings.make(runs=args.runs, quick=args.quick, workers=args.workers,
-                             progress=not args.no_progress and sys.stderr.isatty(), comm_model=args.comm_model)
+                             progress=not args.no_progress and sys.stderr.isatty(), comm_model=args.comm_model,
+                             num_jobs=getattr(args, "jobs", None))
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     for name in names:

@@ -11,17 +11,22 @@ Everything is in three steps, each readable on its own:
      the fewest hops its servers allow and the largest common capacity x (Σ m_j(x) ≥ L), fastest
      servers filled first — fast servers get as many blocks as their memory allows while the chain
      keeps the cache the load needs;
+   * ``fastest c=…`` (the first ``fastest_cs`` c of hop-min): the same, but the first chain is the exact
+     fastest chain whose servers hold cache for c jobs (a knapsack DP over the servers,
+     planner/fastest_chain.py), so the T_min chain of the lower bound is always a candidate;
    * ``petals`` and ``whole-model`` (planner/baselines.py), with GCA over their full memory.
    GCA runs on each, and Theorem 3.7's bounds bracket each one's mean response time.
-2. **Score** (:func:`planner.auto_score.predict`): exact CTMC when small, else the bounds when tight,
-   else a fixed-seed simulation. Only candidates whose lower bound is below the best upper bound can
-   win; the ``refine`` best of them by lower bound (plus GBP-CR(c*)) are scored.
+2. **Score** (``score``; default :func:`planner.auto_score.predict`, Poisson arrivals): exact CTMC when
+   small, else the bounds when tight, else a fixed-seed simulation. Only candidates whose lower bound is
+   below the best upper bound can win; the ``refine`` best of them by lower bound (plus GBP-CR(c*)) are
+   scored. When the arrival process is known to be bursty, :class:`planner.auto_trace.TraceScore` scores
+   by JFFC on a sample of it instead (Theorem 3.7's Poisson bounds then prune nothing).
 3. **Local search** (:func:`_moves`) from the best candidate: move a range boundary between two
    consecutive servers of a fast chain, let one absorb its neighbour's part (one hop less), or swap
    two servers' spans; first improvement is kept, at most ``move_budget`` moves are evaluated.
 
 The choice is the lowest score, ties to the earliest candidate (so GBP-CR(c*) wins ties). Deterministic
-for a given input; the budgets (``refine``, ``move_budget``, ``hop_min_cs``) keep J = 1,000 under 1 s.
+for a given input; the budgets (``refine``, ``move_budget``, ``hop_min_cs``, ``fastest_cs``) keep J = 1,000 under 1 s.
 """
 from __future__ import annotations
 
@@ -32,9 +37,11 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from planner.allocation import Allocation, gca
-from planner.auto_score import Prediction, predict
+from planner.auto_score import Prediction
+from planner.auto_trace import POISSON, Scorer
 from planner.baselines import petals_placement, whole_model_placement
 from planner.bounds import response_time_bounds
+from planner.fastest_chain import fastest_chain_caps
 from planner.model import ModelSpec, Placement, Server, Span, free_slots, validate_servers
 from planner.placement import DEFAULT_TARGET_LOAD, SwarmArrays, validate_load
 from planner.tuning import _argmin, iter_candidates
@@ -75,11 +82,13 @@ class AutoResult:
 
 def auto_placement(model: ModelSpec, servers: Sequence[Server], arrival_rate: float,
                    target_load: float = DEFAULT_TARGET_LOAD, *, refine: int | None = None,
-                   move_budget: int | None = None, hop_min_cs: int = 24) -> AutoResult:
+                   move_budget: int | None = None, hop_min_cs: int = 24, fastest_cs: int | None = None,
+                   score: Scorer = POISSON) -> AutoResult:
     """Choose the placement (and GCA chains) with the lowest predicted mean response time.
 
     ``refine`` defaults to ``max(4, min(12, 1200 // J))`` scored seeds and ``move_budget`` to
-    ``max(8, min(80, 8000 // J))`` local-search evaluations. Raises
+    ``max(8, min(80, 8000 // J))`` local-search evaluations, ``fastest_cs`` to ``max(1, min(8, 2000 // J))``
+    ``fastest`` candidates. Raises
     planner.tuning.InfeasibleError (via GBP-CR) when no chain can be formed at all.
     """
     servers = validate_servers(servers)
@@ -88,17 +97,19 @@ def auto_placement(model: ModelSpec, servers: Sequence[Server], arrival_rate: fl
     J = len(servers)
     budget = max(8, min(80, 8000 // J)) if move_budget is None else move_budget
     refine = max(4, min(12, 1200 // J)) if refine is None else refine
-    seeds, star = seed_candidates(model, servers, arrival_rate, target_load, arrays=arrays, hop_min_cs=hop_min_cs)
+    fastest_cs = max(1, min(8, 2000 // J)) if fastest_cs is None else fastest_cs
+    seeds, star = seed_candidates(model, servers, arrival_rate, target_load, arrays=arrays, hop_min_cs=hop_min_cs,
+                                  fastest_cs=fastest_cs)
     if star is None:
         from planner.tuning import InfeasibleError, _infeasible_message
 
         raise InfeasibleError(_infeasible_message(model, servers))
-    scored = _score_seeds(seeds, star, arrival_rate, refine)
+    scored = _score_seeds(seeds, star, arrival_rate, refine, score)
     baseline = scored[star]
     best = min((s for s in scored if s.prediction is not None), key=lambda s: s.score)
     if not math.isfinite(best.score):
         best = baseline
-    best, tried, accepted = _local_search(model, servers, best, arrival_rate, budget)
+    best, tried, accepted = _local_search(model, servers, best, arrival_rate, budget, score)
     return AutoResult(best, baseline, tuple(scored), tried, accepted)
 
 
@@ -115,8 +126,8 @@ def _evaluate(model, servers, label: str, placement: Placement, c: int | None, a
     return Scored(label, placement, alloc, c, lo, up)
 
 
-def seed_candidates(model, servers, arrival_rate, target_load, *, arrays: SwarmArrays, hop_min_cs: int
-                    ) -> tuple[list[Scored], int | None]:
+def seed_candidates(model, servers, arrival_rate, target_load, *, arrays: SwarmArrays, hop_min_cs: int,
+                    fastest_cs: int = 0) -> tuple[list[Scored], int | None]:
     """The seed candidates in their fixed order and the index of GBP-CR(c*) among them (None: no chain)."""
     seeds: list[Scored] = []
     index_of_alloc: dict[int, int] = {}
@@ -142,10 +153,11 @@ def seed_candidates(model, servers, arrival_rate, target_load, *, arrays: SwarmA
             seeds[star] = Scored(f"gbp-cr c={ev.candidate.c} (c*)", s.placement, s.allocation, ev.candidate.c,
                                  s.lower, s.upper)
     seen = {s.placement for s in seeds}
-    for c, placement in hop_min_placements(arrays, hop_min_cs, HOP_MIN_HEADROOM * arrival_rate / target_load):
+    for label, c, placement in hop_min_placements(arrays, hop_min_cs, HOP_MIN_HEADROOM * arrival_rate / target_load,
+                                                  fastest_first=fastest_cs):
         if placement not in seen:
             seen.add(placement)
-            seeds.append(_evaluate(model, servers, f"hop-min c={c}", placement, c, arrival_rate))
+            seeds.append(_evaluate(model, servers, label, placement, c, arrival_rate))
     for label, placement in (("petals", petals_placement(model, servers).placement),
                              ("whole-model", whole_model_placement(model, servers))):
         if placement not in seen and placement.placed():
@@ -154,8 +166,12 @@ def seed_candidates(model, servers, arrival_rate, target_load, *, arrays: SwarmA
     return [s for s in seeds if s.allocation.chains], star
 
 
-def hop_min_placements(arrays: SwarmArrays, how_many: int, enough_rate: float) -> Iterator[tuple[int, Placement]]:
-    """``hop-min`` placements for the first ``how_many`` distinct m-vectors c = 1, 2, … (see module doc).
+def hop_min_placements(arrays: SwarmArrays, how_many: int, enough_rate: float, *, fastest_first: int = 0
+                       ) -> Iterator[tuple[str, int, Placement]]:
+    """``hop-min`` placements for the first ``how_many`` distinct m-vectors c = 1, 2, … (see module doc),
+    as (label, c, placement); for the first ``fastest_first`` of them also a ``fastest`` variant whose
+    first chain is the exact fastest chain with cache for c jobs (planner/fastest_chain.py), the rest
+    stacked as in hop-min.
 
     Chains stop once their guaranteed rate Σ x_k/T_k (x_k: the chain's common reservation, T_k: its
     time) reaches ``enough_rate``; the servers left over stay unused."""
@@ -175,19 +191,38 @@ def hop_min_placements(arrays: SwarmArrays, how_many: int, enough_rate: float) -
             continue
         last = key
         done += 1
-        spans: list[Span | None] = [None] * len(arrays)
-        chain: list[int] = []
-        covered, rate = 0, 0.0
-        for j in arrays.gbp_cr_order(m).tolist():
-            chain.append(j)
-            covered += int(m[j])
-            if covered >= L:
-                rate += _split_chain(arrays, chain, c, cmax, spans)
-                chain, covered = [], 0
-                if rate >= enough_rate:
-                    break
-        if any(s is not None for s in spans):
-            yield c, Placement(tuple(spans))
+        order = arrays.gbp_cr_order(m).tolist()
+        placement = _stack_chains(arrays, order, m, c, cmax, enough_rate, [None] * len(arrays), 0.0)
+        if placement is not None:
+            yield f"hop-min c={c}", c, placement
+        if done <= fastest_first:
+            first = fastest_chain_caps(arrays, m)
+            spans: list[Span | None] = [None] * len(arrays)
+            for j, span in first.spans():
+                spans[j] = span
+            used = {j for j, _ in first.parts}
+            placement = _stack_chains(arrays, [j for j in order if j not in used], m, c, cmax, enough_rate, spans,
+                                      c / first.time)
+            if placement is not None:
+                yield f"fastest c={c}", c, placement
+
+
+def _stack_chains(arrays: SwarmArrays, order: list[int], m: np.ndarray, c: int, cmax: int, enough_rate: float,
+                  spans: list, rate: float) -> Placement | None:
+    """Stack the servers of ``order`` into chains (hop-min) after the chains already in ``spans`` (of
+    guaranteed rate ``rate``) until the rate reaches ``enough_rate``; None if no server got a span."""
+    L = arrays.num_blocks
+    chain: list[int] = []
+    covered = 0
+    for j in order:
+        if rate >= enough_rate:
+            break
+        chain.append(j)
+        covered += int(m[j])
+        if covered >= L:
+            rate += _split_chain(arrays, chain, c, cmax, spans)
+            chain, covered = [], 0
+    return Placement(tuple(spans)) if any(s is not None for s in spans) else None
 
 
 def _split_chain(arrays: SwarmArrays, chain: list[int], c: int, cmax: int, spans: list) -> float:
@@ -219,27 +254,28 @@ def _split_chain(arrays: SwarmArrays, chain: list[int], c: int, cmax: int, spans
 # ------------------------------------------------------------------------------------------------
 
 
-def _with_prediction(s: Scored, arrival_rate: float, memo: dict | None = None) -> Scored:
+def _with_prediction(s: Scored, arrival_rate: float, score: Scorer, memo: dict | None = None) -> Scored:
     """``s`` with its score; ``memo`` caches predictions by the chains' (rates, capacities)."""
     chains = s.allocation.chains
     key = tuple((ch.service_time, ch.capacity) for ch in chains)
     p = None if memo is None else memo.get(key)
     if p is None:
-        p = predict([ch.rate for ch in chains], [ch.capacity for ch in chains], arrival_rate)
+        p = score([ch.rate for ch in chains], [ch.capacity for ch in chains], arrival_rate)
         if memo is not None:
             memo[key] = p
     return Scored(s.label, s.placement, s.allocation, s.c, s.lower, s.upper, p)
 
 
-def _score_seeds(seeds: list[Scored], star: int, arrival_rate: float, refine: int) -> list[Scored]:
+def _score_seeds(seeds: list[Scored], star: int, arrival_rate: float, refine: int, score: Scorer) -> list[Scored]:
     """Score GBP-CR(c*) and the ``refine`` seeds with the lowest lower bound among those that can win
-    (lower bound below the best upper bound); the others keep ``prediction=None``."""
-    best_upper = min(s.upper for s in seeds)
+    (lower bound below the best upper bound; under a non-Poisson score every stable seed can); the others
+    keep ``prediction=None``."""
+    best_upper = min(s.upper for s in seeds) if score.poisson else math.inf
     contenders = sorted((i for i, s in enumerate(seeds) if s.lower <= best_upper and math.isfinite(s.lower)),
                         key=lambda i: (seeds[i].lower, i))[:refine]
     out = list(seeds)
     for i in sorted(set(contenders) | {star}):
-        out[i] = _with_prediction(seeds[i], arrival_rate)
+        out[i] = _with_prediction(seeds[i], arrival_rate, score)
     return out
 
 
@@ -248,7 +284,8 @@ def _score_seeds(seeds: list[Scored], star: int, arrival_rate: float, refine: in
 # ------------------------------------------------------------------------------------------------
 
 
-def _local_search(model, servers, best: Scored, arrival_rate: float, budget: int) -> tuple[Scored, int, int]:
+def _local_search(model, servers, best: Scored, arrival_rate: float, budget: int, score: Scorer
+                  ) -> tuple[Scored, int, int]:
     tried = accepted = 0
     memo: dict = {}
     improved = True
@@ -264,9 +301,9 @@ def _local_search(model, servers, best: Scored, arrival_rate: float, budget: int
             seen.add(placement)
             tried += 1
             cand = _evaluate(model, servers, f"{best.label} + {label}", placement, best.c, arrival_rate)
-            if not cand.allocation.chains or cand.lower >= best.score:
-                continue  # its score is at least its lower bound: no improvement possible
-            cand = _with_prediction(cand, arrival_rate, memo)
+            if not cand.allocation.chains or (score.poisson and cand.lower >= best.score):
+                continue  # its (Poisson) score is at least its lower bound: no improvement possible
+            cand = _with_prediction(cand, arrival_rate, score, memo)
             if cand.score < best.score * (1 - 1e-9):
                 best, improved, accepted = cand, True, accepted + 1
                 break

@@ -5,16 +5,20 @@ The J = 1,000 time budget is measured in experiments/bench_planner.py, not here.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.auto import auto_placement, hop_min_placements
 from planner.auto_score import predict, simulate_jffc
+from planner.auto_trace import TraceScore
 from planner.bounds import exact_mean_response_time, response_time_bounds
-from planner.model import ModelSpec, Server, check_chain, check_memory
+from planner.fastest_chain import fastest_chain
+from planner.model import ModelSpec, Server, check_chain, check_memory, max_blocks
 from planner.placement import SwarmArrays
 from planner.plan import plan
 from planner.tuning import InfeasibleError, tune_c
@@ -82,7 +86,8 @@ def test_plan_auto_on_a_bloom_swarm():
 def test_hop_min_chains_cover_the_model_with_fewest_hops():
     model, servers = bloom_like(12)
     arrays = SwarmArrays(model, servers)
-    c, placement = next(hop_min_placements(arrays, 1, math.inf))
+    label, c, placement = next(hop_min_placements(arrays, 1, math.inf))
+    assert label == "hop-min c=1"
     assert c == 1
     spans = [s for s in placement.spans if s is not None]
     starts = sorted(s[0] for s in spans)
@@ -115,3 +120,55 @@ def test_simulation_agrees_with_the_exact_ctmc():
     rates, caps = [1 / 10, 1 / 11, 1 / 13], [3, 4, 2]
     exact = exact_mean_response_time(rates, caps, 0.5)
     assert simulate_jffc(rates, caps, 0.5, num_jobs=60_000, seed=3) == pytest.approx(exact, rel=0.02)
+
+
+def _brute_fastest(model, servers, sessions):
+    """Every way to give each server 0..m_j(sessions) blocks summing to L."""
+    best = math.inf
+    caps = [max_blocks(s, model, sessions) for s in servers]
+    for counts in itertools.product(*[range(c + 1) for c in caps]):
+        if sum(counts) == model.num_blocks:
+            best = min(best, sum(s.comm_time_s + s.compute_time_s * m for s, m in zip(servers, counts) if m))
+    return best
+
+
+@PROPS
+@given(swarms(max_servers=5), st.integers(1, 3))
+def test_fastest_chain_is_exact_and_no_plan_beats_it(swarm, sessions):
+    model, servers = swarm
+    fc = fastest_chain(model, servers, sessions)
+    assert fc.time == pytest.approx(_brute_fastest(model, servers, sessions), rel=1e-12, abs=1e-12) or (
+        math.isinf(fc.time) and math.isinf(_brute_fastest(model, servers, sessions)))
+    if math.isinf(fc.time):
+        return
+    assert sum(m for _, m in fc.parts) == model.num_blocks
+    assert all(1 <= m <= max_blocks(servers[j], model, sessions) for j, m in fc.parts)
+    spans = [span for _, span in fc.spans()]
+    assert spans[0][0] == 0 and spans[-1][1] == model.num_blocks
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    # every chain of every plan is at least as slow as T_min(1)
+    tmin = fastest_chain(model, servers, 1).time
+    for placement in ("auto", "gbp-cr", "whole-model"):
+        try:
+            p = plan(model, servers, 0.3, placement=placement)
+        except ValueError:
+            continue
+        assert all(ch.service_time >= tmin * (1 - 1e-12) for ch in p.chains)
+
+
+def test_trace_score_matches_the_ctmc_on_poisson_gaps_and_steers_auto_under_bursts():
+    rng = np.random.default_rng(5)
+    rates, caps = [1 / 10, 1 / 11, 1 / 13], [3, 4, 2]
+    poisson = TraceScore(tuple(rng.exponential(1.0, 40_000).tolist()))
+    p = poisson(rates, caps, 0.5)
+    assert p.method == "trace" and p.value == pytest.approx(exact_mean_response_time(rates, caps, 0.5), rel=0.03)
+    # bursts: 20 requests at once, then a long pause (mean gap 1): more slots beat faster ones
+    bursty = TraceScore(tuple(([0.0] * 19 + [20.0]) * 200))
+    assert bursty([0.1], [2], 0.05).value > bursty([0.09], [6], 0.05).value
+    model, servers = bloom_like(12)
+    res = auto_placement(model, servers, 0.2, 0.7, score=bursty)
+    assert res == auto_placement(model, servers, 0.2, 0.7, score=bursty)
+    assert res.best.score <= res.baseline.score and res.best.prediction.method == "trace"
+    check_memory(model, servers, res.best.placement, res.best.allocation.chains)
+    assert sum(c.capacity for c in res.best.allocation.chains) >= sum(
+        c.capacity for c in auto_placement(model, servers, 0.2, 0.7).best.allocation.chains)
