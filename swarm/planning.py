@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from planner.model import ModelSpec, Placement, Server, free_slots
 from planner.plan import Plan, plan, plan_for_placement
+from planner.replan import incremental_replan
 from planner.tuning import InfeasibleError
 from swarm.options import OrchestratorOptions
 from swarm.records import SERVING, Assignment, ServerProfile
@@ -130,6 +131,8 @@ def choose_plan(
     Raises InfeasibleError (a ValueError) when these servers cannot form a single chain.
     """
     model, servers = planner_inputs(profiles, num_blocks, expect)
+    if current is not None and expect.placement == "auto":
+        return _incremental(model, servers, expect, current)
     kept = None
     if current is not None:
         old_spans = {sp.id: sp.span for sp in current.servers}
@@ -149,6 +152,20 @@ def choose_plan(
     if kept is not None and objective(kept) <= objective(fresh) * (1 + expect.replan_tolerance):
         return kept, True
     return fresh, False
+
+
+def _incremental(model, servers, expect: Expectations, current: Plan) -> tuple[Plan, bool]:
+    """``--placement auto`` after the first plan: planner.replan's incremental re-plan (keep the survivors' spans,
+    repair the chains that lost servers from idle ones, a fresh auto plan only when it is clearly better by
+    ``replan_tolerance`` and the swarm keeps serving while it loads)."""
+    spans = {sp.id: sp.span for sp in current.servers}
+    step = incremental_replan(model, servers, spans, current.chains, expect.arrival_rate, expect.target_load,
+                              tolerance=expect.replan_tolerance)
+    if not step.allocation.chains:
+        raise InfeasibleError("these servers cannot form a single chain")
+    chosen = plan_for_placement(model, servers, step.placement, expect.arrival_rate, target_load=expect.target_load,
+                                method="auto")
+    return replace(chosen, tuning=f"auto: incremental ({step.strategy})"), step.strategy == "kept"
 
 
 def new_plan_id() -> str:

@@ -238,3 +238,25 @@ def test_malformed_profile_records_are_skipped():
               subkey=Identity.generate().subkey("bad"))
     dht.store(f"{PREFIX}.{records.PROFILES}", profile("unowned", 3).to_dict(), 0, subkey="unowned")
     assert set(records.fetch_profiles(dht, PREFIX)) == {"good"}
+
+
+def test_auto_replans_incrementally_when_a_chain_server_leaves():
+    """--placement auto after the first plan repairs the broken chain from idle servers (planner.replan)
+    instead of planning afresh: the chain's survivors keep their ranges, and fewer blocks load."""
+    expect = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=0.2, placement="auto")
+    swarm = [profile(n, m) for n, m in [("a", 3), ("b", 3), ("c", 2.5), ("d", 2.5), ("e", 2), ("f", 2), ("g", 3),
+                                        ("h", 2), ("i", 2.5)]]
+    first, _ = planning.choose_plan(swarm, 12, expect, None)
+    spans = {s.id: s.span for s in first.servers}
+    assert [c.servers for c in first.chains] == [("a", "b", "g")]  # one chain; six servers idle
+    rest = [p for p in swarm if p.node_id != "b"]
+    repaired, kept = planning.choose_plan(rest, 12, expect, first)
+    fresh, _ = planning.choose_plan(rest, 12, expect, None)
+
+    def loaded(p):
+        return sum(s.span[1] - s.span[0] for s in p.servers if s.span is not None and s.span != spans.get(s.id))
+
+    after = {s.id: s.span for s in repaired.servers}
+    assert not kept and repaired.chains
+    assert after["a"] == spans["a"] and after["g"] == spans["g"]
+    assert loaded(repaired) == 4 < loaded(fresh)  # b's four blocks, on idle servers
