@@ -219,6 +219,7 @@ class CompletionRunner:
         # every token is already in the queue
         task = asyncio.ensure_future(loop.run_in_executor(engine.executor, generate))
         settled = False
+        orchestrator.running[grant.request_id] = control
         try:
             count, checked = 0, time.monotonic()
             while not task.done() or not tokens.empty():
@@ -258,6 +259,7 @@ class CompletionRunner:
             yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
                            list(chain.route), 0.0, 0.0, prefix, logprobs=result.logprobs)
         finally:
+            orchestrator.running.pop(grant.request_id, None)
             if not settled:  # the consumer went away mid-stream (cancelled / closed): stop in the background
                 asyncio.ensure_future(self._stop(task, control, grant, "client_gone"))
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 from swarm.leases import LeaseRecord
 from swarm.occupancy import blocks_of
 from swarm.routing import NoRouteError, RouteSpan, clip_route
+
+logger = logging.getLogger(__name__)
 
 
 class Failover:
@@ -32,6 +35,8 @@ class Failover:
         self.suspects[node] = time.monotonic()
         self.claims.forget(node)
         self._event("server_failed", node=node, peer_id=peer_id)
+        for control in list(self.running.values()):  # sessions stepping on it fail over now, not at the timeout
+            control.peer_failed(peer_id)
         self._refresh_now.set()
 
     def claim_failure(self, peer_id: str, client_id: str) -> None:
@@ -90,10 +95,16 @@ class Failover:
                         if request_id is not None:
                             self.occupancy.move(request_id, start, end, spans)
                             self._refit()
+                        logger.info("reroute of %s: blocks [%d, %d) on %s after %.1f s", request_id, start, end,
+                                    [n for n, _, _ in spans], wait_s - (deadline - time.monotonic()))
                         return route
                 if time.monotonic() >= deadline:
+                    used = self.occupancy.per_server()
+                    full = sorted({f"{n} {used.get(n, 0)}/{slots[n]}" for r in routes for p, _, _ in r
+                                   if (n := nodes.get(p, p)) in slots})
                     raise NoRouteError(f"no free KV slot on a chain covering blocks [{start}, {end}) within "
-                                       f"{wait_s:.0f} s")
+                                       f"{wait_s:.0f} s (block-slots used/held: {', '.join(full)}; "
+                                       f"{self._rerouting} reroutes waiting)")
                 self._slot_freed.clear()
                 if not waiting:
                     waiting = True

@@ -219,7 +219,7 @@ class KeyPins:
     one key is pinned to it; one claimed by several keys at once with none pinned is refused altogether (who
     came first cannot be told) until only one remains.
 
-    Pins survive an orchestrator restart (:mod:`swarm.persistence` saves :attr:`pins` and :meth:`restore`\ s
+    Pins survive an orchestrator restart (:mod:`swarm.persistence` saves :attr:`pins` and :meth:`restore` loads
     them): a restored pin holds for ``hold_s`` even while its key's record is not seen (a restarted DHT peer
     finds records only as it reconnects), so an impostor cannot claim a live node's id in the moments after a
     restart; once its record is seen it is an ordinary pin again, and one whose record never comes back is

@@ -123,6 +123,7 @@ class Orchestrator(Failover, LeaseOps):
         self.probe = DhtPing(dht)
         self._probing: set[str] = set()
         self.occupancy = Occupancy()  # KV block-slots each running session holds, whatever its plan
+        self.running: dict[str, Any] = {}  # request id -> its session's control (proxied sessions; peer_failed)
         self._ready: list[RoutableChain] = []
         self._slot_freed = asyncio.Event()
         self._rerouting = 0  # reroutes waiting for a KV slot (the queue waits behind them)

@@ -110,7 +110,8 @@ class SessionControl:
 
     The session thread marks progress after every server step and every generated token; ``abort`` makes the
     session raise :class:`SessionAborted` at its next step, retry or token, and cancels a step it is waiting
-    for, so a server that stopped answering cannot hold the session (or its chain slot) any longer.
+    for, so a server that stopped answering cannot hold the session (or its chain slot) any longer;
+    ``peer_failed`` cancels only a step waiting for a server known to have failed (the session fails over).
     """
 
     def __init__(self) -> None:
@@ -130,6 +131,14 @@ class SessionControl:
         if self.session is not None:  # its server sessions are ClosingServerSessions (swarm.compat installs them)
             for server_session in list(self.session._server_sessions):
                 server_session.cancel_step()
+
+    def peer_failed(self, peer_id: str) -> None:
+        """The orchestrator knows ``peer_id`` failed: cancel a step waiting for it, so that petals' retry loop
+        fails over now instead of at the request timeout (the session itself goes on)."""
+        if self.session is not None:
+            for server_session in list(self.session._server_sessions):
+                if server_session.span.peer_id.to_base58() == peer_id:
+                    server_session.cancel_step()
 
 
 @dataclass

@@ -33,6 +33,7 @@ class FakeOrchestrator:
         self.grant_after = grant_after
         self.granted, self.finished, self.aborted, self.cancelled = [], [], [], 0
         self.step_s = 0.0
+        self.running = {}  # request id -> session control (the orchestrator's registry)
 
     def prompt_hashes(self, ids):
         return []

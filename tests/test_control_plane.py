@@ -289,3 +289,37 @@ def test_a_failed_over_session_gets_the_next_free_slot_before_the_queue():
         await orch.stop()
 
     run(scenario())
+
+
+def test_a_known_failure_cancels_only_the_steps_waiting_for_that_server():
+    """The orchestrator's own evidence of a failure reaches every running proxied session at once: a step waiting
+    for the failed server is cancelled (petals' retry loop then fails over) and steps on other servers go on."""
+    from types import SimpleNamespace
+
+    from swarm.routing import SessionControl
+
+    class Step:
+        def __init__(self, peer):
+            self.span = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer))
+            self.cancelled = 0
+
+        def cancel_step(self):
+            self.cancelled += 1
+
+    async def scenario():
+        orch, _ = await serving_orchestrator()
+        grant = await orch.acquire("c", 10, 10, timeout=1)
+        route = orch.chain(grant.chain_id).route
+        victim = route[0][0]
+        on_victim, elsewhere = Step(victim), Step("some-other-peer")
+        control = SessionControl()
+        control.session = SimpleNamespace(_server_sessions=[on_victim, elsewhere])
+        orch.running[grant.request_id] = control
+        await orch.reroute(grant.chain_id, 0, 4, [victim], request_id=grant.request_id, wait_s=2)
+        assert (on_victim.cancelled, elsewhere.cancelled) == (1, 0)
+        assert control.aborted is None  # the session itself goes on, on its new route
+        orch.report_failure(victim)
+        assert on_victim.cancelled == 1  # a failure already known is not reported twice
+        await orch.stop()
+
+    run(scenario())

@@ -199,6 +199,7 @@ def test_a_server_killed_mid_generation_and_mid_burst_changes_no_answer(swarm, p
     victim_name = status["chains"][0]["servers"][-1]
     victim = next(p for p in swarm.nodes if p.name == victim_name)
     tracked_prompt, pieces, started, eighth = prompts[2], [], threading.Event(), threading.Event()
+    errors: list[dict] = []
 
     def tracked_request():
         body = {"prompt": tracked_prompt, "max_tokens": 64, "temperature": 0, "stream": True}
@@ -206,7 +207,11 @@ def test_a_server_killed_mid_generation_and_mid_burst_changes_no_answer(swarm, p
                           timeout=300) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    pieces.append(httpx.Response(200, content=line[6:]).json()["choices"][0]["text"])
+                    event = httpx.Response(200, content=line[6:]).json()
+                    if "error" in event:  # the stream ended with an error event: the assertion below shows it
+                        errors.append(event["error"])
+                        return
+                    pieces.append(event["choices"][0]["text"])
                     started.set()
                     if len(pieces) >= 8:
                         eighth.set()
@@ -222,6 +227,7 @@ def test_a_server_killed_mid_generation_and_mid_burst_changes_no_answer(swarm, p
     outcomes = _burst(swarm.url, 20 * capacity, during=kill)
     thread.join(300)
     assert outcomes == {200: 20 * capacity}
+    assert not errors
     assert "".join(pieces) == reference(tracked_prompt, 64)
     wait_for(lambda: idle(swarm.url), 60, what="every slot free and the queue empty after the burst")
     status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
