@@ -20,9 +20,7 @@ Everything is in three steps, each readable on its own:
    small, else the bounds when tight, else a fixed-seed simulation. Only candidates whose lower bound is
    below the best upper bound can win; the ``refine`` best of them by lower bound (plus GBP-CR(c*)) are
    scored. When the arrival process is known to be bursty, :class:`planner.auto_trace.TraceScore` scores
-   by JFFC on a sample of it instead (Theorem 3.7's Poisson bounds then prune nothing). When servers batch
-   (a batch curve g_j(n), planner/service_model.py), every candidate's bounds are planner/batch_bounds.py's
-   fill-order estimates and :class:`BatchedScore` scores by their midpoint (the CTMC assumes fixed rates).
+   by JFFC on a sample of it instead (Theorem 3.7's Poisson bounds then prune nothing).
 3. **Local search** (:func:`_moves`) from the best candidate: move a range boundary between two
    consecutive servers of a fast chain, let one absorb its neighbour's part (one hop less), or swap
    two servers' spans; first improvement is kept, at most ``move_budget`` moves are evaluated.
@@ -33,7 +31,7 @@ for a given input; the budgets (``refine``, ``move_budget``, ``hop_min_cs``, ``f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -42,11 +40,10 @@ from planner.allocation import Allocation, gca
 from planner.auto_score import Prediction
 from planner.auto_trace import POISSON, Scorer
 from planner.baselines import petals_placement, whole_model_placement
-from planner.batch_bounds import allocation_bounds
+from planner.bounds import response_time_bounds
 from planner.fastest_chain import fastest_chain_caps
 from planner.model import ModelSpec, Placement, Server, Span, free_slots, validate_servers
 from planner.placement import DEFAULT_TARGET_LOAD, SwarmArrays, validate_load
-from planner.service_model import has_batching
 from planner.tuning import _argmin, iter_candidates
 
 HOP_MIN_HEADROOM = 3.0
@@ -107,8 +104,6 @@ def auto_placement(model: ModelSpec, servers: Sequence[Server], arrival_rate: fl
         from planner.tuning import InfeasibleError, _infeasible_message
 
         raise InfeasibleError(_infeasible_message(model, servers))
-    if has_batching(servers):
-        score = BatchedScore()
     scored = _score_seeds(seeds, star, arrival_rate, refine, score)
     baseline = scored[star]
     best = min((s for s in scored if s.prediction is not None), key=lambda s: s.score)
@@ -126,7 +121,7 @@ def auto_placement(model: ModelSpec, servers: Sequence[Server], arrival_rate: fl
 def _evaluate(model, servers, label: str, placement: Placement, c: int | None, arrival_rate: float,
               allocation: Allocation | None = None) -> Scored:
     alloc = gca(model, servers, placement) if allocation is None else allocation
-    b = allocation_bounds(alloc.chains, servers, arrival_rate)  # batched when a server batches
+    b = response_time_bounds([ch.rate for ch in alloc.chains], [ch.capacity for ch in alloc.chains], arrival_rate)
     lo, up = (math.inf, math.inf) if b is None else (b.lower, b.upper)
     return Scored(label, placement, alloc, c, lo, up)
 
@@ -259,24 +254,8 @@ def _split_chain(arrays: SwarmArrays, chain: list[int], c: int, cmax: int, spans
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BatchedScore:
-    """The score when servers batch (a chain's rate depends on the sessions its servers hold): the midpoint of
-    the two fill orders' estimates of :mod:`planner.batch_bounds`, which ``_evaluate`` already computed as the
-    candidate's lower/upper. Poisson arrivals, like :data:`~planner.auto_trace.POISSON`."""
-
-    poisson: bool = True
-
-    def of(self, s: Scored) -> Prediction:
-        if not math.isfinite(s.upper):
-            return Prediction(math.inf, "unstable", math.inf, math.inf)
-        return Prediction((s.lower + s.upper) / 2, "batched bounds", s.lower, s.upper)
-
-
 def _with_prediction(s: Scored, arrival_rate: float, score: Scorer, memo: dict | None = None) -> Scored:
     """``s`` with its score; ``memo`` caches predictions by the chains' (rates, capacities)."""
-    if isinstance(score, BatchedScore):
-        return replace(s, prediction=score.of(s))
     chains = s.allocation.chains
     key = tuple((ch.service_time, ch.capacity) for ch in chains)
     p = None if memo is None else memo.get(key)

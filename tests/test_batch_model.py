@@ -154,20 +154,3 @@ def test_batching_servers_slow_every_method_and_petals_most():
               (sc.servers, sequential)]
     assert mean(petals[0]) < mean(petals[1])
 
-
-def test_auto_scores_batching_servers_by_their_batched_bounds():
-    """With batch curves, auto's candidates carry the fill-order estimates (planner.batch_bounds), its choice is
-    scored by their midpoint, and it is no worse than GBP-CR (c*) by that score."""
-    from planner.auto import auto_placement
-
-    sc = build_scenario(ScenarioConfig(num_servers=12, eta=0.3), 2)
-    batched = [dataclasses.replace(s, decode_time_s=s.compute_time_s / 4, batch=MEASURED) for s in sc.servers]
-    result = auto_placement(sc.model, batched, 0.3)
-    best = result.best
-    assert best.prediction.method == "batched bounds"
-    expected = allocation_bounds(best.allocation.chains, batched, 0.3)
-    assert (best.lower, best.upper) == (expected.lower, expected.upper)
-    assert best.score == pytest.approx((best.lower + best.upper) / 2)
-    assert best.score <= result.baseline.score
-    plain = auto_placement(sc.model, [dataclasses.replace(s, batch=None) for s in batched], 0.3)
-    assert plain.best.prediction.method != "batched bounds"
