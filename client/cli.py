@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    parser.add_argument("--reconnect-s", type=float, default=10.0,
+                        help="keep retrying a refused connection this long (an orchestrator restarting; default 10)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from client.http import SwarmClient, SwarmError
 
     try:
-        with SwarmClient(args.orchestrator, args.api_key, client_id=args.client_id) as client:
+        with SwarmClient(args.orchestrator, args.api_key, client_id=args.client_id,
+                         reconnect_s=max(0.0, args.reconnect_s)) as client:
             if args.stream:
                 for piece in client.stream(args.prompt, args.max_new_tokens, temperature=args.temperature,
                                            top_p=args.top_p):

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -56,5 +57,8 @@ def test_orchestrator_rejects_impossible_expectations(tiny_model):
 
 
 def test_generate_reports_an_unreachable_orchestrator():
-    result = chainswarm("generate", "hi", "--orchestrator", "http://127.0.0.1:9", "--max-new-tokens", "2")
+    began = time.monotonic()
+    result = chainswarm("generate", "hi", "--orchestrator", "http://127.0.0.1:9", "--max-new-tokens", "2",
+                        "--reconnect-s", "2")
     assert result.returncode == 1 and "cannot reach" in result.stderr
+    assert 1 <= time.monotonic() - began < 30  # retried for about --reconnect-s, then gave up
