@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.churn_sim import EpochChain, simulate_epochs
-from experiments.churn_strategies import Context, Incremental, PetalsRebalancing, Scratch
+from experiments.churn_strategies import Context, Incremental, IncrementalStandby, PetalsRebalancing, Scratch
 from experiments.fig_auto import azure_jobs
 from experiments.figure_common import _jsonable
 from experiments.scenarios import ScenarioConfig, build_scenario
@@ -39,7 +39,7 @@ from planner.allocation import gca
 from planner.model import Placement
 
 RESULTS = Path(__file__).resolve().parent / "results"
-STRATEGIES = ("incremental", "scratch (auto)", "scratch (gbp-cr)", "petals rebalancing")
+STRATEGIES = ("incremental", "incremental + standby", "scratch (auto)", "scratch (gbp-cr)", "petals rebalancing")
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ def _epoch_chains(ctx: Context, strategy, servers: dict, present: list[str], hel
 def run_strategy(name: str, cfg: ChurnConfig, sc, initial: list[str], events, seed: int) -> dict:
     """One strategy over one churn sequence: the epochs of chains and the reload bookkeeping."""
     ctx = Context(sc.model, cfg.arrival_rate, cfg.target_load, cfg.tolerance)
-    strategy = {"incremental": Incremental, "scratch (auto)": lambda: Scratch("auto"),
+    strategy = {"incremental": Incremental, "incremental + standby": IncrementalStandby,
+                "scratch (auto)": lambda: Scratch("auto"),
                 "scratch (gbp-cr)": lambda: Scratch("gbp-cr"),
                 "petals rebalancing": lambda: PetalsRebalancing(seed)}[name]()
     servers = {s.id: s for s in sc.servers}

@@ -5,6 +5,8 @@ they should hold; a server whose span changes reloads it (experiments/churn.py c
 
 * :class:`Incremental`: planner/replan.py — survivors keep their ranges, the previous chains' missing
   segments go to idle servers, a fresh auto plan only when it predicts a clearly better response time.
+* :class:`IncrementalStandby`: the same, and after every plan the servers it leaves idle hold standby chains
+  (planner/standby.py), so that a leaving server's blocks are usually held elsewhere already.
 * :class:`Scratch`: a fresh plan (auto or GBP-CR with tuned c*) at every change, whatever it moves.
 * :class:`PetalsRebalancing`: petals 2.2's own block selection, with its functions
   (``petals.server.block_selection``, imported through ``swarm.compat``) applied to module infos built
@@ -27,6 +29,7 @@ from planner.baselines import petals_num_blocks, petals_throughput
 from planner.model import Chain, ModelSpec, Placement, Server, Span
 from planner.plan import plan
 from planner.replan import DEFAULT_TOLERANCE, auto_fresh, incremental_replan
+from planner.standby import add_standby_chains
 from planner.tuning import InfeasibleError
 
 Spans = dict[str, Span | None]
@@ -71,6 +74,25 @@ class Incremental:
 
     def slot_budget(self, ctx: Context, servers: Sequence[Server], spans) -> None:
         return None
+
+
+@dataclass
+class IncrementalStandby(Incremental):
+    name: str = "incremental + standby"
+
+    def _standby(self, ctx: Context, present: Sequence[Server], placement: Placement) -> Spans:
+        placement = add_standby_chains(ctx.model, present, placement)
+        self.chains = gca(ctx.model, present, placement).chains
+        return _spans(present, placement)
+
+    def start(self, ctx: Context, present: Sequence[Server]) -> Spans:
+        return self._standby(ctx, present, auto_fresh(ctx.model, present, ctx.arrival_rate, ctx.target_load))
+
+    def change(self, ctx: Context, present: Sequence[Server], held: Spans, joined: str | None) -> Spans:
+        r = incremental_replan(ctx.model, present, held, self.chains, ctx.arrival_rate, ctx.target_load,
+                               tolerance=ctx.tolerance)
+        self.decisions[r.strategy] += 1
+        return self._standby(ctx, present, r.placement)
 
 
 @dataclass

@@ -68,6 +68,9 @@ class OrchestratorOptions:
         0.05, metavar="F", help="on a join or a failure, keep the current block ranges unless a fresh plan is better "
         "by more than this fraction (default 0.05); a large value keeps ranges, so survivors adopt the new plan "
         "without draining and reloading under load")
+    standby_chains: int = option(
+        0, metavar="N", help="after each plan, servers it leaves idle hold up to N extra whole chains (standby: "
+        "a failed server's blocks are then usually served elsewhere at once; -1 = as many as they form; default 0)")
     refresh_s: float = option(1.0, cli=False, help="seconds between reads of the servers' records")
     settle_s: float = option(2.0, cli=False, help="the first plan waits until the set of live servers has not changed "
                              "for this long (servers report their RTT once they see the orchestrator, not all at "

@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 from planner.model import ModelSpec, Placement, Server, free_slots
 from planner.plan import Plan, plan, plan_for_placement
 from planner.replan import incremental_replan
+from planner.standby import add_standby_chains
 from planner.tuning import InfeasibleError
 from swarm.options import OrchestratorOptions
 from swarm.records import SERVING, Assignment, ServerProfile
@@ -48,6 +49,7 @@ class Expectations:
     c: int | None = OrchestratorOptions.c
     replan_tolerance: float = OrchestratorOptions.replan_tolerance  # keep ranges unless a fresh plan is better
     prefix_cache_tokens: int = OrchestratorOptions.prefix_cache_tokens  # prefix store per served block, tokens
+    standby_chains: int = OrchestratorOptions.standby_chains  # extra chains on idle servers (-1: all they form)
 
     def __post_init__(self) -> None:
         if self.max_length < 2 or self.input_tokens < 1 or self.output_tokens < 1:
@@ -71,7 +73,7 @@ def expectations(options: OrchestratorOptions, model_config) -> Expectations:
         max_length=max_length, input_tokens=input_tokens, output_tokens=output_tokens,
         arrival_rate=options.expected_rate, target_load=options.target_load, placement=options.placement,
         tuning=options.tuning, c=options.c, replan_tolerance=options.replan_tolerance,
-        prefix_cache_tokens=options.prefix_cache_tokens,
+        prefix_cache_tokens=options.prefix_cache_tokens, standby_chains=options.standby_chains,
     )
 
 
@@ -131,6 +133,20 @@ def choose_plan(
     Raises InfeasibleError (a ValueError) when these servers cannot form a single chain.
     """
     model, servers = planner_inputs(profiles, num_blocks, expect)
+    chosen, kept = _choose(model, servers, expect, current)
+    if expect.standby_chains == 0:
+        return chosen, kept
+    placement = add_standby_chains(model, servers, chosen.placement,
+                                   max_chains=None if expect.standby_chains < 0 else expect.standby_chains)
+    if placement == chosen.placement:
+        return chosen, kept
+    with_standby = plan_for_placement(model, servers, placement, expect.arrival_rate,
+                                      target_load=expect.target_load, method=chosen.placement_method)
+    return replace(with_standby, c=chosen.c, tuning=chosen.tuning, candidates=chosen.candidates), kept
+
+
+def _choose(model, servers, expect: Expectations, current: Plan | None) -> tuple[Plan, bool]:
+    """The plan by the placement method (before standby chains), and whether it kept ``current``'s ranges."""
     if current is not None and expect.placement == "auto":
         return _incremental(model, servers, expect, current)
     kept = None

@@ -3,6 +3,7 @@
 (The same orchestrator runs against real server processes in tests/test_runtime.py.)
 """
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -260,3 +261,21 @@ def test_auto_replans_incrementally_when_a_chain_server_leaves():
     assert not kept and repaired.chains
     assert after["a"] == spans["a"] and after["g"] == spans["g"]
     assert loaded(repaired) == 4 < loaded(fresh)  # b's four blocks, on idle servers
+
+
+def test_standby_chains_put_idle_servers_to_use_without_moving_the_plan():
+    """--standby-chains N: the servers a plan leaves idle hold up to N extra whole chains (planner.standby);
+    the plan's own ranges, c and tuning stay as the placement method chose them."""
+    swarm = [profile(n, m) for n, m in [("a", 3), ("b", 3), ("c", 2.5), ("d", 2.5), ("e", 2), ("f", 2), ("g", 3),
+                                        ("h", 2), ("i", 2.5)]]
+    plain = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=0.2, placement="auto")
+    base, _ = planning.choose_plan(swarm, 12, plain, None)
+    spans = {s.id: s.span for s in base.servers}
+    for n, more in ((1, 1), (-1, 1)):  # the six idle servers hold 15 blocks: one chain of 12
+        expect = replace(plain, standby_chains=n)
+        standby, _ = planning.choose_plan(swarm, 12, expect, None)
+        after = {s.id: s.span for s in standby.servers}
+        assert all(after[k] == span for k, span in spans.items() if span is not None)
+        assert len(standby.chains) == len(base.chains) + more
+        assert (standby.c, standby.tuning) == (base.c, base.tuning)
+        assert standby.total_rate > base.total_rate
