@@ -8,7 +8,7 @@ from pathlib import Path
 
 from experiments.churn import STRATEGIES, ChurnConfig, churn
 
-COLORS = {"incremental": "tab:purple", "scratch (auto)": "tab:orange", "scratch (gbp-cr)": "tab:olive",
+COLORS = {"incremental": "tab:purple", "incremental + standby": "tab:blue", "scratch (auto)": "tab:orange", "scratch (gbp-cr)": "tab:olive",
           "petals rebalancing": "tab:red"}
 
 
