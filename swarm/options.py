@@ -70,7 +70,8 @@ class OrchestratorOptions:
         "without draining and reloading under load")
     standby_chains: int = option(
         0, metavar="N", help="after each plan, servers it leaves idle hold up to N extra whole chains (standby: "
-        "a failed server's blocks are then usually served elsewhere at once; -1 = as many as they form; default 0)")
+        "more often a live path after a failure, at the cost of blocks loaded and of slow chains taking bursts; "
+        "-1 = as many as they form; default 0)")
     refresh_s: float = option(1.0, cli=False, help="seconds between reads of the servers' records")
     settle_s: float = option(2.0, cli=False, help="the first plan waits until the set of live servers has not changed "
                              "for this long (servers report their RTT once they see the orchestrator, not all at "
