@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from experiments.churn_sim import EpochChain, simulate_epochs
-from experiments.churn_strategies import Context, Incremental, IncrementalStandby, PetalsRebalancing, Scratch
+from experiments.churn_strategies import (Context, Incremental, IncrementalReserve, IncrementalStandby,
+                                          PetalsRebalancing, Scratch)
 from experiments.fig_auto import azure_jobs
 from experiments.figure_common import _jsonable
 from experiments.scenarios import ScenarioConfig, build_scenario
@@ -39,7 +40,8 @@ from planner.allocation import gca
 from planner.model import Placement
 
 RESULTS = Path(__file__).resolve().parent / "results"
-STRATEGIES = ("incremental", "incremental + standby", "scratch (auto)", "scratch (gbp-cr)", "petals rebalancing")
+STRATEGIES = ("incremental", "incremental + standby", "incremental + reserve", "scratch (auto)", "scratch (gbp-cr)",
+              "petals rebalancing")
 
 
 @dataclass(frozen=True)
@@ -101,13 +103,14 @@ def _epoch_chains(ctx: Context, strategy, servers: dict, present: list[str], hel
     srv = [servers[sid] for sid in serving]
     spans = [held[sid] for sid in serving]
     alloc = gca(ctx.model, srv, Placement(tuple(spans)), slot_budget=strategy.slot_budget(ctx, srv, spans))
-    return [EpochChain((ch.servers, ch.spans), ch.service_time, ch.capacity) for ch in alloc.chains]
+    return [EpochChain((ch.servers, ch.spans), ch.service_time, ch.capacity) for ch in strategy.serving(alloc.chains)]
 
 
 def run_strategy(name: str, cfg: ChurnConfig, sc, initial: list[str], events, seed: int) -> dict:
     """One strategy over one churn sequence: the epochs of chains and the reload bookkeeping."""
     ctx = Context(sc.model, cfg.arrival_rate, cfg.target_load, cfg.tolerance)
     strategy = {"incremental": Incremental, "incremental + standby": IncrementalStandby,
+                "incremental + reserve": IncrementalReserve,
                 "scratch (auto)": lambda: Scratch("auto"),
                 "scratch (gbp-cr)": lambda: Scratch("gbp-cr"),
                 "petals rebalancing": lambda: PetalsRebalancing(seed)}[name]()

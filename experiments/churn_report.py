@@ -8,8 +8,8 @@ from pathlib import Path
 
 from experiments.churn import STRATEGIES, ChurnConfig, churn
 
-COLORS = {"incremental": "tab:purple", "incremental + standby": "tab:blue", "scratch (auto)": "tab:orange", "scratch (gbp-cr)": "tab:olive",
-          "petals rebalancing": "tab:red"}
+COLORS = {"incremental": "tab:purple", "incremental + standby": "tab:blue", "incremental + reserve": "tab:cyan",
+          "scratch (auto)": "tab:orange", "scratch (gbp-cr)": "tab:olive", "petals rebalancing": "tab:red"}
 
 
 def _s(v, digits: int = 1) -> str:

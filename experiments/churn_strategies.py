@@ -6,7 +6,8 @@ they should hold; a server whose span changes reloads it (experiments/churn.py c
 * :class:`Incremental`: planner/replan.py — survivors keep their ranges, the previous chains' missing
   segments go to idle servers, a fresh auto plan only when it predicts a clearly better response time.
 * :class:`IncrementalStandby`: the same, and after every plan the servers it leaves idle hold standby chains
-  (planner/standby.py), so that a leaving server's blocks are usually held elsewhere already.
+  (planner/standby.py), so that a leaving server's blocks are usually held elsewhere already;
+  :class:`IncrementalReserve` holds those chains in reserve: they take jobs only while no other chain is up.
 * :class:`Scratch`: a fresh plan (auto or GBP-CR with tuned c*) at every change, whatever it moves.
 * :class:`PetalsRebalancing`: petals 2.2's own block selection, with its functions
   (``petals.server.block_selection``, imported through ``swarm.compat``) applied to module infos built
@@ -75,15 +76,22 @@ class Incremental:
     def slot_budget(self, ctx: Context, servers: Sequence[Server], spans) -> None:
         return None
 
+    def serving(self, chains: Sequence[Chain]) -> Sequence[Chain]:
+        """The chains that take jobs (all of them)."""
+        return chains
+
 
 @dataclass
 class IncrementalStandby(Incremental):
     name: str = "incremental + standby"
 
+    reserve: set = field(default_factory=set)  # the servers given standby spans (and still holding them)
+
     def _standby(self, ctx: Context, present: Sequence[Server], placement: Placement) -> Spans:
-        placement = add_standby_chains(ctx.model, present, placement)
-        self.chains = gca(ctx.model, present, placement).chains
-        return _spans(present, placement)
+        extended = add_standby_chains(ctx.model, present, placement)
+        self.reserve |= {s.id for s, a, b in zip(present, placement.spans, extended.spans) if a is None and b}
+        self.chains = gca(ctx.model, present, extended).chains
+        return _spans(present, extended)
 
     def start(self, ctx: Context, present: Sequence[Server]) -> Spans:
         return self._standby(ctx, present, auto_fresh(ctx.model, present, ctx.arrival_rate, ctx.target_load))
@@ -92,7 +100,21 @@ class IncrementalStandby(Incremental):
         r = incremental_replan(ctx.model, present, held, self.chains, ctx.arrival_rate, ctx.target_load,
                                tolerance=ctx.tolerance)
         self.decisions[r.strategy] += 1
+        if r.strategy == "fresh":  # everyone's span is new: the standby set starts over
+            self.reserve = set()
+        self.reserve &= {s.id for s in present}
         return self._standby(ctx, present, r.placement)
+
+
+@dataclass
+class IncrementalReserve(IncrementalStandby):
+    """Standby chains held in reserve: they take jobs only while no chain without a standby server is up."""
+
+    name: str = "incremental + reserve"
+
+    def serving(self, chains: Sequence[Chain]) -> Sequence[Chain]:
+        primary = [c for c in chains if not self.reserve & set(c.servers)]
+        return primary or chains
 
 
 @dataclass
@@ -123,6 +145,9 @@ class Scratch:
 
     def slot_budget(self, ctx: Context, servers: Sequence[Server], spans) -> None:
         return None
+
+    def serving(self, chains: Sequence[Chain]) -> Sequence[Chain]:
+        return chains
 
 
 class PetalsRebalancing:
@@ -194,6 +219,9 @@ class PetalsRebalancing:
             return False
         self.decisions["rebalance"] += 1
         return self._choose(ctx, server, present, held, ready)
+
+    def serving(self, chains: Sequence[Chain]) -> Sequence[Chain]:
+        return chains
 
     def slot_budget(self, ctx: Context, servers: Sequence[Server], spans) -> list[int]:
         return [0 if sp is None else (sp[1] - sp[0]) * PETALS_CACHE_SLOTS_PER_BLOCK for sp in spans]

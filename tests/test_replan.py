@@ -92,14 +92,16 @@ def test_churn_experiment_end_to_end(tmp_path):
     from experiments.churn_report import section
 
     cfg = ChurnConfig(num_servers=12, horizon_s=300.0, runs=1, churn_per_min=0.2)
-    data = one_run(cfg, 0, strategies=("incremental", "petals rebalancing"))
+    data = one_run(cfg, 0, strategies=("incremental", "incremental + reserve", "petals rebalancing"))
     initial, events = churn_events(cfg, [f"s{j:02d}" for j in range(24)], 0)
     assert data["leaves"] + data["joins"] == len(events) > 0 and len(initial) == 12
     inc, pet = data["strategies"]["incremental"], data["strategies"]["petals rebalancing"]
     assert pet["decisions"]["join"] == data["joins"]  # every petals joiner chooses blocks (and loads them)
     assert pet["blocks_loaded"] > 0 and pet["reloads"] >= data["joins"] - 1
-    assert sum(inc["decisions"].values()) == len(events)  # one decision per change
-    for s in (inc, pet):
+    reserve = data["strategies"]["incremental + reserve"]
+    assert sum(inc["decisions"].values()) == sum(reserve["decisions"].values()) == len(events)  # one per change
+    assert reserve["blocks_loaded"] > inc["blocks_loaded"]  # idle servers hold standby chains
+    for s in (inc, reserve, pet):
         assert s["blocks_new"] <= s["blocks_loaded"]
         assert s["churn"]["jobs"] == s["static"]["jobs"] > 0
         assert s["churn"]["mean"] >= s["static"]["mean"] - 1e-9 or s["churn"]["restarted"] == 0
