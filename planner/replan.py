@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Sequence
 from planner.allocation import Allocation, gca
 from planner.auto import auto_placement
 from planner.auto_score import predict
-from planner.model import Chain, ModelSpec, Placement, Server, Span, free_slots, validate_servers
+from planner.model import Chain, ModelSpec, Placement, Server, Span, free_slots, max_blocks, validate_servers
 from planner.placement import DEFAULT_TARGET_LOAD
 from planner.tuning import InfeasibleError
 
@@ -116,7 +116,7 @@ def _fill(model: ModelSpec, servers: Sequence[Server], idle: list[int], segment:
         if fits:
             j = min(fits, key=lambda j: (servers[j].comm_time_s + servers[j].compute_time_s * n, j))
             return [(j, segment)]
-    cap = {j: _most_blocks(model, servers[j], n) for j in idle}
+    cap = {j: min(n, max_blocks(servers[j], model, 1)) for j in idle}  # cache for one job per block
     out, start = [], a
     for j in sorted(idle, key=lambda j: (-cap[j], servers[j].compute_time_s, j)):
         if start >= e or cap[j] == 0:
@@ -125,12 +125,6 @@ def _fill(model: ModelSpec, servers: Sequence[Server], idle: list[int], segment:
         out.append((j, (start, start + take)))
         start += take
     return out if start >= e else None
-
-
-def _most_blocks(model: ModelSpec, server: Server, limit: int) -> int:
-    """The most blocks (≤ limit) ``server`` can host with cache for one job on each."""
-    per = model.block_bytes + model.slot_bytes
-    return int(min(limit, server.memory_bytes // per))
 
 
 def repair_steps(model: ModelSpec, servers: Sequence[Server], current: Mapping[str, Span | None],

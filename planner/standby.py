@@ -19,13 +19,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from planner.model import ModelSpec, Placement, Server, validate_servers
-
-
-def most_blocks(model: ModelSpec, server: Server, cache_jobs: int = 1) -> int:
-    """m_j: the most blocks ``server`` can host with cache for ``cache_jobs`` jobs on each (at most L)."""
-    per = model.block_bytes + cache_jobs * model.slot_bytes
-    return int(min(model.num_blocks, server.memory_bytes // per))
+from planner.model import ModelSpec, Placement, Server, max_blocks, validate_servers
 
 
 def add_standby_chains(model: ModelSpec, servers: Sequence[Server], placement: Placement, *,
@@ -37,7 +31,7 @@ def add_standby_chains(model: ModelSpec, servers: Sequence[Server], placement: P
     if cache_jobs < 1:
         raise ValueError("cache_jobs must be >= 1")
     spans = list(placement.spans)
-    room = {j: most_blocks(model, servers[j], cache_jobs) for j, span in enumerate(spans) if span is None}
+    room = {j: max_blocks(servers[j], model, cache_jobs) for j, span in enumerate(spans) if span is None}
     pool = sorted((j for j, m in room.items() if m > 0),
                   key=lambda j: (-room[j], servers[j].compute_time_s, servers[j].comm_time_s, j))
     L, made = model.num_blocks, 0

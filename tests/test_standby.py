@@ -6,8 +6,8 @@ import pytest
 
 from planner.allocation import gca
 from planner.auto import auto_placement
-from planner.model import ModelSpec, Placement, Server, check_memory
-from planner.standby import add_standby_chains, most_blocks
+from planner.model import ModelSpec, Placement, Server, check_memory, max_blocks
+from planner.standby import add_standby_chains
 from tests.test_replan import _swarm
 
 
@@ -34,7 +34,7 @@ def test_idle_servers_become_whole_disjoint_chains_and_the_plan_stays(seed):
 def test_servers_that_cannot_complete_a_chain_stay_idle_and_bad_input_is_refused():
     model = ModelSpec(10, 1.0, 0.1)
     servers = [Server("a", 12.0, 1.0, 0.1), Server("b", 4.0, 1.0, 0.1), Server("c", 3.0, 1.0, 0.1)]
-    assert most_blocks(model, servers[0]) == 10 and most_blocks(model, servers[1]) == 3
+    assert max_blocks(servers[0], model, 1) == 10 and max_blocks(servers[1], model, 1) == 3
     out = add_standby_chains(model, servers, Placement((None, None, None)))
     assert out.spans == ((0, 10), None, None)  # b and c together hold 5 of 10 blocks: no chain, left idle
     assert add_standby_chains(model, servers, Placement((None,) * 3), max_chains=0).spans == (None,) * 3
