@@ -408,8 +408,10 @@ class ChainswarmServer(Server):
         """Adopt a new plan id in place, or drain and return True when the layout changes."""
         self._check_loaded()
         new = self.fetch_assignment()
-        in_place = None if new is None else _served_in_place(new, self._current)
-        if new is None or self._current in (new, in_place):  # nothing new, or adopted already (with the pool's slots)
+        if new is None:
+            return False
+        in_place = _served_in_place(new, self._current)
+        if self._current in (new, in_place):  # nothing new, or adopted already (with the pool's slots)
             return False
         if in_place is not None:
             logger.info("node %s adopts plan %s (same blocks, %d of its %d KV slots)", self.node_id, new.plan_id,

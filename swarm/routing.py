@@ -128,16 +128,18 @@ class SessionControl:
 
     def abort(self, reason: str) -> None:
         self.aborted = reason
-        if self.session is not None:  # its server sessions are ClosingServerSessions (swarm.compat installs them)
-            for server_session in list(self.session._server_sessions):
-                server_session.cancel_step()
+        self._cancel_steps()
 
     def peer_failed(self, peer_id: str) -> None:
         """The orchestrator knows ``peer_id`` failed: cancel a step waiting for it, so that petals' retry loop
         fails over now instead of at the request timeout (the session itself goes on)."""
-        if self.session is not None:
+        self._cancel_steps(peer_id)
+
+    def _cancel_steps(self, peer_id: str | None = None) -> None:
+        """Cancel the running steps of the session's server sessions (those on ``peer_id`` only, if given)."""
+        if self.session is not None:  # its server sessions are ClosingServerSessions (swarm.compat installs them)
             for server_session in list(self.session._server_sessions):
-                if server_session.span.peer_id.to_base58() == peer_id:
+                if peer_id is None or server_session.span.peer_id.to_base58() == peer_id:
                     server_session.cancel_step()
 
 

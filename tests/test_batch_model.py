@@ -153,4 +153,3 @@ def test_batching_servers_slow_every_method_and_petals_most():
     petals = [simulate_petals(sc.model, srv, sc.rtt_ms, jobs.head(600), join_seed=1)[0] for srv in
               (sc.servers, sequential)]
     assert mean(petals[0]) < mean(petals[1])
-
