@@ -63,15 +63,19 @@ class Incremental:
 
     def start(self, ctx: Context, present: Sequence[Server]) -> Spans:
         placement = auto_fresh(ctx.model, present, ctx.arrival_rate, ctx.target_load)
-        self.chains = gca(ctx.model, present, placement).chains
-        return _spans(present, placement)
+        return self._adopt(ctx, present, placement, gca(ctx.model, present, placement).chains, fresh=True)
 
     def change(self, ctx: Context, present: Sequence[Server], held: Spans, joined: str | None) -> Spans:
         r = incremental_replan(ctx.model, present, held, self.chains, ctx.arrival_rate, ctx.target_load,
                                tolerance=ctx.tolerance)
         self.decisions[r.strategy] += 1
-        self.chains = r.allocation.chains
-        return _spans(present, r.placement)
+        return self._adopt(ctx, present, r.placement, r.allocation.chains, fresh=r.strategy == "fresh")
+
+    def _adopt(self, ctx: Context, present: Sequence[Server], placement: Placement, chains: Sequence[Chain], *,
+               fresh: bool) -> Spans:
+        """Run ``placement`` (GCA's ``chains`` over it) from now on; ``fresh``: every span is new."""
+        self.chains = tuple(chains)
+        return _spans(present, placement)
 
     def slot_budget(self, ctx: Context, servers: Sequence[Server], spans) -> None:
         return None
@@ -87,23 +91,14 @@ class IncrementalStandby(Incremental):
 
     reserve: set = field(default_factory=set)  # the servers given standby spans (and still holding them)
 
-    def _standby(self, ctx: Context, present: Sequence[Server], placement: Placement) -> Spans:
-        extended = add_standby_chains(ctx.model, present, placement)
-        self.reserve |= {s.id for s, a, b in zip(present, placement.spans, extended.spans) if a is None and b}
-        self.chains = gca(ctx.model, present, extended).chains
-        return _spans(present, extended)
-
-    def start(self, ctx: Context, present: Sequence[Server]) -> Spans:
-        return self._standby(ctx, present, auto_fresh(ctx.model, present, ctx.arrival_rate, ctx.target_load))
-
-    def change(self, ctx: Context, present: Sequence[Server], held: Spans, joined: str | None) -> Spans:
-        r = incremental_replan(ctx.model, present, held, self.chains, ctx.arrival_rate, ctx.target_load,
-                               tolerance=ctx.tolerance)
-        self.decisions[r.strategy] += 1
-        if r.strategy == "fresh":  # everyone's span is new: the standby set starts over
+    def _adopt(self, ctx: Context, present: Sequence[Server], placement: Placement, chains: Sequence[Chain], *,
+               fresh: bool) -> Spans:
+        if fresh:  # everyone's span is new: the standby set starts over
             self.reserve = set()
         self.reserve &= {s.id for s in present}
-        return self._standby(ctx, present, r.placement)
+        extended = add_standby_chains(ctx.model, present, placement)
+        self.reserve |= {s.id for s, a, b in zip(present, placement.spans, extended.spans) if a is None and b}
+        return super()._adopt(ctx, present, extended, gca(ctx.model, present, extended).chains, fresh=fresh)
 
 
 @dataclass
