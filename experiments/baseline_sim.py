@@ -28,7 +28,9 @@ rounding to retry instants) as in a model-driven simulation.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -216,6 +218,74 @@ def simulate_petals(model: ModelSpec, servers: Sequence[Server], rtt_ms: Sequenc
 # ------------------------------------------------------------------------------------------------
 
 
+class BeliefLedger:
+    """One server's WS-RR ledger: the slots each planned or running request is believed to hold, and until
+    when (its believed end). ``wait(need, t)`` is how long until ``need`` slots are believed free at time t:
+    the entries ending after t hold slots; they free them in order of believed end.
+
+    Entries are kept sorted by end with a cumulative sum of their slots (rebuilt after a change, once per
+    routing decision), and the entries ending at or before the last query time are counted apart, so a
+    query is a binary search instead of a sort of all k entries: under overload (BPRR's queues in the
+    Azure cells of Fig. 9) a ledger holds thousands of planned requests. Query times never decrease in
+    the simulation; an earlier one recomputes from the start. Results are identical to the sort."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.total = 0
+        """Σ slots of every entry (an upper bound on the slots believed held at any time)."""
+        self._entries: dict[int, tuple[int, float]] = {}
+        self._sorted: list[tuple[float, int, int]] = []  # (end, slots, job)
+        self._slots: list[int] = []  # the slots of _sorted, in its order
+        self._cum: list[int] | None = None  # cumulative sum of _slots (None: stale)
+        self._past, self._past_slots, self._now = 0, 0, -math.inf  # _sorted[:_past] end at or before _now
+
+    def add(self, job: int, slots: int, end: float) -> None:
+        item = (end, slots, job)
+        pos = bisect.bisect_right(self._sorted, item)
+        self._sorted.insert(pos, item)
+        self._slots.insert(pos, slots)
+        self._entries[job] = (slots, end)
+        self.total += slots
+        self._cum = None
+        if pos < self._past:
+            self._past += 1
+            self._past_slots += slots
+
+    def remove(self, job: int) -> None:
+        slots, end = self._entries.pop(job)
+        pos = bisect.bisect_left(self._sorted, (end, slots, job))
+        del self._sorted[pos]
+        del self._slots[pos]
+        self.total -= slots
+        self._cum = None
+        if pos < self._past:
+            self._past -= 1
+            self._past_slots -= slots
+
+    def held(self, t: float) -> int:
+        """Slots believed held at time t (entries that end after t)."""
+        if t < self._now:
+            self._past, self._past_slots = 0, 0
+        self._now = t
+        items = self._sorted
+        while self._past < len(items) and items[self._past][0] <= t:
+            self._past_slots += items[self._past][1]
+            self._past += 1
+        return self.total - self._past_slots
+
+    def wait(self, need: int, t: float) -> float:
+        if need > self.capacity:
+            return math.inf
+        short = need - (self.capacity - self.held(t))  # slots that must be freed first
+        if short <= 0:
+            return 0.0
+        if self._cum is None:
+            self._cum = list(itertools.accumulate(self._slots))
+        # the first entry k ≥ _past whose release brings the freed slots to ``short``
+        k = bisect.bisect_left(self._cum, self._past_slots + short)
+        return self._sorted[k][0] - t if k < len(self._sorted) else math.inf  # inf not reached: need ≤ capacity
+
+
 def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arrival_rate: float, *,
                   reservation: int | None = None, oracle: bool = False) -> tuple[SimResult, dict]:
     """Simulate BPRR (CG-BP + WS-RR) on ``jobs``. Returns (result, info)."""
@@ -242,8 +312,7 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
 
     static_path = to_path(static)
     used = [0] * J  # physically held slots
-    ledger: list[dict[int, tuple[int, float]]] = [dict() for _ in range(J)]  # job -> (slots, believed end)
-    ledger_total = [0] * J  # Σ slots in each ledger (an upper bound on the believed-held slots)
+    ledger = [BeliefLedger(capacity[j]) for j in range(J)]  # job -> (slots, believed end), per server
     n = len(jobs)
     arrivals = jobs.arrivals.tolist()
     sizes = jobs.sizes.tolist()
@@ -255,23 +324,9 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
     stats = {"surprise_failures": 0, "planned_waits": 0}
     placed = [j for j in range(J) if hosted[j] > 0]
 
-    def believed_wait(j: int, need: int, t: float) -> float:
-        if need > capacity[j]:
-            return math.inf
-        ends = [(end, slots) for slots, end in ledger[j].values() if end > t]
-        free_b = capacity[j] - sum(s for _, s in ends)
-        if free_b >= need:
-            return 0.0
-        ends.sort()
-        for end, slots in ends:
-            free_b += slots
-            if free_b >= need:
-                return end - t
-        return math.inf  # not reached: need ≤ capacity
-
     def route_and_plan(job: int, t: float) -> None:
-        if all(capacity[j] - ledger_total[j] >= hosted[j] for j in placed) or all(
-            capacity[j] - sum(s for s, end in ledger[j].values() if end > t) >= hosted[j] for j in placed
+        if all(capacity[j] - ledger[j].total >= hosted[j] for j in placed) or all(
+            capacity[j] - ledger[j].held(t) >= hosted[j] for j in placed
         ):
             path, delay = static_path, 0.0
         else:
@@ -280,7 +335,7 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
             def wait(j: int, need: int) -> float:
                 key = (j, need)
                 if key not in cache:
-                    cache[key] = believed_wait(j, need, t)
+                    cache[key] = ledger[j].wait(need, t)
                 return cache[key]
 
             route = ws_rr_route(model, servers, placement, wait)
@@ -288,8 +343,7 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
         planned = t + delay
         believed = planned + (sizes[job] if oracle else 1.0) * path.service_time
         for j, m in zip(path.servers, path.need):
-            ledger[j][job] = (m, believed)
-            ledger_total[j] += m
+            ledger[j].add(job, m, believed)
         plan[job] = path
         if delay > 0:
             stats["planned_waits"] += 1
@@ -309,9 +363,8 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
                 clock.begin(heap, job, t, sizes[job] * path.service_time, path)
         else:  # the slots are still held by a request that outlived its estimate
             stats["surprise_failures"] += 1
-            for j, m in zip(path.servers, path.need):
-                del ledger[j][job]
-                ledger_total[j] -= m
+            for j in path.servers:
+                ledger[j].remove(job)
             attempts[job] += 1
             push(heap, (t + backoff_delay(attempts[job]), 2, job))
 
@@ -327,8 +380,7 @@ def simulate_bprr(model: ModelSpec, servers: Sequence[Server], jobs: Jobs, arriv
                 path = plan[job]
                 for j, m in zip(path.servers, path.need):
                     used[j] -= m
-                    del ledger[j][job]
-                    ledger_total[j] -= m
+                    ledger[j].remove(job)
             elif kind == 1:
                 attempt_start(job, t)
             else:

@@ -185,6 +185,42 @@ def test_scenario_matches_wan_config_and_is_deterministic():
 # ------------------------------------------------------------------------------------------------
 
 
+def test_bprr_belief_ledger_matches_the_sorted_schedule():
+    """BeliefLedger.wait is the definition it replaces: sort the entries that end after t by end and free
+    their slots in that order until ``need`` slots are free (random adds, removals, queries, equal ends)."""
+    from experiments.baseline_sim import BeliefLedger
+
+    rng = np.random.default_rng(7)
+    for trial in range(30):
+        cap = int(rng.integers(1, 40))
+        ledger, entries, t, job = BeliefLedger(cap), {}, 0.0, 0
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.45:
+                end = t + float(rng.choice([0.0, 1.0, 2.5, rng.exponential(5.0)]))
+                slots = int(rng.integers(1, cap + 1))
+                ledger.add(job, slots, end)
+                entries[job] = (slots, end)
+                job += 1
+            elif op < 0.65 and entries:
+                gone = list(entries)[int(rng.integers(len(entries)))]
+                ledger.remove(gone)
+                del entries[gone]
+            else:
+                t += float(rng.choice([0.0, rng.exponential(1.0)]))
+                need = int(rng.integers(1, cap + 2))
+                live = sorted((end, s) for s, end in entries.values() if end > t)
+                free, want = cap - sum(s for _, s in live), (math.inf if need > cap else 0.0)
+                if need <= cap and free < need:
+                    for end, s in live:
+                        free += s
+                        if free >= need:
+                            want = end - t
+                            break
+                assert ledger.wait(need, t) == want
+                assert ledger.held(t) == sum(s for _, s in live) and ledger.total == sum(s for s, _ in entries.values())
+
+
 def test_petals_and_bprr_simulations():
     from experiments.baseline_sim import simulate_bprr, simulate_petals
 
