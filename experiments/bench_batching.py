@@ -11,7 +11,10 @@ vanilla petals at the same concurrency, measured in the same run; the generated 
 
 Where the time goes: one decode step over the 15 blocks of a server, timed in-process for batch sizes
 1..16 — batched (one pass) and sequential (petals' per-session path) — and a torch.profiler table of one
-batched step of 8 sessions.
+batched step of 8 sessions. And the servers' own CPU time (each server process with its p2pd daemon) per
+generated token in every run: the client, the DHT and the other swarm share this machine's two cores, so
+aggregate tokens/s measures the machine; vanilla ÷ batched server CPU per token is the throughput ratio
+servers with cores of their own would reach while they are the bottleneck ("server-bound ×").
 
 Every process (both servers, the client) runs ``--torch-threads`` intra-op threads (default 1): on this 2-core
 machine two servers and the client share the cores, and more threads only spin. Both setups get the same.
@@ -26,6 +29,7 @@ Writes ``experiments/results/bench_batching.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -106,6 +110,24 @@ def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool
             "ttft_ms_median": statistics.median(ttfts), "errors": errors, "outputs": outputs}
 
 
+def cpu_seconds(pids) -> float:
+    """User + system CPU seconds used so far by the processes ``pids`` and all their descendants (a server's
+    p2pd daemon is its child). Processes that are gone count 0."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    t = proc.cpu_times()
+                    total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
 def _budget_gb(model_dir: str, sessions: int) -> float:
     import torch
 
@@ -123,9 +145,9 @@ def _budget_gb(model_dir: str, sessions: int) -> float:
 def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: int, progress) -> dict:
     """Both swarms up at once (separate DHTs, the same block split); every measurement alternates between
     them, ``repeats`` times, so both see the same neighbours on this shared machine; the best run (highest
-    tokens/s) of each is kept — the one least disturbed by other processes."""
-    import contextlib
-
+    tokens/s) of each is kept — the one least disturbed by other processes. Each run also records the CPU
+    time its two servers (with their p2pd daemons) spent per generated token: what the servers' throughput
+    would be if they, not the shared cores, were the limit (as on volunteer machines of their own)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -151,6 +173,8 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
         models = {name: stack.enter_context(open_distributed_model(
             model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
             torch_dtype=getattr(torch, DTYPE))) for name, swarm in zip(SETUPS, (vanilla, chainswarm))}
+        server_pids = {"vanilla_petals": [s.process.pid for s in vanilla.servers],
+                       "chainswarm_batched": [n.process.pid for n in nodes]}
         for model in models.values():
             run_sessions(model, tokenizer, 2, 4)  # warm-up: connections, routes, first allocations
         results = {name: [] for name in SETUPS}
@@ -161,7 +185,10 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
                 runs = {name: [] for name in SETUPS}
                 for _ in range(repeats):
                     for name in SETUPS:
-                        runs[name].append(run_sessions(models[name], tokenizer, n, tokens, blocks_only))
+                        before = cpu_seconds(server_pids[name])
+                        run = run_sessions(models[name], tokenizer, n, tokens, blocks_only)
+                        run["server_cpu_ms_per_token"] = 1000 * (cpu_seconds(server_pids[name]) - before) / run["tokens"]
+                        runs[name].append(run)
                 for name in SETUPS:
                     best = max(runs[name], key=lambda r: r["tokens_per_s"])
                     results[name].append(dict(best, client=client,
@@ -173,6 +200,7 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
         row["per_token_ratio"] = row["per_token_ms_median"] / base["per_token_ms_median"]
         row["p95_ratio"] = row["per_token_ms_p95"] / base["per_token_ms_p95"]
         row["ttft_ratio"] = row["ttft_ms_median"] / base["ttft_ms_median"]
+        row["server_cpu_ratio"] = base["server_cpu_ms_per_token"] / row["server_cpu_ms_per_token"]
         row["same_tokens_as_vanilla"] = row["outputs"] == base["outputs"] if row["client"] == "generate" else None
     return results
 
@@ -258,12 +286,15 @@ def plot(report: dict, path: Path) -> None:
 
 def markdown(report: dict) -> str:
     lines = ["| client | sessions | vanilla tok/s | batched tok/s | × | per-token ms vanilla / batched (median) | × | "
-             "P95 × | TTFT × | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "P95 × | TTFT × | same tokens | server CPU ms/token vanilla / batched | server-bound × |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for base, row in zip(report["results"]["vanilla_petals"], report["results"]["chainswarm_batched"]):
         lines.append(f"| {row['client']} | {row['sessions']} | {base['tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
                      f"{row['throughput_ratio']:.2f} | {base['per_token_ms_median']:.0f} / "
                      f"{row['per_token_ms_median']:.0f} | {row['per_token_ratio']:.2f} | {row['p95_ratio']:.2f} | "
-                     f"{row['ttft_ratio']:.2f} | {row['same_tokens_as_vanilla']} |")
+                     f"{row['ttft_ratio']:.2f} | {row['same_tokens_as_vanilla']} | "
+                     + (f"{base['server_cpu_ms_per_token']:.1f} / {row['server_cpu_ms_per_token']:.1f} | "
+                        f"{row['server_cpu_ratio']:.2f} |" if "server_cpu_ratio" in row else "– | – |"))
     ceiling = ceilings(report["step_profile"]["step_s"], report["servers"])
     lines += ["", "Compute-only ceiling (in-process step times, one core per server, no RPC or client cost): "
               + ", ".join(f"{n} sessions {c['ratio']:.2f}× ({c['vanilla_tokens_per_s']:.0f} → "
