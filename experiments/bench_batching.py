@@ -107,7 +107,8 @@ def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool
     total = sum(len(s.times) for s in stamps)
     return {"sessions": sessions, "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
             "per_token_ms_median": statistics.median(gaps), "per_token_ms_p95": _percentile(gaps, 0.95),
-            "ttft_ms_median": statistics.median(ttfts), "errors": errors, "outputs": outputs}
+            "ttft_ms_median": statistics.median(ttfts), "ttft_ms_sorted": sorted(ttfts), "errors": errors,
+            "outputs": outputs}
 
 
 def cpu_seconds(pids) -> float:
