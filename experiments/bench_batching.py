@@ -157,7 +157,7 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with contextlib.ExitStack() as stack:
-        chainswarm = stack.enter_context(LocalSwarm(model_dir))
+        chainswarm = stack.enter_context(LocalSwarm(model_dir, open_sessions=True))  # vanilla petals clients
         chainswarm.add_orchestrator(expected_rate=0.2, max_length=MAX_LENGTH, expected_input_tokens=32,
                                     expected_output_tokens=tokens, refresh_s=0.5, torch_dtype=DTYPE)
         nodes = [chainswarm.add_node(node_id=f"n{i}", memory_gb=_budget_gb(model_dir, 20), wait=False,

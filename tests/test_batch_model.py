@@ -18,7 +18,7 @@ from planner.model import ModelSpec, Placement, Server
 from planner.plan import parse_swarm, plan
 from planner.service_model import BatchCurve, ChainService
 
-MEASURED = BatchCurve.from_step_times([22.55, 32.84, 33.43, 47.58, 62.12], max_batch=8)  # bench_batching, ms
+MEASURED = BatchCurve.from_step_times([22.55, 32.84, 33.43, 47.58, 62.12], max_batch=8)  # an earlier bench_batching run, ms
 
 
 def test_curve_interpolates_extrapolates_and_runs_rounds_past_the_batch_bound():
