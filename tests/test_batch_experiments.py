@@ -54,3 +54,21 @@ def test_fig8_batching_small_run_and_its_report(tmp_path):
     section = (tmp_path / "sections" / "fig8_batching.md").read_text()
     assert "| 20 | 0.2 |" in section and "**Proposed (c*) vs PETALS**" in section and "Cost of real servers" in section
     assert (tmp_path / "fig8_batching.png").stat().st_size > 0 and (tmp_path / "REPORT.md").exists()
+
+
+def test_bench_batching_runs_both_swarms_end_to_end(tiny_model):
+    """experiments/bench_batching.py against live swarms (the tiny model, 2 sessions × 3 tokens): vanilla petals
+    servers and batched Chainswarm nodes both serve petals' own client (the nodes open to it), and each run
+    records tokens, latencies and the servers' CPU time per token."""
+    from tqdm import tqdm
+
+    from experiments.bench_batching import SETUPS, bench_servers
+
+    results = bench_servers(tiny_model, [2], tokens=3, max_batch=8, repeats=1, progress=tqdm(disable=True))
+    for name in SETUPS:
+        assert [r["client"] for r in results[name]] == ["generate", "blocks_only"]
+        for row in results[name]:
+            assert row["errors"] == [] and row["tokens"] == 6, (name, row["errors"])
+            assert row["server_cpu_ms_per_token"] > 0 and row["ttft_ms_median"] > 0
+        assert [len(out) for out in results[name][0]["outputs"]] == [3, 3]
+    assert results["chainswarm_batched"][0]["server_cpu_ratio"] > 0
