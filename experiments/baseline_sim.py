@@ -32,6 +32,7 @@ import bisect
 import heapq
 import itertools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -235,15 +236,13 @@ class BeliefLedger:
         """Σ slots of every entry (an upper bound on the slots believed held at any time)."""
         self._entries: dict[int, tuple[int, float]] = {}
         self._sorted: list[tuple[float, int, int]] = []  # (end, slots, job)
-        self._slots: list[int] = []  # the slots of _sorted, in its order
-        self._cum: list[int] | None = None  # cumulative sum of _slots (None: stale)
+        self._cum: list[int] | None = None  # cumulative slots along _sorted (None: stale)
         self._past, self._past_slots, self._now = 0, 0, -math.inf  # _sorted[:_past] end at or before _now
 
     def add(self, job: int, slots: int, end: float) -> None:
         item = (end, slots, job)
         pos = bisect.bisect_right(self._sorted, item)
         self._sorted.insert(pos, item)
-        self._slots.insert(pos, slots)
         self._entries[job] = (slots, end)
         self.total += slots
         self._cum = None
@@ -255,7 +254,6 @@ class BeliefLedger:
         slots, end = self._entries.pop(job)
         pos = bisect.bisect_left(self._sorted, (end, slots, job))
         del self._sorted[pos]
-        del self._slots[pos]
         self.total -= slots
         self._cum = None
         if pos < self._past:
@@ -280,7 +278,7 @@ class BeliefLedger:
         if short <= 0:
             return 0.0
         if self._cum is None:
-            self._cum = list(itertools.accumulate(self._slots))
+            self._cum = list(itertools.accumulate(map(operator.itemgetter(1), self._sorted)))
         # the first entry k ≥ _past whose release brings the freed slots to ``short``
         k = bisect.bisect_left(self._cum, self._past_slots + short)
         return self._sorted[k][0] - t if k < len(self._sorted) else math.inf  # inf not reached: need ≤ capacity

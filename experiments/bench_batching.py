@@ -294,8 +294,8 @@ def markdown(report: dict) -> str:
                      f"{row['throughput_ratio']:.2f} | {base['per_token_ms_median']:.0f} / "
                      f"{row['per_token_ms_median']:.0f} | {row['per_token_ratio']:.2f} | {row['p95_ratio']:.2f} | "
                      f"{row['ttft_ratio']:.2f} | {row['same_tokens_as_vanilla']} | "
-                     + (f"{base['server_cpu_ms_per_token']:.1f} / {row['server_cpu_ms_per_token']:.1f} | "
-                        f"{row['server_cpu_ratio']:.2f} |" if "server_cpu_ratio" in row else "– | – |"))
+                     f"{base['server_cpu_ms_per_token']:.1f} / {row['server_cpu_ms_per_token']:.1f} | "
+                     f"{row['server_cpu_ratio']:.2f} |")
     ceiling = ceilings(report["step_profile"]["step_s"], report["servers"])
     lines += ["", "Compute-only ceiling (in-process step times, one core per server, no RPC or client cost): "
               + ", ".join(f"{n} sessions {c['ratio']:.2f}× ({c['vanilla_tokens_per_s']:.0f} → "
