@@ -48,6 +48,7 @@ PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
 ]
 SETUPS = ("vanilla_petals", "chainswarm_batched")
+MULTI = "chainswarm_multi"  # Chainswarm's ChainGenerator: multi-session streams + one LM head per step
 MAX_LENGTH = 256
 
 
@@ -111,6 +112,34 @@ def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool
             "outputs": outputs}
 
 
+def run_chain_generator(generator, tokenizer, sessions: int, tokens: int) -> dict:
+    """``sessions`` generations submitted together to a :class:`swarm.batch_engine.ChainGenerator` (one
+    multi-session stream per server, one LM head per step); the same prompts, tokens and statistics as
+    :func:`run_sessions`."""
+    stamps: list[list[float]] = [[] for _ in range(sessions)]
+    prompts = [tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids for i in range(sessions)]
+    errors: list = []
+    steps, stepped = generator.steps, generator.stepped_sequences
+    start = time.perf_counter()
+    futures = [generator.submit(p, tokens, on_token=lambda _t, i=i: stamps[i].append(time.perf_counter()))
+               for i, p in enumerate(prompts)]
+    outputs: list = []
+    for future in futures:
+        try:
+            outputs.append(future.result(timeout=600))
+        except Exception as exc:  # noqa: BLE001 - reported in the results
+            errors.append(repr(exc))
+            outputs.append(None)
+    wall = time.perf_counter() - start
+    gaps = [1000 * (b - a) for s in stamps for a, b in zip(s, s[1:])]
+    ttfts = [1000 * (s[0] - start) for s in stamps if s]
+    total = sum(len(s) for s in stamps)
+    return {"sessions": sessions, "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
+            "per_token_ms_median": statistics.median(gaps), "per_token_ms_p95": _percentile(gaps, 0.95),
+            "ttft_ms_median": statistics.median(ttfts), "ttft_ms_sorted": sorted(ttfts), "errors": errors,
+            "outputs": outputs, "mean_batch": (generator.stepped_sequences - stepped) / max(1, generator.steps - steps)}
+
+
 def cpu_seconds(pids) -> float:
     """User + system CPU seconds used so far by the processes ``pids`` and all their descendants (a server's
     p2pd daemon is its child). Processes that are gone count 0."""
@@ -153,6 +182,7 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
     from transformers import AutoTokenizer
 
     from server.local_swarm import LocalSwarm
+    from swarm.batch_engine import ChainGenerator
     from swarm.petals_client import open_distributed_model
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -176,27 +206,34 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
             torch_dtype=getattr(torch, DTYPE))) for name, swarm in zip(SETUPS, (vanilla, chainswarm))}
         server_pids = {"vanilla_petals": [s.process.pid for s in vanilla.servers],
                        "chainswarm_batched": [n.process.pid for n in nodes]}
+        generator = stack.enter_context(ChainGenerator(models["chainswarm_batched"],
+                                                       [tuple(r) for r in chain["route"]], max_sessions=max(counts)))
+        server_pids[MULTI] = server_pids["chainswarm_batched"]
         for model in models.values():
             run_sessions(model, tokenizer, 2, 4)  # warm-up: connections, routes, first allocations
-        results = {name: [] for name in SETUPS}
+        run_chain_generator(generator, tokenizer, 2, 4)
+        results = {name: [] for name in (*SETUPS, MULTI)}
         for blocks_only in (False, True):
             client = "blocks_only" if blocks_only else "generate"
+            setups = SETUPS if blocks_only else (*SETUPS, MULTI)
             for n in counts:
                 progress.set_postfix_str(f"{client} × {n}")
-                runs = {name: [] for name in SETUPS}
+                runs = {name: [] for name in setups}
                 for _ in range(repeats):
-                    for name in SETUPS:
+                    for name in setups:
                         before = cpu_seconds(server_pids[name])
-                        run = run_sessions(models[name], tokenizer, n, tokens, blocks_only)
+                        run = (run_chain_generator(generator, tokenizer, n, tokens) if name == MULTI else
+                               run_sessions(models[name], tokenizer, n, tokens, blocks_only))
                         run["server_cpu_ms_per_token"] = 1000 * (cpu_seconds(server_pids[name]) - before) / run["tokens"]
                         runs[name].append(run)
-                for name in SETUPS:
+                for name in setups:
                     best = max(runs[name], key=lambda r: r["tokens_per_s"])
                     results[name].append(dict(best, client=client,
                                               tokens_per_s_all=[r["tokens_per_s"] for r in runs[name]]))
                 progress.update()
         results["chainswarm_chain"] = chain
-    for base, row in zip(results["vanilla_petals"], results["chainswarm_batched"]):
+    rows = [*zip(results["vanilla_petals"], results["chainswarm_batched"]), *zip(results["vanilla_petals"], results[MULTI])]
+    for base, row in rows:
         row["throughput_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["per_token_ratio"] = row["per_token_ms_median"] / base["per_token_ms_median"]
         row["p95_ratio"] = row["per_token_ms_p95"] / base["per_token_ms_p95"]

@@ -30,6 +30,7 @@ import logging
 import math
 import multiprocessing as mp
 import queue
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -39,6 +40,8 @@ from petals.data_structures import InferenceMetadata
 from petals.server.backend import TransformerBackend, _MergedInferenceStep
 from petals.server.task_pool import PrioritizedTaskPool, Task, _move_to_device_if_tensor
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, rotate_half
+
+from swarm.kernels import module_linear
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +54,78 @@ def pool_stats(pool: Any) -> Optional[dict]:
     return dict(pool.stats, max_batch=pool.max_batch) if isinstance(pool, BatchingTaskPool) else None
 
 
+class Cohort:
+    """A task argument: steps of several batch-1 sessions over the same span, submitted as one task
+    (``submit_task(hidden (1, T, H), Cohort(infos, lengths))``) by a multi-session stream
+    (:mod:`server.multi_session`): session i's ``lengths[i]`` new tokens (one for a decode step, more for a
+    prefill) are the next ``lengths[i]`` positions of ``hidden``, ``infos[i]`` its per-block ``InferenceMetadata``.
+    The pool runs it as one group (with other queued decode steps of the span, up to ``max_batch`` sessions) and
+    answers with the outputs in the same layout."""
+
+    __slots__ = ("infos", "lengths")
+
+    def __init__(self, infos: Sequence[tuple], lengths: Sequence[int]):
+        self.infos = tuple(tuple(i) for i in infos)
+        self.lengths = tuple(int(n) for n in lengths)
+
+    def __getstate__(self):
+        return self.infos, self.lengths
+
+    def __setstate__(self, state):
+        self.infos, self.lengths = state
+
+
+def _entries(args: list) -> list:
+    """A task's inputs as group entries ``[hidden (B, t, H), hypo_ids, infos, *prompts]``: one, or one per
+    cohort session."""
+    if len(args) == 2 and isinstance(args[1], Cohort):
+        ends = list(itertools.accumulate(args[1].lengths))
+        return [[args[0][:, end - n: end], _NO_HYPO, infos]
+                for infos, n, end in zip(args[1].infos, args[1].lengths, ends)]
+    return [args]
+
+
+def _sequences(task: Task) -> int:
+    """Sequences a task steps: a cohort's sessions, else the rows of its hidden states."""
+    return len(task.args[1].infos) if isinstance(task.args[-1], Cohort) else int(task.args[0].shape[0])
+
+
+_NO_HYPO = torch.empty(0, dtype=torch.int64)  # petals' dummy hypo_ids: no cache reordering
+
+
 class _Group:
-    """Several decode tasks' inputs, run as one batched step; ``errors[i]`` is task i's own failure."""
+    """Several tasks' inputs, run as one batched step; ``errors[i]`` is entry i's own failure.
 
-    __slots__ = ("inputs", "rows", "errors")
+    A plain task (a decode step) is one entry; a :class:`Cohort` task is one entry per session (``counts[t]``
+    entries of task t). Entry i has ``shapes[i] = (B, t)``: B sequences of t new tokens."""
 
-    def __init__(self, inputs: list):
-        self.inputs = inputs  # per task: [hidden (B, 1, H), hypo_ids, infos, *prompts]
-        self.rows = [int(args[0].shape[0]) for args in inputs]
-        self.errors: list[Optional[BaseException]] = [None] * len(inputs)
+    __slots__ = ("inputs", "shapes", "errors", "counts")
+
+    def __init__(self, task_args: list):
+        per_task = [_entries(args) for args in task_args]
+        self.counts = [len(entries) for entries in per_task]
+        self.inputs = [entry for entries in per_task for entry in entries]
+        self.shapes = [tuple(int(d) for d in args[0].shape[:2]) for args in self.inputs]
+        self.errors: list[Optional[BaseException]] = [None] * len(self.inputs)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Token rows of each entry in the flat (tokens, H) layout of a batched pass."""
+        return [b * t for b, t in self.shapes]
 
 
 def decode_key(args: Sequence[Any]) -> Optional[tuple]:
     """The batching key of a task's arguments (its span and dtype), or None if it must run alone."""
+    if len(args) == 2 and isinstance(args[1], Cohort) and isinstance(args[0], torch.Tensor):
+        infos, lengths = args[1].infos, args[1].lengths
+        if (not infos or len(lengths) != len(infos) or min(lengths) < 1 or args[0].ndim != 3
+                or tuple(args[0].shape[:2]) != (1, sum(lengths))):
+            return None
+        key = tuple(info.uid for info in infos[0])
+        if any(tuple(info.uid for info in i) != key or any(type(info) is not InferenceMetadata or info.active_adapter
+                                                           for info in i) for i in infos):
+            return None
+        return key, args[0].dtype
     if len(args) < 3 or not isinstance(args[0], torch.Tensor):
         return None
     hidden, _hypo_ids, infos, *prompts = args
@@ -92,7 +154,7 @@ class BatchingTaskPool(PrioritizedTaskPool):
 
     @property
     def stats(self) -> dict:
-        """Steps run, steps that ran a group, tasks that ran in groups, largest group (in sequences)."""
+        """Steps run, steps that ran a group, session steps that ran in groups, largest group (in sequences)."""
         return dict(zip(STAT_NAMES, self._counters[:]))
 
     def _batchable(self, task: Task) -> Optional[tuple]:
@@ -118,11 +180,11 @@ class BatchingTaskPool(PrioritizedTaskPool):
                 return [first]
             self._deferred.add(first.uid)
             first, head_key = lead, self._batchable(lead)
-        group, rows = [first], int(first.args[0].shape[0])
+        group, rows = [first], _sequences(first)
         for task in queued:
             if task is first or self._batchable(task) != head_key:
                 continue
-            task_rows = int(task.args[0].shape[0])
+            task_rows = _sequences(task)
             if rows + task_rows > self.max_batch:
                 continue
             group.append(task)
@@ -149,14 +211,15 @@ class BatchingTaskPool(PrioritizedTaskPool):
             self.priority = (head.priority, head.time_submitted)
         self._counters[0] += 1
         inputs = [[_move_to_device_if_tensor(arg, device, share_memory=False) for arg in t.args] for t in chosen]
-        if len(chosen) == 1 and (self.max_batch == 1 or self._batchable(chosen[0]) is None):
+        cohort = isinstance(chosen[0].args[-1], Cohort)
+        if len(chosen) == 1 and not cohort and (self.max_batch == 1 or self._batchable(chosen[0]) is None):
             self._dispatched_tasks[chosen[0].uid] = chosen[0]
             return chosen[0].uid, inputs[0]
-        if len(chosen) > 1:
-            self._counters[1] += 1
-            self._counters[2] += len(chosen)
-        self._counters[3] = max(self._counters[3], sum(int(t.args[0].shape[0]) for t in chosen))
         group_id, group = next(self._group_ids), _Group(inputs)
+        if len(group.inputs) > 1:  # a cohort's sessions count one by one, as separately submitted steps do
+            self._counters[1] += 1
+            self._counters[2] += len(group.inputs)
+        self._counters[3] = max(self._counters[3], sum(b for b, _ in group.shapes))
         self._groups[group_id] = (chosen, group)
         return group_id, [group]
 
@@ -164,11 +227,16 @@ class BatchingTaskPool(PrioritizedTaskPool):
         if uid not in self._groups:
             return super().send_outputs_from_runtime(uid, batch_outputs)
         tasks, group = self._groups.pop(uid)
-        for task, chunk, error in zip(tasks, batch_outputs[0].split(group.rows, dim=0), group.errors):
-            if error is not None:
-                task.future.set_exception(error)
+        chunks = [c.view(b, t, -1) for c, (b, t) in zip(batch_outputs[0].split(group.sizes, dim=0), group.shapes)]
+        first = 0
+        for task, count in zip(tasks, group.counts):
+            errors = [e for e in group.errors[first: first + count] if e is not None]
+            if errors:
+                task.future.set_exception(errors[0])
             else:
-                task.future.set_result([chunk.detach().to("cpu").clone().share_memory_()])
+                out = torch.cat(chunks[first: first + count], dim=1) if count > 1 else chunks[first]
+                task.future.set_result([out.detach().to("cpu").clone().share_memory_()])
+            first += count
 
     def send_exception_from_runtime(self, uid: int, exception: BaseException) -> None:
         if uid not in self._groups:
@@ -191,43 +259,102 @@ def _offset(backend: TransformerBackend, handles: tuple) -> int:
     return getattr(backend, "_offsets", {}).get(handles, 0)
 
 
-@torch.inference_mode()
-def batched_layer_step(layer: LlamaDecoderLayer, hidden: torch.Tensor, caches: Sequence[tuple],
-                       positions: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
-    """One Llama decoder layer over one new token of several sessions.
+@dataclass
+class Segment:
+    """One entry of a batched pass: ``b`` sequences of ``t`` new tokens each (rows ``b·t`` of the flat hidden
+    states, sequence-major), their block cache (keys ``(b, kv_heads, head_dim, L)``, values ``(b, kv_heads, L,
+    head_dim)``, petals' layout) and ``pos``, where their new tokens go (the cached length)."""
 
-    ``hidden`` is ``(N, 1, H)``: the sessions' rows stacked (session j owns ``rows[j]`` consecutive rows, its
-    cache batch); ``caches[j]`` is its (keys ``(B, kv_heads, head_dim, L)``, values ``(B, kv_heads, L,
-    head_dim)``) in petals' layout; ``positions[j]`` is where its new token goes (its cached length). Writes
-    each session's new key/value at its position and returns the layer's output ``(N, 1, H)``.
+    keys: torch.Tensor
+    values: torch.Tensor
+    pos: int
+    b: int
+    t: int
+
+
+def token_positions(segments: Sequence[Segment]) -> torch.Tensor:
+    """The position of every token row of a batched pass (its segment's ``pos`` + its index among the new)."""
+    return torch.cat([torch.arange(s.pos, s.pos + s.t).repeat(s.b) for s in segments])
+
+
+def _attend_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    segments: Sequence[Segment], starts: Sequence[int], scale: float) -> None:
+    """Attention of one-token segments in one pass: each writes its new key/value into its own cache, the
+    caches are copied into one zero-padded (rows, kv_heads, head_dim, L) block, and the positions past each
+    row's length are masked out; results go to ``out`` at the segments' rows."""
+    rows, kv_heads, head_dim = sum(s.b for s in segments), k.shape[1], k.shape[2]
+    length = max(s.pos + 1 for s in segments)
+    keys = q.new_zeros(rows, kv_heads, head_dim, length)
+    values = q.new_zeros(rows, kv_heads, length, head_dim)
+    index, lengths, row = [], [], 0
+    for s, start in zip(segments, starts):
+        end = s.pos + 1
+        s.keys[:, :, :, s.pos] = k[start:start + s.b]
+        s.values[:, :, s.pos, :] = v[start:start + s.b]
+        keys[row:row + s.b, :, :, :end] = s.keys[:, :, :, :end]
+        values[row:row + s.b, :, :end] = s.values[:, :, :end]
+        index.extend(range(start, start + s.b))
+        lengths.extend([end] * s.b)
+        row += s.b
+    index = torch.tensor(index, device=q.device)
+    q_rows = q.index_select(0, index).view(rows, kv_heads, -1, head_dim)  # (rows, kv_heads, groups, head_dim)
+    scores = torch.matmul(q_rows, keys) / scale  # (rows, kv_heads, groups, L)
+    padding = torch.arange(length, device=q.device)[None, :] >= torch.tensor(lengths, device=q.device)[:, None]
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out.index_copy_(0, index, torch.matmul(probs, values).view(rows, -1, head_dim))
+
+
+def _mlp(layer: LlamaDecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    mlp = layer.mlp
+    return module_linear(mlp.act_fn(module_linear(x, mlp.gate_proj)) * module_linear(x, mlp.up_proj), mlp.down_proj)
+
+
+@torch.inference_mode()
+def batched_layer_step(layer: LlamaDecoderLayer, hidden: torch.Tensor, segments: Sequence[Segment],
+                       token_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One Llama decoder layer over the new tokens of several sessions (decode steps and prefills alike).
+
+    ``hidden`` is ``(N, H)``: every segment's ``b·t`` token rows, one segment after the other. Norms, q/k/v/o
+    projections and the MLP run over all N rows at once (:func:`swarm.kernels.linear`); rotary embeddings at each
+    token's own position; attention per segment over its own cache (causal within its new tokens); each
+    segment's new keys/values are written at its positions. Returns the layer's output ``(N, H)``.
+    ``token_pos`` (each row's position: :func:`token_positions`) may be passed to save recomputing it per block.
     """
     attn = layer.self_attn
     n, heads, kv_heads, head_dim = hidden.shape[0], attn.num_heads, attn.num_key_value_heads, attn.head_dim
     groups = heads // kv_heads
-    residual = hidden
     x = layer.input_layernorm(hidden)
-    q = attn.q_proj(x).view(n, heads, head_dim)
-    k = attn.k_proj(x).view(n, kv_heads, head_dim)
-    v = attn.v_proj(x).view(n, kv_heads, head_dim)
-    cos, sin = attn.rotary_emb(v, seq_len=max(positions) + 1)
-    row_pos = torch.tensor([p for p, r in zip(positions, rows) for _ in range(r)], device=hidden.device)
-    cos, sin = cos[0, 0][row_pos].unsqueeze(1), sin[0, 0][row_pos].unsqueeze(1)  # (N, 1, head_dim)
+    q = module_linear(x, attn.q_proj).view(n, heads, head_dim)
+    k = module_linear(x, attn.k_proj).view(n, kv_heads, head_dim)
+    v = module_linear(x, attn.v_proj).view(n, kv_heads, head_dim)
+    cos, sin = attn.rotary_emb(v, seq_len=max(s.pos + s.t for s in segments))
+    token_pos = token_positions(segments).to(hidden.device) if token_pos is None else token_pos
+    cos, sin = cos[0, 0][token_pos].unsqueeze(1), sin[0, 0][token_pos].unsqueeze(1)  # (N, 1, head_dim)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     out = torch.empty(n, heads, head_dim, dtype=hidden.dtype, device=hidden.device)
     scale = math.sqrt(head_dim)
-    start = 0
-    for (keys, values), pos, r in zip(caches, positions, rows):
-        stop = start + r
-        keys[:, :, :, pos] = k[start:stop]
-        values[:, :, pos, :] = v[start:stop]
-        q_j = q[start:stop].view(r, kv_heads, groups, head_dim)
-        scores = torch.matmul(q_j, keys[:, :, :, : pos + 1]) / scale  # (r, kv_heads, groups, pos + 1)
+    starts = list(itertools.accumulate([0, *(s.b * s.t for s in segments)]))
+    decodes = [i for i, s in enumerate(segments) if s.t == 1]
+    if len(decodes) > 1:  # every one-token segment in one padded attention pass
+        _attend_decodes(q, k, v, out, [segments[i] for i in decodes], [starts[i] for i in decodes], scale)
+    for i, s in enumerate(segments):
+        if s.t == 1 and len(decodes) > 1:
+            continue
+        start, stop, end = starts[i], starts[i + 1], s.pos + s.t
+        s.keys[:, :, :, s.pos:end] = k[start:stop].view(s.b, s.t, kv_heads, head_dim).permute(0, 2, 3, 1)
+        s.values[:, :, s.pos:end, :] = v[start:stop].view(s.b, s.t, kv_heads, head_dim).transpose(1, 2)
+        q_s = q[start:stop].view(s.b, s.t, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # (b, kv, g, t, d)
+        scores = torch.matmul(q_s, s.keys[:, :, None, :, :end]) / scale  # (b, kv_heads, groups, t, end)
+        if s.t > 1:  # causal within the new tokens
+            future = torch.arange(end, device=hidden.device)[None, :] > torch.arange(s.pos, end, device=hidden.device)[:, None]
+            scores = scores.masked_fill(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[start:stop] = torch.matmul(probs, values[:, :, : pos + 1]).view(r, heads, head_dim)
-        start = stop
-    hidden = residual + attn.o_proj(out.view(n, 1, heads * head_dim))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        attended = torch.matmul(probs, s.values[:, :, None, :end])  # (b, kv_heads, groups, t, head_dim)
+        out[start:stop] = attended.permute(0, 3, 1, 2, 4).reshape(s.b * s.t, heads, head_dim)
+    hidden = hidden + module_linear(out.view(n, heads * head_dim), attn.o_proj)
+    return hidden + _mlp(layer, layer.post_attention_layernorm(hidden))
 
 
 class BatchedInferenceStep:
@@ -249,18 +376,21 @@ class BatchedInferenceStep:
 
     def _check(self, group: _Group, index: int) -> None:
         hidden, _hypo, infos, *_ = group.inputs[index]
+        b, t = group.shapes[index]
         for info in infos:
             backend = self.backends[info.uid]
+            if self._layers.get(info.uid) is None:
+                raise ValueError(f"block {info.uid} cannot run in a batched pass")
             pos = info.prefix_length + _offset(backend, info.cache_handles)
             with backend.memory_cache.use_cache(*info.cache_handles) as tensors:
                 capacity = tensors[0].shape[-1]
-                if tensors[0].shape[0] != hidden.shape[0]:
-                    raise ValueError(f"batch {hidden.shape[0]} does not match the session's cache")
-            if pos + 1 > capacity:
-                raise ValueError(f"position {pos} exceeds the session's {capacity} KV slots")
+                if tensors[0].shape[0] != b:
+                    raise ValueError(f"batch {b} does not match the session's cache")
+            if pos + t > capacity:
+                raise ValueError(f"positions {pos}..{pos + t - 1} exceed the session's {capacity} KV slots")
 
     def run_group(self, group: _Group) -> torch.Tensor:
-        """Run a group of decode tasks (same span) through its blocks; returns the stacked outputs."""
+        """Run a group (same span) through its blocks; returns every entry's outputs as flat token rows."""
         live = []
         for i in range(len(group.inputs)):
             try:
@@ -268,29 +398,32 @@ class BatchedInferenceStep:
                 live.append(i)
             except Exception as exc:  # one bad session must not fail its batch mates
                 group.errors[i] = exc
-        outputs = torch.cat([group.inputs[i][0] for i in range(len(group.inputs))], dim=0)
+        flat = [args[0].reshape(-1, args[0].shape[-1]) for args in group.inputs]
+        outputs = torch.cat(flat, dim=0)
         if not live:
             return outputs
-        hidden = torch.cat([group.inputs[i][0] for i in live], dim=0)
-        rows = [group.rows[i] for i in live]
+        hidden = torch.cat([flat[i] for i in live], dim=0)
         infos = [group.inputs[i][2] for i in live]
         hypo_ids = [group.inputs[i][1] for i in live]
+        token_pos = None  # the same for every block of the span (offsets are per session, not per block)
         for block, uid in enumerate(info.uid for info in infos[0]):
             backend, layer = self.backends[uid], self._layers[uid]
             with contextlib.ExitStack() as stack:
-                caches, positions = [], []
-                for task_infos, hypo in zip(infos, hypo_ids):
+                segments = []
+                for i, task_infos, hypo in zip(live, infos, hypo_ids):
                     info = task_infos[block]
                     tensors = stack.enter_context(backend.memory_cache.use_cache(*info.cache_handles))
                     backend._reorder_cache_inplace(tensors, hypo)
-                    caches.append((tensors[0], tensors[1]))
-                    positions.append(info.prefix_length + _offset(backend, info.cache_handles))
-                hidden = batched_layer_step(layer, hidden, caches, positions, rows)
-        offsets = list(itertools.accumulate([0, *group.rows]))
+                    segments.append(Segment(tensors[0], tensors[1], info.prefix_length
+                                            + _offset(backend, info.cache_handles), *group.shapes[i]))
+                token_pos = token_positions(segments) if token_pos is None else token_pos
+                hidden = batched_layer_step(layer, hidden, segments, token_pos)
+        offsets = list(itertools.accumulate([0, *group.sizes]))
         start = 0
-        for i, r in zip(live, rows):
-            outputs[offsets[i]: offsets[i] + r] = hidden[start: start + r]
-            start += r
+        for i in live:
+            size = group.sizes[i]
+            outputs[offsets[i]: offsets[i] + size] = hidden[start: start + size]
+            start += size
         return outputs
 
 

@@ -55,6 +55,7 @@ def test_batched_decode_equals_sequential_steps(backends):
         for s in bat:
             s.length += 1
         assert group.errors == [None] * len(lengths)
+        got = got.view_as(expected)  # a batched pass answers flat token rows
         assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
     for s_ref, s_bat in zip(ref, bat):
         for uid in backends:
@@ -62,6 +63,44 @@ def test_batched_decode_equals_sequential_steps(backends):
             for h_ref, h_bat in zip(s_ref.handles[uid], s_bat.handles[uid]):
                 a, b = mc._allocated_tensors[h_ref], mc._allocated_tensors[h_bat]
                 assert torch.allclose(a, b, atol=1e-4), (uid, (a - b).abs().max())
+
+
+def test_a_cohort_of_prefills_and_decodes_equals_petals_steps_through_the_pool(backends):
+    """A multi-session stream's cohort: prefills of different lengths and decode steps of other sessions, in one
+    task (one pass, causal within each prefill), give each session's hidden states and KV cache of petals'
+    own step, session by session; the pool answers in the cohort's layout and counts the sessions."""
+    from server.batching import Cohort
+
+    step = BatchedInferenceStep(backends)
+    pool = BatchingTaskPool(step, max_batch=8, max_batch_size=2048, name="cohort_pool")
+    torch.manual_seed(2)
+    decoding = [(_Session(backends), _Session(backends), n) for n in (4, 9)]
+    for s_ref, s_bat, n in decoding:
+        prompt = torch.randn(1, n, 576)
+        _step(step, s_ref, prompt.clone())
+        _step(step, s_bat, prompt.clone())
+    prefilling = [(_Session(backends), _Session(backends), n) for n in (7, 1, 12)]
+    entries = [(s_ref, s_bat, torch.randn(1, n, 576)) for s_ref, s_bat, n in prefilling]
+    entries += [(s_ref, s_bat, torch.randn(1, 1, 576)) for s_ref, s_bat, _ in decoding]
+    expected = [_step(step, s_ref, h.clone()) for s_ref, _, h in entries]
+    hidden = torch.cat([h for _, _, h in entries], dim=1)
+    pool.submit_task(hidden, Cohort([s.infos() for _, s, _ in entries], [h.shape[1] for _, _, h in entries]))
+    task = pool.submitted_tasks.get()  # in one process, the queued copy's future is the one that gets the result
+    pool._ordered_tasks.put(task)
+    uid, batch = pool.load_batch_to_runtime()
+    pool.send_outputs_from_runtime(uid, list(step(*batch)))
+    (got,) = task.future.result(timeout=10)
+    assert got.shape == hidden.shape
+    for (_, s_bat, h), want, part in zip(entries, expected, got.split([h.shape[1] for _, _, h in entries], dim=1)):
+        s_bat.length += h.shape[1]
+        assert torch.allclose(part, want, atol=1e-4, rtol=1e-4), (part - want).abs().max()
+    for s_ref, s_bat, _ in entries:
+        for uid_ in backends:
+            mc = backends[uid_].memory_cache
+            for h_ref, h_bat in zip(s_ref.handles[uid_], s_bat.handles[uid_]):
+                a, b = mc._allocated_tensors[h_ref], mc._allocated_tensors[h_bat]
+                assert torch.allclose(a, b, atol=1e-4), (uid_, (a - b).abs().max())
+    assert pool.stats["batched_tasks"] == 5 and pool.stats["largest_batch"] == 5
 
 
 def test_batched_decode_honours_prefix_offsets_and_isolates_a_bad_session(backends):

@@ -1,0 +1,229 @@
+"""Multi-session inference streams on the server: one message, many sessions' steps, one batched pass.
+
+:class:`MultiSessionHandler` is the orchestrated node's handler (the ticket gate, the prefix store and the push
+fix of its bases) plus ``rpc_multi_inference`` (wire format: :mod:`swarm.multi_wire`). A stream holds many
+sessions over the same span, each with its own KV cache (allocated, counted and freed exactly as petals'
+``rpc_inference`` does, behind the same ticket check). Per message, the one-token decode steps of its sessions
+and its prefills (up to petals' 128-token short-inference bound) go to the batching pool as
+:class:`server.batching.Cohort` tasks of up to ``--max-batch`` sessions each — one hand-off to the runtime and one
+batched forward pass per cohort instead of one per session — longer prefills as petals tasks, all concurrently;
+the reply carries every output at once. A session that fails fails alone.
+
+What this saves over petals' one-stream-per-session path is the per-request cost that batching the forward
+pass alone cannot touch: per session and token, one message through p2pd, one deserialization and one
+inter-process task hand-off on every server.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+import torch  # noqa: E402
+from async_timeout import timeout  # noqa: E402
+from hivemind import MSGPackSerializer, deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
+from hivemind.p2p import P2PContext  # noqa: E402
+from hivemind.proto import runtime_pb2  # noqa: E402
+from hivemind.utils.asyncio import anext  # noqa: E402
+from hivemind.utils.nested import nested_flatten  # noqa: E402
+from petals.data_structures import InferenceMetadata  # noqa: E402
+from petals.server.block_functions import MAX_SHORT_INFERENCE_TOKENS  # noqa: E402
+
+from server import tickets as server_tickets  # noqa: E402
+from server.batching import BatchingTaskPool, Cohort  # noqa: E402
+from swarm import multi_wire, tickets  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+_NO_HYPO = torch.empty(0, dtype=torch.int64)
+COHORT_TOKENS = 512  # new tokens per batched pass (a cohort of prefills is split beyond it)
+
+
+@dataclass
+class _Session:
+    """One session of a stream: its KV cache (held by ``stack``), length and position."""
+
+    stack: contextlib.AsyncExitStack
+    handles: tuple
+    max_length: int
+    position: int = 0
+
+
+class _Span:
+    """The stream's blocks: uids, backends and what the batching pool can take."""
+
+    def __init__(self, handler: "MultiSessionHandler", uid: str):
+        self.uid = uid
+        self.uids = handler._check_uids(uid)
+        self.backends = tuple(handler.module_backends[u] for u in self.uids)
+        pool = self.backends[0].inference_pool
+        supports = getattr(pool.process_func, "supports", None)
+        self.cohort_size = (pool.max_batch if isinstance(pool, BatchingTaskPool) and supports is not None
+                            and supports(self.uids) else 0)
+        self.proto = next(iter(nested_flatten(self.backends[-1].outputs_schema)))
+
+
+class MultiSessionHandler(server_tickets.TicketHandler):
+    """The orchestrated node's handler with ``rpc_multi_inference`` (see the module doc)."""
+
+    _rpc_handlers = None  # hivemind caches the RPC table per class: collect ours
+
+    async def rpc_multi_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                                  context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Steps of many sessions over one span per message (:mod:`swarm.multi_wire`)."""
+        sessions: dict[str, _Session] = {}
+        span: Optional[_Span] = None
+        try:
+            async with timeout(self.session_timeout):
+                while True:
+                    try:
+                        request = await asyncio.wait_for(anext(requests), self.step_timeout)
+                    except (StopAsyncIteration, asyncio.TimeoutError):
+                        return
+                    if span is None:
+                        span = _Span(self, request.uid)
+                        self._log_request("rpc_multi_inference.open", span.uids, context)
+                    elif request.uid and request.uid != span.uid:
+                        raise multi_wire.MultiWireError("the blocks of a multi-session stream cannot change")
+                    metadata = MSGPackSerializer.loads(request.metadata) if request.metadata else {}
+                    message = multi_wire.decode(metadata, len(request.tensors))
+                    yield await self._multi_step(span, sessions, message, request.tensors)
+        finally:
+            for session in list(sessions.values()):
+                with contextlib.suppress(Exception):
+                    await session.stack.aclose()
+            if span is not None:
+                self._log_request("rpc_multi_inference.close", span.uids, context)
+
+    async def _multi_step(self, span: _Span, sessions: dict, message: multi_wire.Request,
+                          tensors) -> runtime_pb2.ExpertResponse:
+        failed: dict[str, str] = {}
+        for entry in message.opens:
+            try:
+                if entry.sid in sessions:
+                    raise ValueError(f"session {entry.sid!r} is already open in this stream")
+                if len(sessions) >= multi_wire.MAX_SESSIONS:
+                    raise ValueError(f"at most {multi_wire.MAX_SESSIONS} sessions per stream")
+                sessions[entry.sid] = await self._open(span, entry)
+            except Exception as exc:  # refused ticket, no KV slot, too long: this session only
+                failed[entry.sid] = _message(exc)
+        steps = []
+        for (sid, tokens), tensor in zip(message.steps, tensors):
+            if sid in failed:
+                continue
+            try:
+                session = sessions.get(sid)
+                if session is None:
+                    raise ValueError(f"session {sid!r} is not open in this stream")
+                hidden = deserialize_torch_tensor(tensor)
+                if hidden.ndim != 3 or tuple(hidden.shape[:2]) != (1, tokens):
+                    raise ValueError(f"session {sid!r}: expected hidden states (1, {tokens}, hidden)")
+                if session.position + tokens > session.max_length:
+                    raise ValueError(f"session {sid!r}: {session.position} + {tokens} tokens exceed its "
+                                     f"max_length {session.max_length}")
+                steps.append((sid, session, hidden.to(span.backends[0].dtype)))
+            except Exception as exc:
+                failed[sid] = _message(exc)
+        outputs = await self._run(span, steps, failed)
+        for sid in {*message.closes, *failed}:
+            session = sessions.pop(sid, None)
+            if session is not None:
+                await session.stack.aclose()
+        serialized = [serialize_torch_tensor(outputs[sid].to(span.proto.dtype), span.proto.compression,
+                                             allow_inplace=True) for sid, _, _ in steps if sid in outputs]
+        return runtime_pb2.ExpertResponse(tensors=serialized, metadata=MSGPackSerializer.dumps({"failed": failed}))
+
+    async def _open(self, span: _Span, entry: multi_wire.Open) -> _Session:
+        server_tickets.check({tickets.META_KEY: entry.ticket} if entry.ticket is not None else {}, span.uids)
+        if entry.max_length > self.inference_max_length:
+            raise ValueError(f"Cannot allocate KV cache for {entry.max_length} tokens, "
+                             f"max = {self.inference_max_length}")
+        stack = contextlib.AsyncExitStack()
+        try:
+            handles = await stack.enter_async_context(self._allocate_cache(
+                span.backends, batch_size=1, max_length=entry.max_length, timeout=entry.alloc_timeout))
+        except BaseException:
+            await stack.aclose()
+            raise
+        return _Session(stack, tuple(tuple(h) for h in handles), entry.max_length)
+
+    def _infos(self, span: _Span, session: _Session) -> tuple:
+        return tuple(InferenceMetadata(uid, session.position, handles, None)
+                     for uid, handles in zip(span.uids, session.handles))
+
+    async def _run(self, span: _Span, steps: list, failed: dict) -> dict:
+        """Every step of the message at once: cohorts and long prefills concurrently; outputs by sid."""
+        jobs, cohort, tokens = [], [], 0
+        for step in steps:
+            length = step[2].shape[1]
+            if not span.cohort_size or not 0 < length <= MAX_SHORT_INFERENCE_TOKENS:
+                jobs.append(self._single(span, step))  # no batching pool, or a long prefill: petals' path
+                continue
+            if cohort and (len(cohort) == span.cohort_size or tokens + length > COHORT_TOKENS):
+                jobs.append(self._cohort(span, cohort))
+                cohort, tokens = [], 0
+            cohort.append(step)
+            tokens += length
+        if cohort:
+            jobs.append(self._cohort(span, cohort))
+        outputs: dict = {}
+        for result in await asyncio.gather(*jobs, return_exceptions=True):
+            if isinstance(result, BaseException):  # _cohort and _single report per session; this is a bug
+                raise result
+            outputs.update(result[0])
+            failed.update(result[1])
+        for sid, session, hidden in steps:
+            if sid in outputs:
+                session.position += hidden.shape[1]
+        return outputs
+
+    async def _cohort(self, span: _Span, cohort: list) -> tuple[dict, dict]:
+        """Steps of several sessions (decodes and short prefills) as one task: one batched pass."""
+        lengths = [h.shape[1] for _, _, h in cohort]
+        task = Cohort([self._infos(span, session) for _, session, _ in cohort], lengths)
+        try:
+            (out,) = await span.backends[0].inference_pool.submit_task(torch.cat([h for _, _, h in cohort], dim=1),
+                                                                      task, priority=self._priority(span))
+        except Exception as exc:
+            return {}, {sid: _message(exc) for sid, _, _ in cohort}
+        return {sid: part for (sid, _, _), part in zip(cohort, out.split(lengths, dim=1))}, {}
+
+    async def _single(self, span: _Span, step) -> tuple[dict, dict]:
+        """One session's step as petals runs it (the merged pool, or block by block for long prefills)."""
+        sid, session, hidden = step
+        try:
+            if hidden.numel() == 0:
+                return {sid: hidden}, {}
+            priority = self._priority(span)
+            if hidden.shape[1] <= MAX_SHORT_INFERENCE_TOKENS:
+                (hidden,) = await span.backends[0].inference_pool.submit_task(
+                    hidden, _NO_HYPO, self._infos(span, session), *[None] * len(span.backends), priority=priority)
+            else:
+                for info, backend in zip(self._infos(span, session), span.backends):
+                    (hidden,) = await backend.inference_pool.submit_task(hidden, _NO_HYPO, (info,), None,
+                                                                         priority=priority)
+            return {sid: hidden}, {}
+        except Exception as exc:
+            return {}, {sid: _message(exc)}
+
+    def _priority(self, span: _Span) -> float:
+        return self._prioritizer.prioritize(_NO_HYPO, _NO_HYPO, points=0.0, requested_uids=span.uids,
+                                            type="inference")
+
+
+def _message(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+MultiSessionHandler.__name__ = MultiSessionHandler.__qualname__ = "TransformerConnectionHandler"
+
+
+def install(push_counter=None):
+    """Install this handler and the prefix backend (server process, before ``Server.run()``)."""
+    from server.handler import install as install_handler
+    from server.prefix_cache import PrefixBackend
+
+    return install_handler(MultiSessionHandler, PrefixBackend, push_counter=push_counter)

@@ -1,0 +1,157 @@
+"""The client side of multi-session streams: many sessions stepped through one chain, one message per server.
+
+:class:`ChainBatch` opens one ``rpc_multi_inference`` stream (:mod:`swarm.multi_wire`) to every server of a route
+and steps any number of sessions through the whole chain at once: the first server gets all their hidden
+states in one message, its reply goes (relay, through the client) to the next server in one message, and so
+on. Sessions open and close between steps, so a caller can run continuous batching: new sessions' prefills
+travel in the same messages as the running sessions' one-token decode steps.
+
+Every coroutine runs on hivemind's ``RemoteExpertWorker`` event loop (as petals' own client does); the public
+methods block the calling thread, never that loop, and every wait is bounded (``step_timeout``). A session a
+server refuses or fails is reported in the step's ``failed`` map and closed everywhere; a server that stops
+answering fails the step with :class:`ChainBatchError` (the caller fails its sessions over).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Mapping, Optional, Sequence
+
+from swarm.compat import petals  # noqa: F401  (shim first)
+import torch  # noqa: E402
+from hivemind import MSGPackSerializer, PeerID, deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker  # noqa: E402
+from hivemind.proto import runtime_pb2  # noqa: E402
+from hivemind.utils.asyncio import anext  # noqa: E402
+from petals.data_structures import CHAIN_DELIMITER  # noqa: E402
+
+from swarm import multi_wire  # noqa: E402
+from swarm.routing import RouteSpan  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+class ChainBatchError(RuntimeError):
+    """A server of the route failed or stopped answering: every session of the batch is lost there."""
+
+    def __init__(self, peer_id: str, cause: BaseException | str):
+        super().__init__(f"multi-session stream to {peer_id} failed: {cause!r}")
+        self.peer_id = peer_id
+
+
+class _Stream:
+    """One ``rpc_multi_inference`` stream to one server span (lives on hivemind's loop)."""
+
+    def __init__(self, p2p, peer_id: str, uids: Sequence[str]):
+        self.p2p, self.peer_id, self.uid = p2p, peer_id, CHAIN_DELIMITER.join(uids)
+        self.queue: Optional[asyncio.Queue] = None
+        self.replies = None
+        self.first = True
+
+    async def _requests(self):
+        while True:
+            request = await self.queue.get()
+            if request is None:
+                return
+            yield request
+
+    async def exchange(self, metadata: dict, tensors: list, timeout: float) -> tuple[list, dict]:
+        if self.queue is None:
+            self.queue = asyncio.Queue()
+            self.replies = await asyncio.wait_for(self.p2p.iterate_protobuf_handler(
+                PeerID.from_base58(self.peer_id), multi_wire.RPC, self._requests(), runtime_pb2.ExpertResponse),
+                timeout)
+        self.queue.put_nowait(runtime_pb2.ExpertRequest(
+            uid=self.uid if self.first else "", metadata=MSGPackSerializer.dumps(metadata),
+            tensors=[serialize_torch_tensor(t) for t in tensors]))
+        self.first = False
+        reply = await asyncio.wait_for(anext(self.replies), timeout)
+        answer = MSGPackSerializer.loads(reply.metadata) if reply.metadata else {}
+        failed = answer.get("failed", {}) if isinstance(answer, dict) else {}
+        return [deserialize_torch_tensor(t) for t in reply.tensors], dict(failed)
+
+    async def close(self) -> None:
+        if self.queue is not None:
+            self.queue.put_nowait(None)
+        if self.replies is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.replies.aclose(), 5)
+
+
+class ChainBatch:
+    """Sessions stepped together through one route (see the module doc). Not thread-safe: one caller thread.
+
+    ``route`` is a chain's spans ``(peer id, start, end)``; ``block_uids`` the model's block uids (petals'
+    sequence manager has them). ``tickets`` maps a session to the orchestrator ticket its opens carry."""
+
+    def __init__(self, p2p, route: Sequence[RouteSpan], block_uids: Sequence[str], *, step_timeout: float = 30.0,
+                 alloc_timeout: float = 5.0):
+        self.route = tuple(route)
+        self.streams = [_Stream(p2p, peer, block_uids[start:end]) for peer, start, end in self.route]
+        self.step_timeout, self.alloc_timeout = step_timeout, alloc_timeout
+        self.open_sessions: set[str] = set()
+        self._closing: set[str] = set()  # closed by the caller or failed: closed on every server next message
+        self._closed = False
+
+    def step(self, inputs: Mapping[str, torch.Tensor], opens: Mapping[str, int] = (),
+             tickets: Mapping[str, bytes] = ()) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Open ``opens`` (session -> max_length), then run ``inputs`` (session -> hidden ``(1, n, H)``) through
+        the chain. Returns (outputs of the last block by session, failed sessions -> reason)."""
+        if self._closed:
+            raise RuntimeError("the chain batch is closed")
+        opens, tickets = dict(opens), dict(tickets)
+        for sid in opens:
+            if sid in self.open_sessions:
+                raise ValueError(f"session {sid!r} is already open")
+        return RemoteExpertWorker.run_coroutine(self._step(dict(inputs), opens, tickets))
+
+    def close_sessions(self, sids) -> None:
+        """Close these sessions (on every server, with the next message or :meth:`close`)."""
+        for sid in sids:
+            if sid in self.open_sessions:
+                self.open_sessions.discard(sid)
+                self._closing.add(sid)
+
+    async def _step(self, inputs: dict, opens: dict, tickets: dict) -> tuple[dict, dict]:
+        failed: dict[str, str] = {}
+        hidden = dict(inputs)
+        closes, self._closing = sorted(self._closing), set()
+        new = [multi_wire.Open(sid, int(length), tickets.get(sid), self.alloc_timeout) for sid, length in opens.items()]
+        self.open_sessions.update(opens)
+        for stream in self.streams:
+            order = [sid for sid in hidden if sid not in failed]
+            metadata = multi_wire.encode([o for o in new if o.sid not in failed],
+                                         [(sid, hidden[sid].shape[1]) for sid in order], closes)
+            try:
+                outputs, refused = await stream.exchange(metadata, [hidden[sid] for sid in order], self.step_timeout)
+            except Exception as exc:
+                raise ChainBatchError(stream.peer_id, exc) from exc
+            failed.update({sid: f"{stream.peer_id}: {why}" for sid, why in refused.items()})
+            done = [sid for sid in order if sid not in refused]
+            if len(outputs) != len(done):
+                raise ChainBatchError(stream.peer_id, f"{len(outputs)} outputs for {len(done)} steps")
+            hidden = dict(zip(done, outputs))
+            closes = sorted(set(closes) | set(failed))  # sessions failed upstream: close them downstream too
+        if failed:  # close the failed sessions on the servers before the one that failed them
+            self.open_sessions.difference_update(failed)
+            self._closing.update(failed)
+        return hidden, failed
+
+    def close(self) -> None:
+        """Close every session and stream (bounded)."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def close_all():
+            await asyncio.gather(*(s.close() for s in self.streams), return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            RemoteExpertWorker.run_coroutine(close_all(), return_future=True).result(timeout=10)
+
+    def __enter__(self) -> "ChainBatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,94 @@
+"""Multi-session inference streams: several sessions' steps in one message (the wire format).
+
+petals' ``rpc_inference`` carries one session per stream, so every generated token costs every server one
+message, one deserialization, one task hand-off to the runtime and one reply per session. A client that drives
+many sessions over the same server span (the orchestrator's engine, a batch job) opens one
+``rpc_multi_inference`` stream to that server instead and sends, per step, one message for all of them; the
+server runs their one-token decode steps as one batched forward pass and answers with one message.
+
+A request is a hivemind ``ExpertRequest``:
+
+* ``uid``: the span's block uids joined by spaces (petals' ``CHAIN_DELIMITER``), the same in every message of
+  the stream (later messages may leave it empty);
+* ``metadata`` (msgpack): ``{"open": [[sid, max_length, ticket or None, alloc_timeout], ...],
+  "step": [[sid, tokens], ...], "close": [sid, ...]}`` — opens are applied first, then the steps, then the
+  closes; ``sid`` names a session within this stream;
+* ``tensors``: one hidden-state tensor ``(1, tokens, hidden)`` per step entry, in order.
+
+The reply (``ExpertResponse``) carries one tensor per step entry that succeeded, in order, and metadata
+``{"failed": {sid: message}}``: a session that fails (refused ticket, no KV slot, length exceeded, a compute
+error) fails alone, is closed on the server, and must not be stepped again. Servers without the RPC (vanilla
+petals) answer the call with an error; clients then use one petals session per sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RPC = "TransformerConnectionHandler.rpc_multi_inference"
+MAX_SESSIONS = 256  # sessions open at once in one stream
+MAX_SID = 64  # characters of a session name
+MAX_ALLOC_TIMEOUT_S = 30.0
+
+
+class MultiWireError(ValueError):
+    """A malformed multi-session message: the stream is closed with this message."""
+
+
+@dataclass(frozen=True)
+class Open:
+    sid: str
+    max_length: int
+    ticket: bytes | None = None
+    alloc_timeout: float = 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    opens: tuple[Open, ...]
+    steps: tuple[tuple[str, int], ...]  # (sid, tokens)
+    closes: tuple[str, ...]
+
+
+def _sid(value) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SID:
+        raise MultiWireError(f"a session name must be a string of 1-{MAX_SID} characters, got {value!r}")
+    return value
+
+
+def encode(opens=(), steps=(), closes=()) -> dict:
+    """The metadata of one request (``steps`` as (sid, tokens) pairs)."""
+    return {"open": [[o.sid, o.max_length, o.ticket, o.alloc_timeout] for o in opens],
+            "step": [[sid, int(tokens)] for sid, tokens in steps], "close": list(closes)}
+
+
+def decode(metadata, tensors: int) -> Request:
+    """Validate a request's metadata (``tensors``: how many tensors it carries); :class:`MultiWireError` if bad."""
+    if not isinstance(metadata, dict):
+        raise MultiWireError("multi-session metadata must be a map")
+    raw_opens, raw_steps, raw_closes = (metadata.get(k, []) for k in ("open", "step", "close"))
+    if not all(isinstance(v, list) for v in (raw_opens, raw_steps, raw_closes)):
+        raise MultiWireError("'open', 'step' and 'close' must be lists")
+    if max(len(raw_opens), len(raw_steps), len(raw_closes)) > MAX_SESSIONS:
+        raise MultiWireError(f"at most {MAX_SESSIONS} entries of each kind per message")
+    opens = []
+    for entry in raw_opens:
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise MultiWireError("an open entry is [sid, max_length, ticket, alloc_timeout]")
+        sid, max_length, ticket, alloc_timeout = entry
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+            raise MultiWireError(f"max_length must be a positive integer, got {max_length!r}")
+        if ticket is not None and not isinstance(ticket, bytes):
+            raise MultiWireError("a ticket must be bytes")
+        if not isinstance(alloc_timeout, (int, float)) or not 0 <= alloc_timeout <= MAX_ALLOC_TIMEOUT_S:
+            raise MultiWireError(f"alloc_timeout must be within 0-{MAX_ALLOC_TIMEOUT_S} s")
+        opens.append(Open(_sid(sid), max_length, ticket, float(alloc_timeout)))
+    steps = []
+    for entry in raw_steps:
+        if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], int) or entry[1] < 0:
+            raise MultiWireError("a step entry is [sid, tokens] with tokens >= 0")
+        steps.append((_sid(entry[0]), entry[1]))
+    if len({sid for sid, _ in steps}) != len(steps):
+        raise MultiWireError("a session may step once per message")
+    if len(steps) != tensors:
+        raise MultiWireError(f"{len(steps)} step entries but {tensors} tensors")
+    return Request(tuple(opens), tuple(steps), tuple(_sid(s) for s in raw_closes))
