@@ -4,7 +4,10 @@ Two servers split SmolLM2-135M-Instruct (float32): two vanilla petals 2.2 server
 nodes (``--max-batch``, default 8; blocks assigned by an orchestrator; the vanilla servers get the same split).
 Both swarms are up at once and every measurement alternates between them. The same client —
 petals' own ``generate``, one thread per session, all sessions started together — runs 1, 2, 4, 8 and 16
-concurrent sessions of ``--tokens`` greedy tokens (prompts of different lengths) against each. Every token is
+concurrent sessions of ``--tokens`` greedy tokens (prompts of different lengths) against each. Chainswarm's own
+client runs the same sessions a third way (``chainswarm_multi``): all of them submitted together to one
+:class:`swarm.batch_engine.ChainGenerator` — what the orchestrator's engine does with the sessions it holds on a
+chain — which steps them through one multi-session stream per server and computes one LM head per step. Every token is
 timestamped as it arrives: aggregate tokens/s (all sessions' tokens / wall time), per-token latency (gaps
 between a session's consecutive tokens: median and P95 over all sessions) and TTFT (median). Ratios are to
 vanilla petals at the same concurrency, measured in the same run; the generated tokens are compared too.
@@ -298,9 +301,11 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for name in SETUPS:
+    for name in (*SETUPS, MULTI):
         for client, style in (("generate", "-"), ("blocks_only", ":")):
-            rows = [r for r in report["results"][name] if r["client"] == client]
+            rows = [r for r in report["results"].get(name, []) if r["client"] == client]
+            if not rows:
+                continue
             n = [r["sessions"] for r in rows]
             axes[0].plot(n, [r["tokens_per_s"] for r in rows], "o" + style, label=f"{name}, {client}")
             axes[1].plot(n, [r["per_token_ms_median"] for r in rows], "o" + style, label=f"{name}, {client} median")
@@ -323,11 +328,14 @@ def plot(report: dict, path: Path) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| client | sessions | vanilla tok/s | batched tok/s | × | per-token ms vanilla / batched (median) | × | "
-             "P95 × | TTFT × | same tokens | server CPU ms/token vanilla / batched | server-bound × |",
+    lines = ["| Chainswarm client | sessions | vanilla tok/s | Chainswarm tok/s | × | per-token ms vanilla / Chainswarm "
+             "(median) | × | P95 × | TTFT × | same tokens | server CPU ms/token vanilla / Chainswarm | server-bound × |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for base, row in zip(report["results"]["vanilla_petals"], report["results"]["chainswarm_batched"]):
-        lines.append(f"| {row['client']} | {row['sessions']} | {base['tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
+    rows = [*zip(report["results"]["vanilla_petals"], report["results"]["chainswarm_batched"]),
+            *zip(report["results"]["vanilla_petals"], report["results"].get(MULTI, []))]
+    for base, row in rows:
+        client = "ChainGenerator (multi-session)" if row.get("mean_batch") is not None else f"petals {row['client']}"
+        lines.append(f"| {client} | {row['sessions']} | {base['tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
                      f"{row['throughput_ratio']:.2f} | {base['per_token_ms_median']:.0f} / "
                      f"{row['per_token_ms_median']:.0f} | {row['per_token_ratio']:.2f} | {row['p95_ratio']:.2f} | "
                      f"{row['ttft_ratio']:.2f} | {row['same_tokens_as_vanilla']} | "

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import multiprocessing as mp
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
@@ -40,6 +42,23 @@ logger = logging.getLogger(__name__)
 
 _NO_HYPO = torch.empty(0, dtype=torch.int64)
 COHORT_TOKENS = 512  # new tokens per batched pass (a cohort of prefills is split beyond it)
+MULTI_INFO = "chainswarm_multi"  # rpc_info key: {"streams", "sessions", "messages", "cohorts", "failed"}
+_COUNTERS = ("streams", "sessions", "messages", "cohorts", "failed")
+_counts = None  # mp.Array made by install() in the server process, shared with the handler processes it forks
+
+
+def _count(name: str, n: int = 1) -> None:
+    if _counts is not None:
+        with _counts.get_lock():
+            _counts[_COUNTERS.index(name)] += n
+
+
+def multi_stats() -> dict:
+    """Multi-session streams this server answered: streams, sessions opened, messages, cohorts, failed sessions."""
+    if _counts is None:
+        return dict.fromkeys(_COUNTERS, 0)
+    with _counts.get_lock():
+        return dict(zip(_COUNTERS, _counts[:]))
 
 
 @dataclass
@@ -64,6 +83,7 @@ class _Span:
         self.cohort_size = (pool.max_batch if isinstance(pool, BatchingTaskPool) and supports is not None
                             and supports(self.uids) else 0)
         self.proto = next(iter(nested_flatten(self.backends[-1].outputs_schema)))
+        self.hidden_size = int(self.backends[0].config.hidden_size)
 
 
 class MultiSessionHandler(server_tickets.TicketHandler):
@@ -85,11 +105,13 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                         return
                     if span is None:
                         span = _Span(self, request.uid)
+                        _count("streams")
                         self._log_request("rpc_multi_inference.open", span.uids, context)
                     elif request.uid and request.uid != span.uid:
                         raise multi_wire.MultiWireError("the blocks of a multi-session stream cannot change")
                     metadata = MSGPackSerializer.loads(request.metadata) if request.metadata else {}
                     message = multi_wire.decode(metadata, len(request.tensors))
+                    _count("messages")
                     yield await self._multi_step(span, sessions, message, request.tensors)
         finally:
             for session in list(sessions.values()):
@@ -108,6 +130,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 if len(sessions) >= multi_wire.MAX_SESSIONS:
                     raise ValueError(f"at most {multi_wire.MAX_SESSIONS} sessions per stream")
                 sessions[entry.sid] = await self._open(span, entry)
+                _count("sessions")
             except Exception as exc:  # refused ticket, no KV slot, too long: this session only
                 failed[entry.sid] = _message(exc)
         steps = []
@@ -119,8 +142,9 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 if session is None:
                     raise ValueError(f"session {sid!r} is not open in this stream")
                 hidden = deserialize_torch_tensor(tensor)
-                if hidden.ndim != 3 or tuple(hidden.shape[:2]) != (1, tokens):
-                    raise ValueError(f"session {sid!r}: expected hidden states (1, {tokens}, hidden)")
+                if hidden.ndim != 3 or tuple(hidden.shape) != (1, tokens, span.hidden_size):
+                    raise ValueError(f"session {sid!r}: expected hidden states (1, {tokens}, {span.hidden_size}), "
+                                     f"got {tuple(hidden.shape)}")
                 if session.position + tokens > session.max_length:
                     raise ValueError(f"session {sid!r}: {session.position} + {tokens} tokens exceed its "
                                      f"max_length {session.max_length}")
@@ -128,6 +152,8 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             except Exception as exc:
                 failed[sid] = _message(exc)
         outputs = await self._run(span, steps, failed)
+        if failed:
+            _count("failed", len(failed))
         for sid in {*message.closes, *failed}:
             session = sessions.pop(sid, None)
             if session is not None:
@@ -182,6 +208,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
 
     async def _cohort(self, span: _Span, cohort: list) -> tuple[dict, dict]:
         """Steps of several sessions (decodes and short prefills) as one task: one batched pass."""
+        _count("cohorts")
         lengths = [h.shape[1] for _, _, h in cohort]
         task = Cohort([self._infos(span, session) for _, session, _ in cohort], lengths)
         try:
@@ -209,6 +236,12 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         except Exception as exc:
             return {}, {sid: _message(exc)}
 
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """The bases' server and block metadata and counters, plus this server's multi-session counters."""
+        info = MSGPackSerializer.loads((await super().rpc_info(request, context)).serialized_info)
+        info[MULTI_INFO] = multi_stats()
+        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(info))
+
     def _priority(self, span: _Span) -> float:
         return self._prioritizer.prioritize(_NO_HYPO, _NO_HYPO, points=0.0, requested_uids=span.uids,
                                             type="inference")
@@ -223,7 +256,10 @@ MultiSessionHandler.__name__ = MultiSessionHandler.__qualname__ = "TransformerCo
 
 def install(push_counter=None):
     """Install this handler and the prefix backend (server process, before ``Server.run()``)."""
+    global _counts
     from server.handler import install as install_handler
+
+    _counts = mp.Array(ctypes.c_int64, len(_COUNTERS))
     from server.prefix_cache import PrefixBackend
 
     return install_handler(MultiSessionHandler, PrefixBackend, push_counter=push_counter)

@@ -35,11 +35,12 @@ class StopSequence(Exception):
 
 
 class SequenceFailed(RuntimeError):
-    """A sequence could not be completed; ``produced`` holds the tokens it generated before (to resume from)."""
+    """A sequence could not be completed; ``produced`` holds the tokens it generated before (to resume from),
+    ``peer_id`` the server that failed, when one did."""
 
-    def __init__(self, reason: str, produced: list[int]):
+    def __init__(self, reason: str, produced: list[int], peer_id: Optional[str] = None, unsupported: bool = False):
         super().__init__(reason)
-        self.produced = list(produced)
+        self.produced, self.peer_id, self.unsupported = list(produced), peer_id, unsupported
 
 
 @dataclass
@@ -49,6 +50,7 @@ class _Sequence:
     max_new_tokens: int
     eos_token_id: Optional[int]
     on_token: Optional[Callable[[int], None]]
+    processor: Optional[Callable]
     ticket: Optional[bytes]
     future: Future
     produced: list[int] = field(default_factory=list)
@@ -73,6 +75,7 @@ class ChainGenerator:
         self._ids = itertools.count()
         self._waiting: list[_Sequence] = []
         self._running: dict[str, _Sequence] = {}
+        self._cancelled: set[Future] = set()
         self._cv = threading.Condition()
         self._broken: Optional[BaseException] = None
         self._closed = False
@@ -83,9 +86,20 @@ class ChainGenerator:
     def route(self) -> tuple:
         return self.batch.route
 
+    @property
+    def usable(self) -> bool:
+        """False once closed or broken (a server of its route failed): make a new one."""
+        return not self._closed and self._broken is None
+
     def submit(self, input_ids: Sequence[int], max_new_tokens: int, *, eos_token_id: Optional[int] = None,
-               on_token: Optional[Callable[[int], None]] = None, ticket: Optional[bytes] = None) -> Future:
-        """Queue one generation; the future's result is its generated token ids (:class:`SequenceFailed`)."""
+               on_token: Optional[Callable[[int], None]] = None, processor: Optional[Callable] = None,
+               ticket: Optional[bytes] = None) -> Future:
+        """Queue one generation; the future's result is its generated token ids.
+
+        ``on_token(token)`` is called for every token; if it raises :class:`StopSequence` the sequence is complete,
+        any other exception ends the sequence with that exception. ``processor(input_ids (1, n), scores (1, V))``
+        (a transformers logits processor, e.g. :class:`swarm.sampling.TokenChooser`) adjusts the scores before the
+        greedy pick. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a generation needs at least one input token and max_new_tokens >= 1")
         future: Future = Future()
@@ -93,7 +107,7 @@ class ChainGenerator:
             if self._closed or self._broken is not None:
                 raise RuntimeError(f"the chain generator is closed{f': {self._broken}' if self._broken else ''}")
             self._waiting.append(_Sequence(f"s{next(self._ids)}", list(input_ids), int(max_new_tokens),
-                                           eos_token_id, on_token, ticket, future))
+                                           eos_token_id, on_token, processor, ticket, future))
             self._cv.notify()
         return future
 
@@ -103,6 +117,18 @@ class ChainGenerator:
         futures = [self.submit(p, max_new_tokens, eos_token_id=eos_token_id) for p in prompts]
         return [f.result(timeout=timeout) for f in futures]
 
+    def cancel(self, future: Future) -> None:
+        """End a submitted sequence at the next step (its future fails with :class:`SequenceFailed`)."""
+        with self._cv:
+            self._cancelled.add(future)
+            self._cv.notify()
+
+    def peer_failed(self, peer_id: str) -> None:
+        """``peer_id`` is known to have failed: if it serves this route, stop waiting for the running step (every
+        running sequence fails with :class:`SequenceFailed` naming it; the generator closes)."""
+        if any(peer == peer_id for peer, _, _ in self.route):
+            self.batch.abort(peer_id)
+
     def _drive(self) -> None:
         while True:
             with self._cv:
@@ -110,14 +136,29 @@ class ChainGenerator:
                     self._cv.wait()
                 if self._closed:
                     break
+                self._drop_cancelled()
                 room = self.max_sessions - len(self._running)
                 admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+                if not admitted and not self._running:
+                    continue
             try:
                 self._step(admitted)
             except BaseException as exc:  # the chain is unusable: fail everything it holds or waits for
                 self._fail_all(exc)
                 return
         self._fail_all(RuntimeError("the chain generator was closed"))
+
+    def _drop_cancelled(self) -> None:
+        """(under the lock) Retire the cancelled sequences: waiting ones at once, running ones on the servers."""
+        if not self._cancelled:
+            return
+        gone = [s for s in [*self._waiting, *self._running.values()] if s.future in self._cancelled]
+        self._cancelled.clear()
+        self._waiting = [s for s in self._waiting if s not in gone]
+        for seq in gone:
+            self._running.pop(seq.sid, None)
+            seq.future.set_exception(SequenceFailed("cancelled", seq.produced))
+        self.batch.close_sessions([s.sid for s in gone])
 
     @torch.inference_mode()
     def _step(self, admitted: list[_Sequence]) -> None:
@@ -133,7 +174,7 @@ class ChainGenerator:
         self.stepped_sequences += len(inputs)
         for sid, reason in failed.items():
             seq = self._running.pop(sid)
-            seq.future.set_exception(SequenceFailed(reason, seq.produced))
+            seq.future.set_exception(SequenceFailed(reason, seq.produced, reason.split(":", 1)[0]))
         if not outputs:
             return
         sids = list(outputs)
@@ -141,20 +182,24 @@ class ChainGenerator:
         last = torch.cat([outputs[sid][:, -1] for sid in sids], dim=0).to(head.dtype)
         logits = linear(self.model.transformer.ln_f(last), head)  # one head pass for every sequence
         finished = []
-        for sid, token in zip(sids, logits.argmax(dim=-1).tolist()):
+        for row, sid in enumerate(sids):
             seq = self._running[sid]
-            seq.produced.append(int(token))
-            done = len(seq.produced) >= seq.max_new_tokens or token == seq.eos_token_id
-            if seq.on_token is not None:
-                try:
-                    seq.on_token(int(token))
-                except StopSequence:
-                    done = True
-                except Exception as exc:  # a broken callback ends its own sequence only
-                    finished.append(sid)
-                    self._running.pop(sid)
-                    seq.future.set_exception(SequenceFailed(f"on_token failed: {exc!r}", seq.produced))
-                    continue
+            try:
+                scores = logits[row: row + 1]
+                if seq.processor is not None:
+                    scores = seq.processor(torch.tensor([seq.input_ids + seq.produced]), scores.float())
+                token = int(scores[0].argmax())
+                seq.produced.append(token)
+                done = len(seq.produced) >= seq.max_new_tokens or token == seq.eos_token_id
+                if seq.on_token is not None:
+                    seq.on_token(token)
+            except StopSequence:
+                done = True
+            except Exception as exc:  # the caller's callback or processor ended its own sequence only
+                finished.append(sid)
+                self._running.pop(sid)
+                seq.future.set_exception(exc)
+                continue
             if done:
                 finished.append(sid)
                 self._running.pop(sid).future.set_result(list(seq.produced))
@@ -166,9 +211,11 @@ class ChainGenerator:
             victims = list(self._running.values()) + self._waiting
             self._running, self._waiting = {}, []
         reason = str(exc) if isinstance(exc, ChainBatchError) else repr(exc)
+        unsupported = isinstance(exc, ChainBatchError) and exc.unsupported
+        peer = exc.peer_id if isinstance(exc, ChainBatchError) and not unsupported else None
         for seq in victims:
             if not seq.future.done():
-                seq.future.set_exception(SequenceFailed(reason, seq.produced))
+                seq.future.set_exception(SequenceFailed(reason, seq.produced, peer, unsupported))
 
     def close(self) -> None:
         """Fail whatever is still queued or running, close the streams (bounded)."""

@@ -4,9 +4,17 @@ One petals distributed model (embeddings and LM head local, blocks remote) serve
 session runs in its own worker thread and routes on its own lease (``swarm.routing``), so many sessions
 proceed concurrently on different chains. Generated tokens are reported as they appear, for streaming
 and for per-token fairness charging.
+
+Sessions on the same chain are batched (``batch_sessions`` > 0, the default): a session without prefix reuse
+joins the chain's :class:`swarm.batch_engine.ChainGenerator`, which steps all of that chain's sessions together —
+one multi-session message per server and step, one batched pass on each server, one LM-head pass here — with
+the same tokens (greedy, or the request's own sampling). If the batched path fails (a server that dies, or
+a server without multi-session streams), the session goes on from the tokens it has on petals' own
+per-session path, failing over as every session does.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from swarm.batch_engine import ChainGenerator, SequenceFailed, StopSequence
 from swarm.prefix import PAGE_TOKENS, reusable_pages
 from swarm.sampling import SamplingParams, TokenChooser, TokenLogprob
 from swarm.routing import (
@@ -60,7 +69,8 @@ class GenerationEngine:
     """Generates through the swarm on leased chains. Thread-safe; ``generate`` blocks."""
 
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
-                 max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32"):
+                 max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
+                 batch_sessions: int = 16):
         from transformers import AutoTokenizer
 
         from swarm.compat import petals
@@ -74,6 +84,10 @@ class GenerationEngine:
         self.manager = install(self.model)
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="session")
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.batch_sessions, self.request_timeout = int(batch_sessions), request_timeout
+        self._generators: dict[tuple, ChainGenerator] = {}  # route -> its batch of sessions
+        self._generators_lock = threading.Lock()
+        self._unbatched: set[tuple] = set()  # routes with a server that has no multi-session streams
         self._closed = threading.Event()
 
     def encode(self, prompt: str) -> list[int]:
@@ -123,7 +137,29 @@ class GenerationEngine:
 
         try:
             try:
-                self._run(lease, provider, input_ids, params.max_new_tokens, chooser, sink, plan, control)
+                run_ids, run_max = list(input_ids), params.max_new_tokens
+                if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
+                    try:
+                        self._run_batched(lease, input_ids, params.max_new_tokens, chooser, sink, control)
+                        return result("stop" if ended() else "length")
+                    except SequenceFailed as exc:  # go on from its tokens on petals' per-session path
+                        restarts = 1
+                        logger.warning("a batched session continues on its own: %s", exc)
+                        if exc.unsupported:
+                            self._unbatched.add(tuple(lease.route))
+                        if exc.peer_id is not None and provider is not None:
+                            lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
+                        elif hasattr(provider, "renew_ticket"):
+                            provider.renew_ticket(lease)
+                        remaining = params.max_new_tokens - len(produced)
+                        if remaining <= 0 or ended():
+                            return result("stop" if ended() else "length")
+                        prompt = list(input_ids) + produced
+                        prefill += len(prompt)
+                        if chooser is not None:
+                            del chooser.generated[len(produced):], chooser.logprobs[len(produced):]
+                        run_ids, run_max = prompt, remaining
+                self._run(lease, provider, run_ids, run_max, chooser, sink, plan, control)
             except PrefixSessionFailed as exc:
                 restarts = 1
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
@@ -141,6 +177,51 @@ class GenerationEngine:
         except StopGeneration:  # a token callback completed the request (a stop string)
             return result("stop")
         return result("stop" if ended() else "length")
+
+    def _generator(self, route: tuple) -> ChainGenerator:
+        """The chain's batch of sessions (a new one if it has none, or its last one broke)."""
+        with self._generators_lock:
+            generator = self._generators.get(route)
+            if generator is None or not generator.usable:
+                if generator is not None:
+                    generator.close()
+                generator = self._generators[route] = ChainGenerator(
+                    self.model, route, max_sessions=self.batch_sessions, step_timeout=self.request_timeout)
+            return generator
+
+    def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
+                     sink: Callable[[int], None], control: SessionControl | None) -> None:
+        """Run the session in its chain's batch (blocking). Raises :class:`SequenceFailed` to fall back."""
+        generator = self._generator(tuple(lease.route))
+        stopped = []
+
+        def on_token(token: int) -> None:
+            try:
+                sink(token)
+            except StopGeneration:  # a stop string: the sequence is complete
+                stopped.append(token)
+                raise StopSequence() from None
+
+        try:
+            future = generator.submit(input_ids, max_new_tokens, eos_token_id=self.eos_token_id, on_token=on_token,
+                                      processor=chooser, ticket=lease.ticket)
+        except RuntimeError as exc:  # closed meanwhile
+            raise SequenceFailed(str(exc), []) from exc
+        unwatch = control.watch_peers(generator.peer_failed) if control is not None else None
+        try:
+            while True:
+                try:
+                    future.result(timeout=0.25)
+                    if stopped:
+                        raise StopGeneration()
+                    return
+                except concurrent.futures.TimeoutError:
+                    if control is not None and control.aborted is not None:
+                        generator.cancel(future)
+                        control.check()
+        finally:
+            if unwatch is not None:
+                unwatch()
 
     def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
              sink: Callable[[int], None], plan: PrefixPlan | None, control: SessionControl | None = None) -> None:
@@ -165,4 +246,8 @@ class GenerationEngine:
 
         self._closed.set()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        with self._generators_lock:
+            generators, self._generators = list(self._generators.values()), {}
+        for generator in generators:
+            generator.close()
         close_distributed_model(self.model)

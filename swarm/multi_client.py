@@ -14,6 +14,7 @@ answering fails the step with :class:`ChainBatchError` (the caller fails its ses
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 from typing import Mapping, Optional, Sequence
@@ -33,11 +34,14 @@ logger = logging.getLogger(__name__)
 
 
 class ChainBatchError(RuntimeError):
-    """A server of the route failed or stopped answering: every session of the batch is lost there."""
+    """A server of the route failed or stopped answering: every session of the batch is lost there.
+    ``unsupported``: the server answered that it has no multi-session streams (vanilla petals): it is alive,
+    and its sessions should go on one petals session each."""
 
     def __init__(self, peer_id: str, cause: BaseException | str):
         super().__init__(f"multi-session stream to {peer_id} failed: {cause!r}")
         self.peer_id = peer_id
+        self.unsupported = "protocol not supported" in str(cause).lower() or "protocols not supported" in str(cause).lower()
 
 
 class _Stream:
@@ -93,6 +97,8 @@ class ChainBatch:
         self.open_sessions: set[str] = set()
         self._closing: set[str] = set()  # closed by the caller or failed: closed on every server next message
         self._closed = False
+        self._inflight = None  # the running step's future (on hivemind's loop)
+        self._failed_peer: Optional[str] = None
 
     def step(self, inputs: Mapping[str, torch.Tensor], opens: Mapping[str, int] = (),
              tickets: Mapping[str, bytes] = ()) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -100,11 +106,27 @@ class ChainBatch:
         the chain. Returns (outputs of the last block by session, failed sessions -> reason)."""
         if self._closed:
             raise RuntimeError("the chain batch is closed")
+        if self._failed_peer is not None:
+            raise ChainBatchError(self._failed_peer, "the server is known to have failed")
         opens, tickets = dict(opens), dict(tickets)
         for sid in opens:
             if sid in self.open_sessions:
                 raise ValueError(f"session {sid!r} is already open")
-        return RemoteExpertWorker.run_coroutine(self._step(dict(inputs), opens, tickets))
+        self._inflight = RemoteExpertWorker.run_coroutine(self._step(dict(inputs), opens, tickets),
+                                                          return_future=True)
+        try:
+            return self._inflight.result()
+        except concurrent.futures.CancelledError:
+            raise ChainBatchError(self._failed_peer or "?", "the server is known to have failed") from None
+        finally:
+            self._inflight = None
+
+    def abort(self, peer_id: str) -> None:
+        """``peer_id`` failed: stop waiting for the running step (it raises :class:`ChainBatchError`), refuse more."""
+        self._failed_peer = peer_id
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.cancel()
 
     def close_sessions(self, sids) -> None:
         """Close these sessions (on every server, with the next message or :meth:`close`)."""

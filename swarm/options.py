@@ -105,6 +105,9 @@ class OrchestratorOptions:
                               help="the swarm's serving dtype: the orchestrator's embeddings and LM head run in it and "
                               "only servers that compute in it are planned (default float32; mixing dtypes changes "
                               "greedy answers)")
+    batch_sessions: int = option(16, help="sessions the orchestrator steps together on one chain (one multi-session "
+                                 "message per server and step, one LM-head pass; default 16; 0 = one petals session "
+                                 "per request, as petals' own client)")
     prefix_cache_tokens: int = option(0, help="prompt-prefix KV budget per served block, in tokens, reserved on every "
                                       "server (default 0 = no prefix reuse); pair with --policy swarm for "
                                       "locality-aware chains")

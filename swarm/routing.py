@@ -24,7 +24,7 @@ import sys
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 from swarm.compat import petals  # noqa: F401  (shim first)
 import torch  # noqa: E402
@@ -118,6 +118,7 @@ class SessionControl:
         self.last_progress = time.monotonic()
         self.aborted: str | None = None
         self.session: "ChainswarmInferenceSession | None" = None
+        self._peer_watchers: list = []  # callables told of a known failed server (a batched session's generator)
 
     def progress(self) -> None:
         self.last_progress = time.monotonic()
@@ -134,6 +135,13 @@ class SessionControl:
         """The orchestrator knows ``peer_id`` failed: cancel a step waiting for it, so that petals' retry loop
         fails over now instead of at the request timeout (the session itself goes on)."""
         self._cancel_steps(peer_id)
+        for watcher in list(self._peer_watchers):
+            watcher(peer_id)
+
+    def watch_peers(self, watcher: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``watcher(peer_id)`` on every :meth:`peer_failed`; returns the function that stops it."""
+        self._peer_watchers.append(watcher)
+        return lambda: self._peer_watchers.remove(watcher) if watcher in self._peer_watchers else None
 
     def _cancel_steps(self, peer_id: str | None = None) -> None:
         """Cancel the running steps of the session's server sessions (those on ``peer_id`` only, if given)."""

@@ -1,0 +1,196 @@
+"""Multi-session streams (server/multi_session.py, swarm/multi_client.py, swarm/batch_engine.py) on loopback.
+
+A two-hop swarm of the tiny model (open sessions): the protocol's answers to bad input — a malformed message
+closes the stream with its reason, a bad step fails its own session only and the others go on — and the
+continuous batching of ChainGenerator: sessions admitted and retired between steps, cancellation, a callback
+that ends its sequence, a route whose server is gone. Token equality is tested on the real model
+(tests/test_batching_swarm.py, tests/test_real_model_swarm.py), not on random weights.
+"""
+import time
+
+import pytest
+import torch
+
+from server.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("profiles"))
+    with LocalSwarm(tiny_model, open_sessions=True) as local:
+        # the memory budgets of tests/test_runtime.py's "left" and "right": the model split in two
+        local.add_orchestrator(expected_rate=4.0, max_length=256, expected_input_tokens=128,
+                               expected_output_tokens=28, refresh_s=0.5)
+        declared = {"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002}
+        nodes = [local.add_node(node_id=name, memory_gb=0.0012, wait=False, profile_cache_dir=cache,
+                                declared_profile=declared) for name in ("left", "right")]
+        for node in nodes:
+            local.wait_profiled(node)
+        chains = local.wait_chains_ready([n.name for n in nodes])["chains"]
+        local.route = [tuple(r) for r in max(chains, key=lambda c: len(c["route"]))["route"]]
+        yield local
+
+
+@pytest.fixture(scope="module")
+def model(swarm, tiny_model):
+    from swarm.petals_client import open_distributed_model
+
+    with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                torch_dtype=torch.float32) as m:
+        yield m
+
+
+def _stream(model, swarm):
+    from swarm.multi_client import _Stream
+
+    peer, start, end = swarm.route[0]
+    return _Stream(model.transformer.h.sequence_manager.state.p2p, peer,
+                   model.transformer.h.sequence_manager.block_uids[start:end])
+
+
+def _exchange(stream, metadata, tensors):
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+
+    return RemoteExpertWorker.run_coroutine(stream.exchange(metadata, tensors, 20.0))
+
+
+def test_the_plan_is_two_hops(swarm):
+    assert len(swarm.route) == 2 and swarm.route[0][2] == swarm.route[1][1]
+
+
+def test_a_bad_step_fails_its_own_session_and_the_others_go_on(swarm, model):
+    from swarm import multi_wire
+    from swarm.multi_wire import Open
+
+    hidden = model.config.hidden_size
+    stream = _stream(model, swarm)
+    opens = [Open("a", 8), Open("b", 8), Open("c", 8), Open("a", 8)]  # "a" twice: the second open fails
+    outputs, failed = _exchange(stream, multi_wire.encode(opens, [("a", 3), ("b", 2), ("c", 1)]),
+                                [torch.randn(1, 3, hidden), torch.randn(1, 2, hidden), torch.randn(1, 1, hidden + 1)])
+    assert [o.shape for o in outputs] == [(1, 2, hidden)]  # "b" alone
+    assert set(failed) == {"a", "c"}, failed
+    assert "already open" in failed["a"] and "expected hidden states" in failed["c"]
+    # a session that failed is closed ("a", "c"); one that steps past its length fails ("b"), unknown ones too
+    outputs, failed = _exchange(stream, multi_wire.encode([], [("a", 1), ("b", 7), ("zz", 1)]),
+                                [torch.randn(1, 1, hidden), torch.randn(1, 7, hidden), torch.randn(1, 1, hidden)])
+    assert outputs == [] and set(failed) == {"a", "b", "zz"}, failed
+    assert "not open" in failed["a"] and "exceed" in failed["b"] and "not open" in failed["zz"]
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+    RemoteExpertWorker.run_coroutine(stream.close())
+
+
+@pytest.mark.parametrize("metadata, tensors, reason", [
+    ({"open": "x"}, 0, "must be lists"),
+    ({"open": [["s", 0, None, 0.0]]}, 0, "max_length"),
+    ({"open": [["s", 8, None, 99.0]]}, 0, "alloc_timeout"),
+    ({"step": [["s", 1]]}, 0, "1 step entries but 0 tensors"),
+    ({"step": [["s", 1], ["s", 1]]}, 2, "once per message"),
+    ({"close": ["x" * 100]}, 0, "session name"),
+])
+def test_a_malformed_message_closes_the_stream_with_its_reason(swarm, model, metadata, tensors, reason):
+    stream = _stream(model, swarm)
+    with pytest.raises(Exception, match=reason):
+        _exchange(stream, metadata, [torch.zeros(1, 1, model.config.hidden_size)] * tensors)
+
+
+def test_sessions_stepped_together_get_the_hidden_states_they_get_alone(swarm, model):
+    """Three sessions of different prompt lengths: their prefills in one message, then decode steps in one
+    message each, through both servers — each session's outputs equal its own run in a stream of its own."""
+    from swarm.multi_client import ChainBatch
+
+    manager = model.transformer.h.sequence_manager
+    torch.manual_seed(3)
+    prompts = {sid: torch.randn(1, n, model.config.hidden_size) for sid, n in (("a", 5), ("b", 1), ("c", 9))}
+    steps = [{sid: torch.randn(1, 1, model.config.hidden_size) for sid in prompts} for _ in range(3)]
+
+    def run(sids):
+        with ChainBatch(manager.state.p2p, swarm.route, manager.block_uids) as batch:
+            outputs, failed = batch.step({s: prompts[s] for s in sids}, {s: 16 for s in sids})
+            assert not failed
+            history = [outputs]
+            for step in steps:
+                outputs, failed = batch.step({s: step[s] for s in sids})
+                assert not failed
+                history.append(outputs)
+        return history
+
+    together = run(list(prompts))
+    for sid in prompts:
+        alone = run([sid])
+        for mine, theirs in zip(alone, together):
+            assert torch.allclose(mine[sid], theirs[sid], atol=1e-4, rtol=1e-4), (sid, (mine[sid] - theirs[sid]).abs().max())
+
+
+def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, model):
+    """Eight generations of different lengths through three session slots: all complete with their lengths,
+    in batches of two or three; the servers counted one stream each and every session."""
+    from hivemind import MSGPackSerializer
+    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+    from hivemind.p2p import PeerID
+    from hivemind.proto import runtime_pb2
+
+    from swarm.batch_engine import ChainGenerator
+
+    def multi_stats(peer, start):
+        info = RemoteExpertWorker.run_coroutine(model.transformer.h.sequence_manager.state.p2p.call_protobuf_handler(
+            PeerID.from_base58(peer), "TransformerConnectionHandler.rpc_info",
+            runtime_pb2.ExpertUID(uid=f"{swarm.dht_prefix}.{start}"), runtime_pb2.ExpertInfo))
+        return MSGPackSerializer.loads(info.serialized_info)["chainswarm_multi"]
+
+    before = [multi_stats(peer, start) for peer, start, _ in swarm.route]
+    prompts = [[1, 5, 9, 22, 40][: 1 + i % 5] + [i + 3] for i in range(8)]
+    lengths = [4 + i % 3 for i in range(8)]
+    with ChainGenerator(model, swarm.route, max_sessions=3) as generator:
+        got = [f.result(timeout=60) for f in [generator.submit(p, n) for p, n in zip(prompts, lengths)]]
+        assert 1 < generator.stepped_sequences / generator.steps <= 3
+    assert [len(g) for g in got] == lengths
+    after = [multi_stats(peer, start) for peer, start, _ in swarm.route]
+    for old, new in zip(before, after):
+        assert new["streams"] - old["streams"] == 1 and new["sessions"] - old["sessions"] == 8
+        assert new["cohorts"] - old["cohorts"] >= generator.steps and new["failed"] == old["failed"]
+
+
+def test_callbacks_end_their_own_sequence_and_cancel_works(swarm, model):
+    from swarm.batch_engine import ChainGenerator, SequenceFailed, StopSequence
+
+    seen = []
+
+    def stop_after_two(token):
+        seen.append(token)
+        if len(seen) == 2:
+            raise StopSequence()
+
+    def broken(token):
+        raise KeyError("boom")
+
+    with ChainGenerator(model, swarm.route, max_sessions=4) as generator:
+        stopped = generator.submit([3, 4, 5], 10, on_token=stop_after_two)
+        failing = generator.submit([3, 4], 10, on_token=broken)
+        slow = generator.submit([7, 8], 100)
+        normal = generator.submit([9], 5)
+        assert stopped.result(timeout=60) == seen and len(seen) == 2
+        with pytest.raises(KeyError, match="boom"):
+            failing.result(timeout=60)
+        generator.cancel(slow)
+        with pytest.raises(SequenceFailed, match="cancelled"):
+            slow.result(timeout=60)
+        assert len(normal.result(timeout=60)) == 5
+
+
+def test_a_route_through_a_server_that_is_not_there_fails_every_sequence_in_bounded_time(swarm, model):
+    from swarm.batch_engine import ChainGenerator, SequenceFailed
+
+    ghost = "12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq"  # a well-formed peer id nobody has
+    route = [(ghost, 0, swarm.route[0][2]), swarm.route[1]]
+    started = time.monotonic()
+    with ChainGenerator(model, route, max_sessions=4, step_timeout=3.0) as generator:
+        futures = [generator.submit([1, 2, 3], 4) for _ in range(3)]
+        for future in futures:
+            with pytest.raises(SequenceFailed) as failure:
+                future.result(timeout=60)
+            assert failure.value.peer_id == ghost and failure.value.produced == []
+        with pytest.raises(RuntimeError, match="closed"):
+            generator.submit([1], 1)
+    assert time.monotonic() - started < 30
