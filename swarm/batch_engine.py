@@ -102,6 +102,9 @@ class ChainGenerator:
         greedy pick. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a generation needs at least one input token and max_new_tokens >= 1")
+        vocab = self.model.transformer.word_embeddings.num_embeddings
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
+            raise ValueError(f"token ids must be integers in [0, {vocab})")
         future: Future = Future()
         with self._cv:
             if self._closed or self._broken is not None:

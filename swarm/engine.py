@@ -88,6 +88,8 @@ class GenerationEngine:
         self._generators: dict[tuple, ChainGenerator] = {}  # route -> its batch of sessions
         self._generators_lock = threading.Lock()
         self._unbatched: set[tuple] = set()  # routes with a server that has no multi-session streams
+        self._retired = {"steps": 0, "sequence_steps": 0}  # counts of generators already replaced or closed
+        self.fallbacks = 0  # batched sessions that went on on petals' per-session path
         self._closed = threading.Event()
 
     def encode(self, prompt: str) -> list[int]:
@@ -144,6 +146,7 @@ class GenerationEngine:
                         return result("stop" if ended() else "length")
                     except SequenceFailed as exc:  # go on from its tokens on petals' per-session path
                         restarts = 1
+                        self.fallbacks += 1
                         logger.warning("a batched session continues on its own: %s", exc)
                         if exc.unsupported:
                             self._unbatched.add(tuple(lease.route))
@@ -185,9 +188,23 @@ class GenerationEngine:
             if generator is None or not generator.usable:
                 if generator is not None:
                     generator.close()
+                    self._retire(generator)
                 generator = self._generators[route] = ChainGenerator(
                     self.model, route, max_sessions=self.batch_sessions, step_timeout=self.request_timeout)
             return generator
+
+    def _retire(self, generator: ChainGenerator) -> None:
+        self._retired["steps"] += generator.steps
+        self._retired["sequence_steps"] += generator.stepped_sequences
+
+    def batch_stats(self) -> dict:
+        """Chain steps run by the batched path, the session-steps they carried (÷: the mean batch), fallbacks."""
+        with self._generators_lock:
+            live = list(self._generators.values())
+            steps = self._retired["steps"] + sum(g.steps for g in live)
+            sequence_steps = self._retired["sequence_steps"] + sum(g.stepped_sequences for g in live)
+        return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks,
+                "chains": sum(g.usable for g in live)}
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None) -> None:
@@ -250,4 +267,5 @@ class GenerationEngine:
             generators, self._generators = list(self._generators.values()), {}
         for generator in generators:
             generator.close()
+            self._retire(generator)
         close_distributed_model(self.model)

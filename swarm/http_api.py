@@ -86,7 +86,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
     """Build the API around a started orchestrator (and its generation engine, if it proxies sessions)."""
     app = FastAPI(title="Chainswarm orchestrator", version="0.1.0",
                   description="Planned chains, JFFC dispatch and per-client fairness over a petals swarm.")
-    metrics = SwarmMetrics(orchestrator)
+    metrics = SwarmMetrics(orchestrator, engine)
     keys = dict(api_keys or {})
     runner = CompletionRunner(orchestrator, engine, metrics, stall_timeout_s=stall_timeout_s) if engine else None
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -82,11 +82,30 @@ class _SwarmCollector:
         yield GaugeMetricFamily("chainswarm_replans", "plans computed since start", value=plan.get("replans") or 0)
 
 
+class _BatchCollector:
+    """The engine's batched path (:meth:`swarm.engine.GenerationEngine.batch_stats`), read at scrape time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.batch_stats()
+        yield CounterMetricFamily("chainswarm_batched_steps", "chain steps of the batched path (one message per "
+                                  "server for all the chain's sessions)", value=stats["steps"])
+        yield CounterMetricFamily("chainswarm_batched_session_steps", "session-steps those chain steps carried "
+                                  "(divided by chainswarm_batched_steps: the mean batch)", value=stats["sequence_steps"])
+        yield CounterMetricFamily("chainswarm_batched_fallbacks", "batched sessions that went on as one petals "
+                                  "session each (a server failed or has no multi-session streams)",
+                                  value=stats["fallbacks"])
+
+
 class SwarmMetrics:
-    def __init__(self, orchestrator):
+    def __init__(self, orchestrator, engine=None):
         self.registry = CollectorRegistry()
         self.client_label = ClientLabels()
         self.registry.register(_SwarmCollector(orchestrator, self.client_label))
+        if engine is not None and hasattr(engine, "batch_stats"):
+            self.registry.register(_BatchCollector(engine))
         self.requests = Counter("chainswarm_requests", "finished requests", ["client", "outcome"],
                                 registry=self.registry)
         self.aborted = Counter("chainswarm_sessions_aborted", "sessions aborted, by reason (stalled: no progress "

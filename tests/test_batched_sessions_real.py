@@ -1,0 +1,151 @@
+"""The orchestrator's batched path on the real model: sessions of a chain stepped together, with failover.
+
+SmolLM2-135M-Instruct (float32) split by the planner into two two-hop chains (four nodes, the budgets of
+tests/test_real_model_swarm.py), no prefix reuse, so every completion joins its chain's ChainGenerator
+(swarm/batch_engine.py): one multi-session message per server and step, one LM-head pass in the orchestrator.
+Concurrent greedy completions with different prompt lengths and start times give the tokens of the same
+model run locally in transformers; a server SIGKILLed in the middle of a batch loses no answer: its chain's
+sessions go on from their tokens as petals sessions on the surviving chain.
+"""
+import concurrent.futures as cf
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from helpers import wait_for
+from server.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm
+
+MAX_LENGTH = 256
+MEMORY_GB = 0.24
+DECLARED = {"prefill_s": 2e-4, "decode_s": 2e-3, "rtt_s": 0.002}
+PROMPTS = [
+    "The three primary colours are",
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes",
+    "A list of fruits: apples, pears,",
+    "The capital of France is",
+    "Photosynthesis is the process by which plants",
+    "The committee reviewed the budget, the schedule and the risks of the bridge project. It asked for",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+    cache: dict = {}
+
+    def generate(prompt: str, max_new_tokens: int) -> str:
+        if (prompt, max_new_tokens) not in cache:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+            cache[prompt, max_new_tokens] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        return cache[prompt, max_new_tokens]
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm2_dir):
+    with LocalSwarm(smollm2_dir) as local:
+        nodes = [local.add_node(node_id=f"n{i}", memory_gb=MEMORY_GB, wait=False, declared_profile=DECLARED,
+                                torch_dtype="float32") for i in range(4)]
+        for node in nodes:
+            local.wait_profiled(node, timeout=180)
+        local.add_orchestrator(policy="fcfs", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=32,
+                               expected_output_tokens=24, refresh_s=0.5, request_timeout_s=20.0,
+                               torch_dtype="float32", replan_tolerance=100.0)
+        local.status = local.wait_chains_ready(timeout=240)
+        local.url = local.orchestrator.info["url"]
+        yield local
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _stream(url: str, prompt: str, max_tokens: int, pieces: list, errors: list, on_piece=None) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Client-Id": "batch"},
+                      timeout=300) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = httpx.Response(200, content=line[6:]).json()
+                if "error" in event:
+                    errors.append(event["error"])
+                    return
+                pieces.append(event["choices"][0]["text"])
+                if on_piece is not None:
+                    on_piece(len(pieces))
+
+
+def idle(url: str) -> bool:
+    status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+    return bool(status["chains"]) and all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
+
+
+def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, reference):
+    chains = swarm.status["chains"]
+    assert len(chains) >= 2 and all(len(c["servers"]) >= 2 for c in chains)
+    steps, session_steps = (_metric(swarm.url, f"chainswarm_batched_{n}_total") for n in ("steps", "session_steps"))
+
+    def one(i: int) -> str:
+        time.sleep(0.15 * i)  # different start times: sessions join running batches
+        body = {"prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0}
+        response = httpx.post(f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": f"c{i % 3}"},
+                              timeout=300)
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        texts = list(pool.map(one, range(len(PROMPTS))))
+    for prompt, text in zip(PROMPTS, texts):
+        assert text == reference(prompt, 24), prompt[:40]
+    steps = _metric(swarm.url, "chainswarm_batched_steps_total") - steps
+    session_steps = _metric(swarm.url, "chainswarm_batched_session_steps_total") - session_steps
+    assert steps > 0 and session_steps / steps >= 2.0, (steps, session_steps)  # sessions really shared steps
+    assert session_steps >= 24 * len(PROMPTS) - len(PROMPTS)
+    assert _metric(swarm.url, "chainswarm_batched_fallbacks_total") == 0
+
+
+def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
+    """Six concurrent streamed completions; when the first has 8 tokens, the last server of the chain it runs
+    on is SIGKILLed. That chain's batch breaks; its sessions go on from their tokens on the other chain."""
+    wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
+    status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    victim_name = status["chains"][0]["servers"][-1]  # JFFC fills the fastest chain, chain 0, first
+    victim = next(p for p in swarm.nodes if p.name == victim_name)
+    prompts = PROMPTS[:6]
+    results = [([], []) for _ in prompts]
+    eighth = threading.Event()
+    fallbacks = _metric(swarm.url, "chainswarm_batched_fallbacks_total")
+    threads = [threading.Thread(target=_stream, args=(swarm.url, p, 48, *results[i]),
+                                kwargs={"on_piece": (lambda n: n >= 8 and eighth.set()) if i == 0 else None})
+               for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    assert eighth.wait(120)
+    swarm.kill(victim)
+    for t in threads:
+        t.join(300)
+    for prompt, (pieces, errors) in zip(prompts, results):
+        assert not errors, (prompt[:40], errors)
+        assert "".join(pieces) == reference(prompt, 48), prompt[:40]
+    assert _metric(swarm.url, "chainswarm_batched_fallbacks_total") > fallbacks  # the batch did break
+    wait_for(lambda: idle(swarm.url), 60, what="every slot free and the queue empty after the failure")
+    began = time.monotonic()
+    response = httpx.post(f"{swarm.url}/v1/completions", json={"prompt": "After the failure,", "max_tokens": 4},
+                          timeout=60)
+    assert response.status_code == 200 and time.monotonic() - began < 15
