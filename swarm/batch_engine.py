@@ -63,13 +63,15 @@ class ChainGenerator:
     manager supplies the p2p connection and block uids); ``route`` the chain ``(peer id, start, end)``."""
 
     def __init__(self, model, route: Sequence[RouteSpan], *, max_sessions: int = 16, step_timeout: float = 30.0,
-                 alloc_timeout: float = 5.0):
+                 alloc_timeout: float = 5.0, idle_close_s: float = 5.0):
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         manager = model.transformer.h.sequence_manager
-        self.model, self.max_sessions = model, int(max_sessions)
-        self.batch = ChainBatch(manager.state.p2p, route, manager.block_uids, step_timeout=step_timeout,
-                                alloc_timeout=alloc_timeout)
+        self.model, self.max_sessions, self.idle_close_s = model, int(max_sessions), idle_close_s
+        self._route = tuple(route)
+        self._open_batch = lambda: ChainBatch(manager.state.p2p, self._route, manager.block_uids,
+                                              step_timeout=step_timeout, alloc_timeout=alloc_timeout)
+        self.batch: Optional[ChainBatch] = None  # open while there is work (and idle_close_s after)
         self.steps = 0  # chain steps run
         self.stepped_sequences = 0  # sequence-steps run (÷ steps: the mean batch)
         self._ids = itertools.count()
@@ -78,13 +80,14 @@ class ChainGenerator:
         self._cancelled: set[Future] = set()
         self._cv = threading.Condition()
         self._broken: Optional[BaseException] = None
+        self._failed_peer: Optional[str] = None
         self._closed = False
         self._thread = threading.Thread(target=self._drive, name="chain-generator", daemon=True)
         self._thread.start()
 
     @property
     def route(self) -> tuple:
-        return self.batch.route
+        return self._route
 
     @property
     def usable(self) -> bool:
@@ -130,13 +133,22 @@ class ChainGenerator:
         """``peer_id`` is known to have failed: if it serves this route, stop waiting for the running step (every
         running sequence fails with :class:`SequenceFailed` naming it; the generator closes)."""
         if any(peer == peer_id for peer, _, _ in self.route):
-            self.batch.abort(peer_id)
+            self._failed_peer = peer_id
+            batch = self.batch
+            if batch is not None:
+                batch.abort(peer_id)
 
     def _drive(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self._waiting and not self._running:
-                    self._cv.wait()
+                if not self._closed and not self._waiting and not self._running:
+                    # idle: the finished sessions' KV is freed now (a server can drain), the streams after a
+                    # while (before the servers' own step timeout ends them)
+                    self._flush()
+                    if not self._cv.wait_for(lambda: self._closed or self._waiting or self._running,
+                                             timeout=self.idle_close_s):
+                        self._close_batch()
+                        self._cv.wait_for(lambda: self._closed or self._waiting or self._running)
                 if self._closed:
                     break
                 self._drop_cancelled()
@@ -145,11 +157,31 @@ class ChainGenerator:
                 if not admitted and not self._running:
                     continue
             try:
+                if self._failed_peer is not None:
+                    raise ChainBatchError(self._failed_peer, "the server is known to have failed")
+                if self.batch is None:
+                    self.batch = self._open_batch()
                 self._step(admitted)
             except BaseException as exc:  # the chain is unusable: fail everything it holds or waits for
                 self._fail_all(exc)
+                self._close_batch()
                 return
         self._fail_all(RuntimeError("the chain generator was closed"))
+        self._close_batch()
+
+    def _flush(self) -> None:
+        """Send the pending closes of finished sessions (an idle batch has no next step to carry them)."""
+        if self.batch is not None and self.batch.pending_closes:
+            try:
+                self.batch.step({})
+            except Exception as exc:  # the streams are gone: the servers free the sessions with them
+                logger.debug("could not flush closes: %r", exc)
+                self._close_batch()
+
+    def _close_batch(self) -> None:
+        batch, self.batch = self.batch, None
+        if batch is not None:
+            batch.close()
 
     def _drop_cancelled(self) -> None:
         """(under the lock) Retire the cancelled sequences: waiting ones at once, running ones on the servers."""
@@ -161,7 +193,8 @@ class ChainGenerator:
         for seq in gone:
             self._running.pop(seq.sid, None)
             seq.future.set_exception(SequenceFailed("cancelled", seq.produced))
-        self.batch.close_sessions([s.sid for s in gone])
+        if self.batch is not None:
+            self.batch.close_sessions([s.sid for s in gone])
 
     @torch.inference_mode()
     def _step(self, admitted: list[_Sequence]) -> None:
@@ -227,7 +260,7 @@ class ChainGenerator:
             self._cv.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=60)
-        self.batch.close()
+        self._close_batch()
 
     def __enter__(self) -> "ChainGenerator":
         return self

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,7 +28,8 @@ from swarm.batch_engine import ChainGenerator, SequenceFailed, StopSequence
 from swarm.prefix import PAGE_TOKENS, reusable_pages
 from swarm.sampling import SamplingParams, TokenChooser, TokenLogprob
 from swarm.routing import (
-    Lease, LeaseProvider, PrefixPlan, PrefixSessionFailed, SessionControl, install, probe_route, use_lease,
+    Lease, LeaseProvider, NoRouteError, PrefixPlan, PrefixSessionFailed, SessionControl, install, probe_route,
+    use_lease,
 )
 
 logger = logging.getLogger(__name__)
@@ -151,7 +153,7 @@ class GenerationEngine:
                         if exc.unsupported:
                             self._unbatched.add(tuple(lease.route))
                         if exc.peer_id is not None and provider is not None:
-                            lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
+                            lease.route = self._reroute(lease, provider, exc.peer_id, control)
                         elif hasattr(provider, "renew_ticket"):
                             provider.renew_ticket(lease)
                         remaining = params.max_new_tokens - len(produced)
@@ -192,6 +194,21 @@ class GenerationEngine:
                 generator = self._generators[route] = ChainGenerator(
                     self.model, route, max_sessions=self.batch_sessions, step_timeout=self.request_timeout)
             return generator
+
+    def _reroute(self, lease: Lease, provider: LeaseProvider, failed_peer: str,
+                 control: SessionControl | None) -> tuple:
+        """A whole route avoiding ``failed_peer``. Right after a failure the orchestrator may have no ready chain
+        for a moment (it re-plans without the server): ask again every half second, for ``request_timeout``."""
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            try:
+                return tuple(provider.reroute(lease, 0, len(self.manager), [failed_peer]))
+            except NoRouteError:
+                if time.monotonic() > deadline:
+                    raise
+            if control is not None:
+                control.check()
+            time.sleep(0.5)
 
     def _retire(self, generator: ChainGenerator) -> None:
         self._retired["steps"] += generator.steps

@@ -128,6 +128,11 @@ class ChainBatch:
         if inflight is not None:
             inflight.cancel()
 
+    @property
+    def pending_closes(self) -> bool:
+        """Sessions closed (or failed) since the last message: the next one closes them on the servers."""
+        return bool(self._closing)
+
     def close_sessions(self, sids) -> None:
         """Close these sessions (on every server, with the next message or :meth:`close`)."""
         for sid in sids:

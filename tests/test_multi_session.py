@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from helpers import wait_for
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -133,11 +134,14 @@ def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, mo
 
     from swarm.batch_engine import ChainGenerator
 
-    def multi_stats(peer, start):
+    def server_info(peer, start):
         info = RemoteExpertWorker.run_coroutine(model.transformer.h.sequence_manager.state.p2p.call_protobuf_handler(
             PeerID.from_base58(peer), "TransformerConnectionHandler.rpc_info",
             runtime_pb2.ExpertUID(uid=f"{swarm.dht_prefix}.{start}"), runtime_pb2.ExpertInfo))
-        return MSGPackSerializer.loads(info.serialized_info)["chainswarm_multi"]
+        return MSGPackSerializer.loads(info.serialized_info)
+
+    def multi_stats(peer, start):
+        return server_info(peer, start)["chainswarm_multi"]
 
     before = [multi_stats(peer, start) for peer, start, _ in swarm.route]
     prompts = [[1, 5, 9, 22, 40][: 1 + i % 5] + [i + 3] for i in range(8)]
@@ -145,6 +149,9 @@ def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, mo
     with ChainGenerator(model, swarm.route, max_sessions=3) as generator:
         got = [f.result(timeout=60) for f in [generator.submit(p, n) for p, n in zip(prompts, lengths)]]
         assert 1 < generator.stepped_sequences / generator.steps <= 3
+        # idle, streams still open: the last sessions' KV is freed on the servers all the same (they can drain)
+        wait_for(lambda: all(server_info(peer, start)["chainswarm_kv"]["used"] == 0 for peer, start, _ in swarm.route),
+                 3, what="the servers' KV slots free while the generator is idle (before its streams close)")
     assert [len(g) for g in got] == lengths
     after = [multi_stats(peer, start) for peer, start, _ in swarm.route]
     for old, new in zip(before, after):
