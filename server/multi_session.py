@@ -20,12 +20,13 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
+import dataclasses
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
 import torch  # noqa: E402
-from async_timeout import timeout  # noqa: E402
 from hivemind import MSGPackSerializer, deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
 from hivemind.p2p import P2PContext  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402
@@ -69,6 +70,7 @@ class _Session:
     handles: tuple
     max_length: int
     position: int = 0
+    opened: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class _Span:
@@ -97,22 +99,21 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         sessions: dict[str, _Session] = {}
         span: Optional[_Span] = None
         try:
-            async with timeout(self.session_timeout):
-                while True:
-                    try:
-                        request = await asyncio.wait_for(anext(requests), self.step_timeout)
-                    except (StopAsyncIteration, asyncio.TimeoutError):
-                        return
-                    if span is None:
-                        span = _Span(self, request.uid)
-                        _count("streams")
-                        self._log_request("rpc_multi_inference.open", span.uids, context)
-                    elif request.uid and request.uid != span.uid:
-                        raise multi_wire.MultiWireError("the blocks of a multi-session stream cannot change")
-                    metadata = MSGPackSerializer.loads(request.metadata) if request.metadata else {}
-                    message = multi_wire.decode(metadata, len(request.tensors))
-                    _count("messages")
-                    yield await self._multi_step(span, sessions, message, request.tensors)
+            while True:  # a stream lives while messages come within step_timeout; each session session_timeout
+                try:
+                    request = await asyncio.wait_for(anext(requests), self.step_timeout)
+                except (StopAsyncIteration, asyncio.TimeoutError):
+                    return
+                if span is None:
+                    span = _Span(self, request.uid)
+                    _count("streams")
+                    self._log_request("rpc_multi_inference.open", span.uids, context)
+                elif request.uid and request.uid != span.uid:
+                    raise multi_wire.MultiWireError("the blocks of a multi-session stream cannot change")
+                metadata = MSGPackSerializer.loads(request.metadata) if request.metadata else {}
+                message = multi_wire.decode(metadata, len(request.tensors))
+                _count("messages")
+                yield await self._multi_step(span, sessions, message, request.tensors)
         finally:
             for session in list(sessions.values()):
                 with contextlib.suppress(Exception):
@@ -122,7 +123,13 @@ class MultiSessionHandler(server_tickets.TicketHandler):
 
     async def _multi_step(self, span: _Span, sessions: dict, message: multi_wire.Request,
                           tensors) -> runtime_pb2.ExpertResponse:
-        failed: dict[str, str] = {}
+        for sid in message.closes:  # first: a new session may take the KV memory a finished one leaves
+            session = sessions.pop(sid, None)
+            if session is not None:
+                await session.stack.aclose()
+        now = time.monotonic()
+        failed: dict[str, str] = {sid: f"TimeoutError: the session is older than {self.session_timeout:.0f} s"
+                                  for sid, session in sessions.items() if now - session.opened > self.session_timeout}
         for entry in message.opens:
             try:
                 if entry.sid in sessions:
@@ -154,7 +161,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         outputs = await self._run(span, steps, failed)
         if failed:
             _count("failed", len(failed))
-        for sid in {*message.closes, *failed}:
+        for sid in failed:
             session = sessions.pop(sid, None)
             if session is not None:
                 await session.stack.aclose()

@@ -163,8 +163,8 @@ class ChainGenerator:
                     self.batch = self._open_batch()
                 self._step(admitted)
             except BaseException as exc:  # the chain is unusable: fail everything it holds or waits for
+                self._close_batch()  # first: the surviving servers free the sessions before they fail over
                 self._fail_all(exc)
-                self._close_batch()
                 return
         self._fail_all(RuntimeError("the chain generator was closed"))
         self._close_batch()
@@ -248,7 +248,7 @@ class ChainGenerator:
             self._running, self._waiting = {}, []
         reason = str(exc) if isinstance(exc, ChainBatchError) else repr(exc)
         unsupported = isinstance(exc, ChainBatchError) and exc.unsupported
-        peer = exc.peer_id if isinstance(exc, ChainBatchError) and not unsupported else None
+        peer = exc.peer_id if isinstance(exc, ChainBatchError) and not exc.alive else None
         for seq in victims:
             if not seq.future.done():
                 seq.future.set_exception(SequenceFailed(reason, seq.produced, peer, unsupported))

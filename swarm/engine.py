@@ -29,7 +29,7 @@ from swarm.prefix import PAGE_TOKENS, reusable_pages
 from swarm.sampling import SamplingParams, TokenChooser, TokenLogprob
 from swarm.routing import (
     Lease, LeaseProvider, NoRouteError, PrefixPlan, PrefixSessionFailed, SessionControl, install, probe_route,
-    use_lease,
+    splice, use_lease,
 )
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class GenerationEngine:
                         if exc.unsupported:
                             self._unbatched.add(tuple(lease.route))
                         if exc.peer_id is not None and provider is not None:
-                            lease.route = self._reroute(lease, provider, exc.peer_id, control)
+                            lease.route = self._reroute(lease, provider, exc.peer_id, control)  # its blocks only
                         elif hasattr(provider, "renew_ticket"):
                             provider.renew_ticket(lease)
                         remaining = params.max_new_tokens - len(produced)
@@ -197,12 +197,15 @@ class GenerationEngine:
 
     def _reroute(self, lease: Lease, provider: LeaseProvider, failed_peer: str,
                  control: SessionControl | None) -> tuple:
-        """A whole route avoiding ``failed_peer``. Right after a failure the orchestrator may have no ready chain
-        for a moment (it re-plans without the server): ask again every half second, for ``request_timeout``."""
+        """The lease's route with the failed server's blocks served elsewhere (as petals' own failover does: the
+        session keeps its slots on the other servers). Right after a failure the orchestrator may have no ready
+        chain for a moment (it re-plans without the server): ask again every half second, for
+        ``request_timeout``."""
+        start, end = next(((s, e) for peer, s, e in lease.route if peer == failed_peer), (0, len(self.manager)))
         deadline = time.monotonic() + self.request_timeout
         while True:
             try:
-                return tuple(provider.reroute(lease, 0, len(self.manager), [failed_peer]))
+                return splice(lease.route, provider.reroute(lease, start, end, [failed_peer]))
             except NoRouteError:
                 if time.monotonic() > deadline:
                     raise

@@ -23,6 +23,7 @@ from swarm.compat import petals  # noqa: F401  (shim first)
 import torch  # noqa: E402
 from hivemind import MSGPackSerializer, PeerID, deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker  # noqa: E402
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402
 from hivemind.utils.asyncio import anext  # noqa: E402
 from petals.data_structures import CHAIN_DELIMITER  # noqa: E402
@@ -35,13 +36,17 @@ logger = logging.getLogger(__name__)
 
 class ChainBatchError(RuntimeError):
     """A server of the route failed or stopped answering: every session of the batch is lost there.
-    ``unsupported``: the server answered that it has no multi-session streams (vanilla petals): it is alive,
-    and its sessions should go on one petals session each."""
+
+    ``alive``: the server itself answered with an error (its handler ended the stream), so it is not a failed
+    server; ``unsupported``: it answered that it has no multi-session streams (vanilla petals). Either way its
+    sessions should go on one petals session each, on the same route."""
 
     def __init__(self, peer_id: str, cause: BaseException | str):
         super().__init__(f"multi-session stream to {peer_id} failed: {cause!r}")
         self.peer_id = peer_id
-        self.unsupported = "protocol not supported" in str(cause).lower() or "protocols not supported" in str(cause).lower()
+        text = str(cause).lower()
+        self.unsupported = "protocol not supported" in text or "protocols not supported" in text
+        self.alive = self.unsupported or isinstance(cause, P2PHandlerError)
 
 
 class _Stream:

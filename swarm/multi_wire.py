@@ -11,8 +11,8 @@ A request is a hivemind ``ExpertRequest``:
 * ``uid``: the span's block uids joined by spaces (petals' ``CHAIN_DELIMITER``), the same in every message of
   the stream (later messages may leave it empty);
 * ``metadata`` (msgpack): ``{"open": [[sid, max_length, ticket or None, alloc_timeout], ...],
-  "step": [[sid, tokens], ...], "close": [sid, ...]}`` — opens are applied first, then the steps, then the
-  closes; ``sid`` names a session within this stream;
+  "step": [[sid, tokens], ...], "close": [sid, ...]}`` — closes are applied first (a new session may take the
+  memory a finished one leaves), then opens, then steps; ``sid`` names a session within this stream;
 * ``tensors``: one hidden-state tensor ``(1, tokens, hidden)`` per step entry, in order.
 
 The reply (``ExpertResponse``) carries one tensor per step entry that succeeded, in order, and metadata

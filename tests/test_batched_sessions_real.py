@@ -13,9 +13,9 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from helpers import wait_for
+from real_model import PROMPTS, greedy_reference
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -23,36 +23,11 @@ pytestmark = pytest.mark.swarm
 MAX_LENGTH = 256
 MEMORY_GB = 0.24
 DECLARED = {"prefill_s": 2e-4, "decode_s": 2e-3, "rtt_s": 0.002}
-PROMPTS = [
-    "The three primary colours are",
-    "Once upon a time, in a small village by the sea, there lived",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes",
-    "A list of fruits: apples, pears,",
-    "The capital of France is",
-    "Photosynthesis is the process by which plants",
-    "The committee reviewed the budget, the schedule and the risks of the bridge project. It asked for",
-]
 
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
-    cache: dict = {}
-
-    def generate(prompt: str, max_new_tokens: int) -> str:
-        if (prompt, max_new_tokens) not in cache:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-            cache[prompt, max_new_tokens] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        return cache[prompt, max_new_tokens]
-
-    return generate
+    return greedy_reference(smollm2_dir)
 
 
 @pytest.fixture(scope="module")

@@ -10,25 +10,13 @@ import httpx
 import pytest
 import torch
 
+from real_model import PROMPTS
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
 
 MAX_LENGTH = 256
 TOKENS = 24
-PROMPTS = [
-    "The three primary colours are",
-    "Once upon a time, in a small village by the sea, there lived",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes",
-    "A list of fruits: apples, pears,",
-    " ".join(["The committee reviewed the budget, the schedule and the risks of the bridge project."] * 5)
-    + " In one sentence, the committee asked for",
-    "The capital of France is",
-    "Photosynthesis is the process by which plants",
-]
-
-
 def _budget_gb(model_dir, servers: int, sessions: int) -> float:
     from swarm.compat import petals
     from petals.server.block_utils import get_block_size

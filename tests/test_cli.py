@@ -28,6 +28,7 @@ def test_unknown_subcommand_exits_2():
     (["--model", "/no/such/model"], "not a model directory"),
     (["--http", "localhost"], "--http must be HOST:PORT"),
     (["--api-key", "justakey"], "--api-key must be KEY=CLIENT"),
+    (["--batch-sessions", "-1"], "--batch-sessions must be between 0 and 1024"),
 ])
 def test_orchestrator_rejects_bad_input(tiny_model, args, message):
     argv = ["orchestrator", "--model", tiny_model, *args] if args[0] != "--model" else ["orchestrator", *args]

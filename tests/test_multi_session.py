@@ -201,3 +201,18 @@ def test_a_route_through_a_server_that_is_not_there_fails_every_sequence_in_boun
         with pytest.raises(RuntimeError, match="closed"):
             generator.submit([1], 1)
     assert time.monotonic() - started < 30
+
+
+def test_a_server_that_answers_with_an_error_is_alive_one_that_vanished_is_not():
+    """How a broken batch is read: a handler error or a missing protocol comes from a live server (its sessions
+    go on on the same route); a lost connection or a timeout is a failed server (they are rerouted around it)."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
+
+    from swarm.multi_client import ChainBatchError
+
+    assert ChainBatchError("p", P2PHandlerError("MultiWireError: bad")).alive
+    unsupported = ChainBatchError("p", RuntimeError("failed to negotiate: protocol not supported"))
+    assert unsupported.alive and unsupported.unsupported
+    for cause in (ConnectionResetError("Connection lost"), TimeoutError(), "the server is known to have failed"):
+        error = ChainBatchError("p", cause)
+        assert not error.alive and not error.unsupported

@@ -53,22 +53,10 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir, tokenizer):
-    from transformers import AutoModelForCausalLM
+def reference(smollm2_dir):
+    from real_model import greedy_reference
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
-    cache: dict = {}
-
-    def generate(prompt: str, max_new_tokens: int) -> str:
-        if (prompt, max_new_tokens) not in cache:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-            cache[prompt, max_new_tokens] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        return cache[prompt, max_new_tokens]
-
-    return generate
+    return greedy_reference(smollm2_dir)
 
 
 @pytest.fixture(scope="module")

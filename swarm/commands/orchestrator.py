@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot read API keys: {exc}")
     options = orchestrator_options.from_arguments(args, http_host=host, http_port=int(port), api_keys=keys,
                                                   proxy=not args.no_proxy)
+    if not 0 <= options.batch_sessions <= 1024:
+        return _fail(f"--batch-sessions must be between 0 and 1024, got {options.batch_sessions}")
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         build_config(options)  # validate the planning settings before starting anything
