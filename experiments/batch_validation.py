@@ -89,7 +89,8 @@ def bench_check(bench: dict, blocks_per_profile: int = 15) -> list[dict]:
     bound = int(bench.get("max_batch", 8))
     batched = BatchCurve.from_step_times([step[str(b)]["batched"] for b in BATCH_SIZES], max_batch=bound)
     sequential = BatchCurve.from_step_times([step[str(b)]["sequential"] for b in BATCH_SIZES])
-    curves = {"vanilla_petals": (sequential, step["1"]["sequential"]), "chainswarm_batched": (batched, step["1"]["batched"])}
+    curves = {"vanilla_petals": (sequential, step["1"]["sequential"]), "chainswarm_batched": (batched, step["1"]["batched"]),
+              "chainswarm_multi": (batched, step["1"]["batched"])}  # ChainGenerator: n sessions in every step
     out = []
     for kind, (curve, t1) in curves.items():
         rows = [r for r in bench["results"].get(kind, []) if isinstance(r, dict)]

@@ -136,7 +136,9 @@ def _batch_lines(batch: dict) -> list[str]:
                      "requests). What is left is CPU contention between the processes on 2 shared cores, which the "
                      "model does not have.")
     for kind, label in (("vanilla_petals", "vanilla petals servers (sequential steps)"),
-                        ("chainswarm_batched", "batched Chainswarm servers (bound 8)")):
+                        ("chainswarm_batched", "batched Chainswarm servers (bound 8), one petals session per client"),
+                        ("chainswarm_multi", "batched Chainswarm servers, all sessions in one ChainGenerator "
+                         "(multi-session streams)")):
         key = f"bench {kind}"
         if key in s:
             lines.append(f"* `{batch['bench_source']}`, {label}: per-token latency at 2–16 concurrent sessions, "
@@ -149,10 +151,11 @@ def _batch_lines(batch: dict) -> list[str]:
         for b in batch["bench"]:
             lines.append(f"| {b['servers']} | {b['client']} | {b['sessions']} | {b['measured_ms']:.1f} | "
                          f"{b['model_ms']:.1f} | {b['model_no_batch_ms']:.1f} | {b['ratio']:.2f} |")
-        lines.append("\nOn batched servers the measured latency grows faster than the in-process step predicts: "
-                     "each session still pays its own RPC, serialisation and handler work on the same 2 cores "
-                     "(and, with `generate`, the client's LM head), and pushes arriving one by one make the "
-                     "server's batches smaller than the number of sessions.")
+        lines.append("\nWith one petals session per client, the measured latency on batched servers grows faster than "
+                     "the in-process step predicts: each session still pays its own RPC, serialisation and handler "
+                     "work on the same 2 cores (and, with `generate`, the client's LM head), and steps arriving one "
+                     "by one make the server's batches smaller than the number of sessions. With multi-session "
+                     "streams those costs are paid once per step, so the step profile predicts the latency.")
     return lines
 
 
