@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -82,6 +83,7 @@ class ChainGenerator:
         self._broken: Optional[BaseException] = None
         self._failed_peer: Optional[str] = None
         self._closed = False
+        self._last_used = time.monotonic()
         self._thread = threading.Thread(target=self._drive, name="chain-generator", daemon=True)
         self._thread.start()
 
@@ -109,6 +111,7 @@ class ChainGenerator:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
             raise ValueError(f"token ids must be integers in [0, {vocab})")
         future: Future = Future()
+        self._last_used = time.monotonic()
         with self._cv:
             if self._closed or self._broken is not None:
                 raise RuntimeError(f"the chain generator is closed{f': {self._broken}' if self._broken else ''}")
@@ -122,6 +125,12 @@ class ChainGenerator:
         """Generate for every prompt at once (blocking); the token lists in the prompts' order."""
         futures = [self.submit(p, max_new_tokens, eos_token_id=eos_token_id) for p in prompts]
         return [f.result(timeout=timeout) for f in futures]
+
+    def idle_s(self) -> float:
+        """Seconds since the last submission while nothing runs or waits (0 while busy)."""
+        with self._cv:
+            busy = bool(self._running or self._waiting)
+        return 0.0 if busy else time.monotonic() - self._last_used
 
     def cancel(self, future: Future) -> None:
         """End a submitted sequence at the next step (its future fails with :class:`SequenceFailed`)."""

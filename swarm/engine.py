@@ -34,6 +34,8 @@ from swarm.routing import (
 
 logger = logging.getLogger(__name__)
 
+GENERATOR_IDLE_S = 120.0  # a chain's generator unused this long is closed when another chain's is needed
+
 
 class StopGeneration(Exception):
     """Raised by a token callback when the request is complete (a stop string matched): not a failure."""
@@ -186,6 +188,11 @@ class GenerationEngine:
     def _generator(self, route: tuple) -> ChainGenerator:
         """The chain's batch of sessions (a new one if it has none, or its last one broke)."""
         with self._generators_lock:
+            for other, idle in list(self._generators.items()):  # routes of earlier plans: let them go
+                if other != route and idle.idle_s() > GENERATOR_IDLE_S:
+                    del self._generators[other]
+                    idle.close()
+                    self._retire(idle)
             generator = self._generators.get(route)
             if generator is None or not generator.usable:
                 if generator is not None:

@@ -180,10 +180,12 @@ def test_callbacks_end_their_own_sequence_and_cancel_works(swarm, model):
         assert stopped.result(timeout=60) == seen and len(seen) == 2
         with pytest.raises(KeyError, match="boom"):
             failing.result(timeout=60)
+        assert generator.idle_s() == 0.0  # "slow" still runs
         generator.cancel(slow)
         with pytest.raises(SequenceFailed, match="cancelled"):
             slow.result(timeout=60)
         assert len(normal.result(timeout=60)) == 5
+        wait_for(lambda: generator.idle_s() > 0.2, 10, what="the generator idle")  # what the engine prunes by
 
 
 def test_a_route_through_a_server_that_is_not_there_fails_every_sequence_in_bounded_time(swarm, model):
