@@ -206,8 +206,9 @@ def test_sessions_without_a_valid_ticket_are_refused(swarm, tiny_model, peers, b
     kw = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     chain = baseline[1]["chains"][0]
     route = tuple(tuple(r) for r in chain["route"])
+    # request_timeout: a refusal is immediate; should its answer ever be lost on the way, fail in 30 s, not petals' 180
     with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
-                                max_retries=1) as model:
+                                max_retries=1, request_timeout=30.0) as model:
         # a vanilla petals client: no ticket at all, for an inference session and for a plain forward pass
         with pytest.raises(Exception, match="no ticket"):
             model.generate(ids, **kw)
