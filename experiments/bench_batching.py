@@ -106,13 +106,18 @@ def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    gaps = [1000 * (b - a) for s in stamps for a, b in zip(s.times, s.times[1:])]
-    ttfts = [1000 * (s.times[0] - start) for s in stamps if s.times]
-    total = sum(len(s.times) for s in stamps)
-    return {"sessions": sessions, "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
+    return dict(_stats([st.times for st in stamps], start, wall), errors=errors, outputs=outputs)
+
+
+def _stats(times: list[list[float]], start: float, wall: float) -> dict:
+    """Throughput and latencies of concurrent sessions from each one's token arrival times (started at ``start``,
+    all done ``wall`` seconds later)."""
+    gaps = [1000 * (b - a) for t in times for a, b in zip(t, t[1:])]
+    ttfts = [1000 * (t[0] - start) for t in times if t]
+    total = sum(len(t) for t in times)
+    return {"sessions": len(times), "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
             "per_token_ms_median": statistics.median(gaps), "per_token_ms_p95": _percentile(gaps, 0.95),
-            "ttft_ms_median": statistics.median(ttfts), "ttft_ms_sorted": sorted(ttfts), "errors": errors,
-            "outputs": outputs}
+            "ttft_ms_median": statistics.median(ttfts), "ttft_ms_sorted": sorted(ttfts)}
 
 
 def run_chain_generator(generator, tokenizer, sessions: int, tokens: int) -> dict:
@@ -134,13 +139,17 @@ def run_chain_generator(generator, tokenizer, sessions: int, tokens: int) -> dic
             errors.append(repr(exc))
             outputs.append(None)
     wall = time.perf_counter() - start
-    gaps = [1000 * (b - a) for s in stamps for a, b in zip(s, s[1:])]
-    ttfts = [1000 * (s[0] - start) for s in stamps if s]
-    total = sum(len(s) for s in stamps)
-    return {"sessions": sessions, "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
-            "per_token_ms_median": statistics.median(gaps), "per_token_ms_p95": _percentile(gaps, 0.95),
-            "ttft_ms_median": statistics.median(ttfts), "ttft_ms_sorted": sorted(ttfts), "errors": errors,
-            "outputs": outputs, "mean_batch": (generator.stepped_sequences - stepped) / max(1, generator.steps - steps)}
+    return dict(_stats(stamps, start, wall), errors=errors, outputs=outputs,
+                mean_batch=(generator.stepped_sequences - stepped) / max(1, generator.steps - steps))
+
+
+def _paired(results: dict):
+    """(Chainswarm client, vanilla row, Chainswarm row) for every Chainswarm point, each with vanilla petals'
+    ``generate`` or blocks-only row at the same position (the multi-session client has ``generate`` rows only)."""
+    for base, row in zip(results["vanilla_petals"], results["chainswarm_batched"]):
+        yield f"petals {row['client']}", base, row
+    for base, row in zip(results["vanilla_petals"], results[MULTI]):
+        yield "ChainGenerator (multi-session)", base, row
 
 
 def cpu_seconds(pids) -> float:
@@ -235,8 +244,7 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
                                               tokens_per_s_all=[r["tokens_per_s"] for r in runs[name]]))
                 progress.update()
         results["chainswarm_chain"] = chain
-    rows = [*zip(results["vanilla_petals"], results["chainswarm_batched"]), *zip(results["vanilla_petals"], results[MULTI])]
-    for base, row in rows:
+    for _, base, row in _paired(results):
         row["throughput_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["per_token_ratio"] = row["per_token_ms_median"] / base["per_token_ms_median"]
         row["p95_ratio"] = row["per_token_ms_p95"] / base["per_token_ms_p95"]
@@ -303,8 +311,8 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name in (*SETUPS, MULTI):
         for client, style in (("generate", "-"), ("blocks_only", ":")):
-            rows = [r for r in report["results"].get(name, []) if r["client"] == client]
-            if not rows:
+            rows = [r for r in report["results"][name] if r["client"] == client]
+            if not rows:  # the multi-session client has generate rows only
                 continue
             n = [r["sessions"] for r in rows]
             axes[0].plot(n, [r["tokens_per_s"] for r in rows], "o" + style, label=f"{name}, {client}")
@@ -331,10 +339,7 @@ def markdown(report: dict) -> str:
     lines = ["| Chainswarm client | sessions | vanilla tok/s | Chainswarm tok/s | × | per-token ms vanilla / Chainswarm "
              "(median) | × | P95 × | TTFT × | same tokens | server CPU ms/token vanilla / Chainswarm | server-bound × |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    rows = [*zip(report["results"]["vanilla_petals"], report["results"]["chainswarm_batched"]),
-            *zip(report["results"]["vanilla_petals"], report["results"].get(MULTI, []))]
-    for base, row in rows:
-        client = "ChainGenerator (multi-session)" if row.get("mean_batch") is not None else f"petals {row['client']}"
+    for client, base, row in _paired(report["results"]):
         lines.append(f"| {client} | {row['sessions']} | {base['tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
                      f"{row['throughput_ratio']:.2f} | {base['per_token_ms_median']:.0f} / "
                      f"{row['per_token_ms_median']:.0f} | {row['per_token_ratio']:.2f} | {row['p95_ratio']:.2f} | "

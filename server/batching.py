@@ -39,6 +39,7 @@ from swarm.compat import petals  # noqa: F401  (the shim must precede petals.ser
 from petals.data_structures import InferenceMetadata
 from petals.server.backend import TransformerBackend, _MergedInferenceStep
 from petals.server.task_pool import PrioritizedTaskPool, Task, _move_to_device_if_tensor
+from petals.utils.misc import DUMMY_INT64
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, rotate_half
 
 from swarm.kernels import module_linear
@@ -80,7 +81,7 @@ def _entries(args: list) -> list:
     cohort session."""
     if len(args) == 2 and isinstance(args[1], Cohort):
         ends = list(itertools.accumulate(args[1].lengths))
-        return [[args[0][:, end - n: end], _NO_HYPO, infos]
+        return [[args[0][:, end - n: end], DUMMY_INT64, infos]
                 for infos, n, end in zip(args[1].infos, args[1].lengths, ends)]
     return [args]
 
@@ -88,9 +89,6 @@ def _entries(args: list) -> list:
 def _sequences(task: Task) -> int:
     """Sequences a task steps: a cohort's sessions, else the rows of its hidden states."""
     return len(task.args[1].infos) if isinstance(task.args[-1], Cohort) else int(task.args[0].shape[0])
-
-
-_NO_HYPO = torch.empty(0, dtype=torch.int64)  # petals' dummy hypo_ids: no cache reordering
 
 
 class _Group:
@@ -121,21 +119,25 @@ def decode_key(args: Sequence[Any]) -> Optional[tuple]:
         if (not infos or len(lengths) != len(infos) or min(lengths) < 1 or args[0].ndim != 3
                 or tuple(args[0].shape[:2]) != (1, sum(lengths))):
             return None
-        key = tuple(info.uid for info in infos[0])
-        if any(tuple(info.uid for info in i) != key or any(type(info) is not InferenceMetadata or info.active_adapter
-                                                           for info in i) for i in infos):
-            return None
-        return key, args[0].dtype
+        spans = {_plain_span(i) for i in infos}
+        return (spans.pop(), args[0].dtype) if len(spans) == 1 and None not in spans else None
     if len(args) < 3 or not isinstance(args[0], torch.Tensor):
         return None
     hidden, _hypo_ids, infos, *prompts = args
     if hidden.ndim != 3 or hidden.shape[1] != 1 or not isinstance(infos, tuple) or not infos:
         return None
-    if any(type(info) is not InferenceMetadata or info.active_adapter for info in infos):
-        return None  # PrefixOp (a subclass) and adapters run alone
-    if any(p is not None for p in prompts):
+    span = _plain_span(infos)
+    if span is None or any(p is not None for p in prompts):
         return None
-    return tuple(info.uid for info in infos), hidden.dtype
+    return span, hidden.dtype
+
+
+def _plain_span(infos: Sequence[Any]) -> Optional[tuple]:
+    """The block uids of one session's step metadata, or None unless every entry is a plain inference step
+    (a ``PrefixOp`` — a subclass — and adapters run alone)."""
+    if any(type(info) is not InferenceMetadata or info.active_adapter for info in infos):
+        return None
+    return tuple(info.uid for info in infos)
 
 
 class BatchingTaskPool(PrioritizedTaskPool):

@@ -144,9 +144,12 @@ class ChainswarmHandler(_PetalsHandler):
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """petals' server and block metadata, plus this server's push and KV slot counters."""
         info = MSGPackSerializer.loads((await super().rpc_info(request, context)).serialized_info)
-        info[PUSH_INFO] = {"received": pushes_received(), "refused": pushes_refused()}
-        info[KV_INFO] = self._kv.snapshot()
+        info.update(self._info_counters())
         return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(info))
+
+    def _info_counters(self) -> dict:
+        """The counters ``rpc_info`` adds to petals' metadata (a subclass may add its own)."""
+        return {PUSH_INFO: {"received": pushes_received(), "refused": pushes_refused()}, KV_INFO: self._kv.snapshot()}
 
 
 ChainswarmHandler.__name__ = ChainswarmHandler.__qualname__ = "TransformerConnectionHandler"

@@ -20,10 +20,9 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
-import dataclasses
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterable, Optional
 
 from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
 import torch  # noqa: E402
@@ -34,6 +33,7 @@ from hivemind.utils.asyncio import anext  # noqa: E402
 from hivemind.utils.nested import nested_flatten  # noqa: E402
 from petals.data_structures import InferenceMetadata  # noqa: E402
 from petals.server.block_functions import MAX_SHORT_INFERENCE_TOKENS  # noqa: E402
+from petals.utils.misc import DUMMY_INT64  # noqa: E402
 
 from server import tickets as server_tickets  # noqa: E402
 from server.batching import BatchingTaskPool, Cohort  # noqa: E402
@@ -41,7 +41,6 @@ from swarm import multi_wire, tickets  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-_NO_HYPO = torch.empty(0, dtype=torch.int64)
 COHORT_TOKENS = 512  # new tokens per batched pass (a cohort of prefills is split beyond it)
 MULTI_INFO = "chainswarm_multi"  # rpc_info key: {"streams", "sessions", "messages", "cohorts", "failed"}
 _COUNTERS = ("streams", "sessions", "messages", "cohorts", "failed")
@@ -70,7 +69,7 @@ class _Session:
     handles: tuple
     max_length: int
     position: int = 0
-    opened: float = dataclasses.field(default_factory=time.monotonic)
+    opened: float = field(default_factory=time.monotonic)
 
 
 class _Span:
@@ -115,18 +114,15 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 _count("messages")
                 yield await self._multi_step(span, sessions, message, request.tensors)
         finally:
-            for session in list(sessions.values()):
+            for sid in list(sessions):  # each alone: one that cannot close must not keep the others' KV
                 with contextlib.suppress(Exception):
-                    await session.stack.aclose()
+                    await _close(sessions, [sid])
             if span is not None:
                 self._log_request("rpc_multi_inference.close", span.uids, context)
 
     async def _multi_step(self, span: _Span, sessions: dict, message: multi_wire.Request,
                           tensors) -> runtime_pb2.ExpertResponse:
-        for sid in message.closes:  # first: a new session may take the KV memory a finished one leaves
-            session = sessions.pop(sid, None)
-            if session is not None:
-                await session.stack.aclose()
+        await _close(sessions, message.closes)  # first: a new session may take the memory a finished one leaves
         now = time.monotonic()
         failed: dict[str, str] = {sid: f"TimeoutError: the session is older than {self.session_timeout:.0f} s"
                                   for sid, session in sessions.items() if now - session.opened > self.session_timeout}
@@ -149,7 +145,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 if session is None:
                     raise ValueError(f"session {sid!r} is not open in this stream")
                 hidden = deserialize_torch_tensor(tensor)
-                if hidden.ndim != 3 or tuple(hidden.shape) != (1, tokens, span.hidden_size):
+                if tuple(hidden.shape) != (1, tokens, span.hidden_size):
                     raise ValueError(f"session {sid!r}: expected hidden states (1, {tokens}, {span.hidden_size}), "
                                      f"got {tuple(hidden.shape)}")
                 if session.position + tokens > session.max_length:
@@ -161,10 +157,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         outputs = await self._run(span, steps, failed)
         if failed:
             _count("failed", len(failed))
-        for sid in failed:
-            session = sessions.pop(sid, None)
-            if session is not None:
-                await session.stack.aclose()
+        await _close(sessions, failed)
         serialized = [serialize_torch_tensor(outputs[sid].to(span.proto.dtype), span.proto.compression,
                                              allow_inplace=True) for sid, _, _ in steps if sid in outputs]
         return runtime_pb2.ExpertResponse(tensors=serialized, metadata=MSGPackSerializer.dumps({"failed": failed}))
@@ -234,24 +227,30 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             priority = self._priority(span)
             if hidden.shape[1] <= MAX_SHORT_INFERENCE_TOKENS:
                 (hidden,) = await span.backends[0].inference_pool.submit_task(
-                    hidden, _NO_HYPO, self._infos(span, session), *[None] * len(span.backends), priority=priority)
+                    hidden, DUMMY_INT64, self._infos(span, session), *[None] * len(span.backends), priority=priority)
             else:
                 for info, backend in zip(self._infos(span, session), span.backends):
-                    (hidden,) = await backend.inference_pool.submit_task(hidden, _NO_HYPO, (info,), None,
+                    (hidden,) = await backend.inference_pool.submit_task(hidden, DUMMY_INT64, (info,), None,
                                                                          priority=priority)
             return {sid: hidden}, {}
         except Exception as exc:
             return {}, {sid: _message(exc)}
 
-    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
-        """The bases' server and block metadata and counters, plus this server's multi-session counters."""
-        info = MSGPackSerializer.loads((await super().rpc_info(request, context)).serialized_info)
-        info[MULTI_INFO] = multi_stats()
-        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(info))
+    def _info_counters(self) -> dict:
+        """The bases' counters in ``rpc_info``, plus this server's multi-session counters."""
+        return dict(super()._info_counters(), **{MULTI_INFO: multi_stats()})
 
     def _priority(self, span: _Span) -> float:
-        return self._prioritizer.prioritize(_NO_HYPO, _NO_HYPO, points=0.0, requested_uids=span.uids,
+        return self._prioritizer.prioritize(DUMMY_INT64, DUMMY_INT64, points=0.0, requested_uids=span.uids,
                                             type="inference")
+
+
+async def _close(sessions: dict, sids: Iterable[str]) -> None:
+    """Close these sessions of a stream (free their KV caches); names that are not open are ignored."""
+    for sid in sids:
+        session = sessions.pop(sid, None)
+        if session is not None:
+            await session.stack.aclose()
 
 
 def _message(exc: BaseException) -> str:
@@ -265,8 +264,8 @@ def install(push_counter=None):
     """Install this handler and the prefix backend (server process, before ``Server.run()``)."""
     global _counts
     from server.handler import install as install_handler
+    from server.prefix_cache import PrefixBackend
 
     _counts = mp.Array(ctypes.c_int64, len(_COUNTERS))
-    from server.prefix_cache import PrefixBackend
 
     return install_handler(MultiSessionHandler, PrefixBackend, push_counter=push_counter)

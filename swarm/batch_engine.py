@@ -120,12 +120,6 @@ class ChainGenerator:
             self._cv.notify()
         return future
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 eos_token_id: Optional[int] = None, timeout: Optional[float] = None) -> list[list[int]]:
-        """Generate for every prompt at once (blocking); the token lists in the prompts' order."""
-        futures = [self.submit(p, max_new_tokens, eos_token_id=eos_token_id) for p in prompts]
-        return [f.result(timeout=timeout) for f in futures]
-
     def idle_s(self) -> float:
         """Seconds since the last submission while nothing runs or waits (0 while busy)."""
         with self._cv:
@@ -217,9 +211,9 @@ class ChainGenerator:
         outputs, failed = self.batch.step(inputs, opens, tickets)
         self.steps += 1
         self.stepped_sequences += len(inputs)
-        for sid, reason in failed.items():
+        for sid, failure in failed.items():
             seq = self._running.pop(sid)
-            seq.future.set_exception(SequenceFailed(reason, seq.produced, reason.split(":", 1)[0]))
+            seq.future.set_exception(SequenceFailed(str(failure), seq.produced, failure.peer_id))
         if not outputs:
             return
         sids = list(outputs)

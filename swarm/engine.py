@@ -141,15 +141,24 @@ class GenerationEngine:
             return GenerationResult(produced, finish_reason, reused, prefill, restarts,
                                     chooser.logprobs[:len(produced)] if chooser else [])
 
+        def resume() -> None:
+            """Go on from the prompt plus the tokens produced so far as one petals session, without reuse."""
+            nonlocal prefill, restarts
+            restarts = 1
+            remaining = params.max_new_tokens - len(produced)
+            if remaining > 0 and not ended():
+                prompt = list(input_ids) + produced
+                prefill += len(prompt)
+                if chooser is not None:  # it chose one more token than the failed session delivered
+                    del chooser.generated[len(produced):], chooser.logprobs[len(produced):]
+                self._run(lease, provider, prompt, remaining, chooser, sink, None, control)
+
         try:
             try:
-                run_ids, run_max = list(input_ids), params.max_new_tokens
                 if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
                         self._run_batched(lease, input_ids, params.max_new_tokens, chooser, sink, control)
-                        return result("stop" if ended() else "length")
-                    except SequenceFailed as exc:  # go on from its tokens on petals' per-session path
-                        restarts = 1
+                    except SequenceFailed as exc:
                         self.fallbacks += 1
                         logger.warning("a batched session continues on its own: %s", exc)
                         if exc.unsupported:
@@ -158,49 +167,36 @@ class GenerationEngine:
                             lease.route = self._reroute(lease, provider, exc.peer_id, control)  # its blocks only
                         elif hasattr(provider, "renew_ticket"):
                             provider.renew_ticket(lease)
-                        remaining = params.max_new_tokens - len(produced)
-                        if remaining <= 0 or ended():
-                            return result("stop" if ended() else "length")
-                        prompt = list(input_ids) + produced
-                        prefill += len(prompt)
-                        if chooser is not None:
-                            del chooser.generated[len(produced):], chooser.logprobs[len(produced):]
-                        run_ids, run_max = prompt, remaining
-                self._run(lease, provider, run_ids, run_max, chooser, sink, plan, control)
+                        resume()
+                else:
+                    self._run(lease, provider, input_ids, params.max_new_tokens, chooser, sink, plan, control)
             except PrefixSessionFailed as exc:
-                restarts = 1
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
                 if not exc.missing and exc.peer_id is not None and provider is not None:
                     lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
                 elif hasattr(provider, "renew_ticket"):  # same route, later: a fresh ticket for the reopen
                     provider.renew_ticket(lease)
-                remaining = params.max_new_tokens - len(produced)
-                if remaining > 0 and not ended():
-                    prompt = list(input_ids) + produced
-                    prefill += len(prompt)
-                    if chooser is not None:  # it chose one more token than the failed session delivered
-                        del chooser.generated[len(produced):], chooser.logprobs[len(produced):]
-                    self._run(lease, provider, prompt, remaining, chooser, sink, None, control)
+                resume()
         except StopGeneration:  # a token callback completed the request (a stop string)
             return result("stop")
         return result("stop" if ended() else "length")
 
     def _generator(self, route: tuple) -> ChainGenerator:
         """The chain's batch of sessions (a new one if it has none, or its last one broke)."""
+        done = []  # replaced or long idle (routes of earlier plans): closed outside the lock (a bounded wait)
         with self._generators_lock:
-            for other, idle in list(self._generators.items()):  # routes of earlier plans: let them go
-                if other != route and idle.idle_s() > GENERATOR_IDLE_S:
-                    del self._generators[other]
-                    idle.close()
-                    self._retire(idle)
+            for other, generator in list(self._generators.items()):
+                if (other == route and not generator.usable) or (other != route
+                                                                  and generator.idle_s() > GENERATOR_IDLE_S):
+                    done.append(self._generators.pop(other))
+                    self._retire(done[-1])
             generator = self._generators.get(route)
-            if generator is None or not generator.usable:
-                if generator is not None:
-                    generator.close()
-                    self._retire(generator)
+            if generator is None:
                 generator = self._generators[route] = ChainGenerator(
                     self.model, route, max_sessions=self.batch_sessions, step_timeout=self.request_timeout)
-            return generator
+        for old in done:
+            old.close()
+        return generator
 
     def _reroute(self, lease: Lease, provider: LeaseProvider, failed_peer: str,
                  control: SessionControl | None) -> tuple:
@@ -230,8 +226,7 @@ class GenerationEngine:
             live = list(self._generators.values())
             steps = self._retired["steps"] + sum(g.steps for g in live)
             sequence_steps = self._retired["sequence_steps"] + sum(g.stepped_sequences for g in live)
-        return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks,
-                "chains": sum(g.usable for g in live)}
+        return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks}
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None) -> None:
@@ -292,7 +287,8 @@ class GenerationEngine:
         self.executor.shutdown(wait=False, cancel_futures=True)
         with self._generators_lock:
             generators, self._generators = list(self._generators.values()), {}
+            for generator in generators:
+                self._retire(generator)
         for generator in generators:
             generator.close()
-            self._retire(generator)
         close_distributed_model(self.model)

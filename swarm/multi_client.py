@@ -17,7 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 from swarm.compat import petals  # noqa: F401  (shim first)
 import torch  # noqa: E402
@@ -47,6 +47,16 @@ class ChainBatchError(RuntimeError):
         text = str(cause).lower()
         self.unsupported = "protocol not supported" in text or "protocols not supported" in text
         self.alive = self.unsupported or isinstance(cause, P2PHandlerError)
+
+
+class SessionFailure(NamedTuple):
+    """Why a server failed one session of a step (the others went on)."""
+
+    peer_id: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.peer_id}: {self.reason}"
 
 
 class _Stream:
@@ -106,9 +116,9 @@ class ChainBatch:
         self._failed_peer: Optional[str] = None
 
     def step(self, inputs: Mapping[str, torch.Tensor], opens: Mapping[str, int] = (),
-             tickets: Mapping[str, bytes] = ()) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+             tickets: Mapping[str, bytes] = ()) -> tuple[dict[str, torch.Tensor], dict[str, SessionFailure]]:
         """Open ``opens`` (session -> max_length), then run ``inputs`` (session -> hidden ``(1, n, H)``) through
-        the chain. Returns (outputs of the last block by session, failed sessions -> reason)."""
+        the chain. Returns (outputs of the last block by session, failed sessions -> the server and its reason)."""
         if self._closed:
             raise RuntimeError("the chain batch is closed")
         if self._failed_peer is not None:
@@ -146,20 +156,20 @@ class ChainBatch:
                 self._closing.add(sid)
 
     async def _step(self, inputs: dict, opens: dict, tickets: dict) -> tuple[dict, dict]:
-        failed: dict[str, str] = {}
+        failed: dict[str, SessionFailure] = {}
         hidden = dict(inputs)
         closes, self._closing = sorted(self._closing), set()
         new = [multi_wire.Open(sid, int(length), tickets.get(sid), self.alloc_timeout) for sid, length in opens.items()]
         self.open_sessions.update(opens)
         for stream in self.streams:
-            order = [sid for sid in hidden if sid not in failed]
+            order = list(hidden)  # the sessions still going (those failed upstream are not in it)
             metadata = multi_wire.encode([o for o in new if o.sid not in failed],
                                          [(sid, hidden[sid].shape[1]) for sid in order], closes)
             try:
                 outputs, refused = await stream.exchange(metadata, [hidden[sid] for sid in order], self.step_timeout)
             except Exception as exc:
                 raise ChainBatchError(stream.peer_id, exc) from exc
-            failed.update({sid: f"{stream.peer_id}: {why}" for sid, why in refused.items()})
+            failed.update({sid: SessionFailure(stream.peer_id, why) for sid, why in refused.items()})
             done = [sid for sid in order if sid not in refused]
             if len(outputs) != len(done):
                 raise ChainBatchError(stream.peer_id, f"{len(outputs)} outputs for {len(done)} steps")

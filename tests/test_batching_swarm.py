@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from helpers import server_info
 from real_model import PROMPTS
 from server.local_swarm import LocalSwarm
 
@@ -70,22 +71,11 @@ def _complete(url: str, prompt: str, delay: float) -> str:
 
 def _batching_stats(model, swarm) -> list[dict]:
     """Each server's batching counters, from petals' rpc_info (a vanilla client's own p2p)."""
-    from hivemind import MSGPackSerializer
-    from hivemind.p2p import PeerID
-    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-    from hivemind.proto import runtime_pb2
-
     p2p = model.transformer.h.sequence_manager.state.p2p
-    stats = []
     chain = swarm.status["chains"][0]
     peers = {node.name: node.peer_id for node in swarm.nodes}
-    for name, span in zip(chain["servers"], chain["spans"]):
-        uid = f"{swarm.dht_prefix}.{span[0]}"
-        info = RemoteExpertWorker.run_coroutine(p2p.call_protobuf_handler(
-            PeerID.from_base58(peers[name]), "TransformerConnectionHandler.rpc_info",
-            runtime_pb2.ExpertUID(uid=uid), runtime_pb2.ExpertInfo))
-        stats.append(MSGPackSerializer.loads(info.serialized_info)["chainswarm_batching"])
-    return stats
+    return [server_info(p2p, peers[name], f"{swarm.dht_prefix}.{span[0]}")["chainswarm_batching"]
+            for name, span in zip(chain["servers"], chain["spans"])]
 
 
 def test_concurrent_sessions_are_batched_and_equal_local_transformers(swarm, reference, smollm2_dir):

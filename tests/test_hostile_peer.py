@@ -24,7 +24,7 @@ from server import handler as handler_keys
 from server.local_swarm import LocalSwarm, SwarmStartError
 from swarm import prefix as protocol, records, tickets
 from swarm.identity import Identity
-from helpers import wait_for
+from helpers import server_info, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -239,19 +239,6 @@ def test_sessions_without_a_valid_ticket_are_refused(swarm, tiny_model, peers, b
     served_as_before(swarm, baseline)
 
 
-def _server_info(p2p, peer_id: str, uid: str) -> dict:
-    """A server's petals rpc_info (with Chainswarm's push and KV counters), asked over ``p2p``."""
-    from hivemind import MSGPackSerializer
-    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-    from hivemind.p2p import PeerID
-    from hivemind.proto import runtime_pb2
-
-    info = RemoteExpertWorker.run_coroutine(asyncio.wait_for(p2p.call_protobuf_handler(
-        PeerID.from_base58(peer_id), "TransformerConnectionHandler.rpc_info", runtime_pb2.ExpertUID(uid=uid),
-        runtime_pb2.ExpertInfo), 10))
-    return MSGPackSerializer.loads(info.serialized_info)
-
-
 def _push(p2p, peer_id: str, uid: str, hidden: torch.Tensor, metadata: dict) -> None:
     """One rpc_push of ``hidden`` (a step's inputs, packed as a petals client packs them) into a session."""
     from hivemind import MSGPackSerializer, serialize_torch_tensor
@@ -324,7 +311,7 @@ def _push_into_a_live_session(swarm, tiny_model, p2p, baseline, reference_genera
     route = tuple(tuple(r) for r in chain["route"])
     victim, v_start, v_end = route[1]
     uid = " ".join(f"{swarm.dht_prefix}.{i}" for i in range(v_start, v_end))
-    info = lambda: _server_info(p2p, victim, f"{swarm.dht_prefix}.{v_start}")[handler_keys.PUSH_INFO]  # noqa
+    info = lambda: server_info(p2p, victim, f"{swarm.dht_prefix}.{v_start}")[handler_keys.PUSH_INFO]  # noqa
     honest = info()
     assert honest["received"] > 0 and honest["refused"] == 0  # the honest completions' pushes were taken
     ticket = tickets.mint(swarm.orchestrator_identity, request_id="push", chain_id=chain["id"], route=route,

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from helpers import wait_for
+from helpers import server_info, wait_for
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -127,21 +127,11 @@ def test_sessions_stepped_together_get_the_hidden_states_they_get_alone(swarm, m
 def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, model):
     """Eight generations of different lengths through three session slots: all complete with their lengths,
     in batches of two or three; the servers counted one stream each and every session."""
-    from hivemind import MSGPackSerializer
-    from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-    from hivemind.p2p import PeerID
-    from hivemind.proto import runtime_pb2
-
     from swarm.batch_engine import ChainGenerator
 
-    def server_info(peer, start):
-        info = RemoteExpertWorker.run_coroutine(model.transformer.h.sequence_manager.state.p2p.call_protobuf_handler(
-            PeerID.from_base58(peer), "TransformerConnectionHandler.rpc_info",
-            runtime_pb2.ExpertUID(uid=f"{swarm.dht_prefix}.{start}"), runtime_pb2.ExpertInfo))
-        return MSGPackSerializer.loads(info.serialized_info)
-
-    def multi_stats(peer, start):
-        return server_info(peer, start)["chainswarm_multi"]
+    p2p = model.transformer.h.sequence_manager.state.p2p
+    info = lambda peer, start: server_info(p2p, peer, f"{swarm.dht_prefix}.{start}")  # noqa: E731
+    multi_stats = lambda peer, start: info(peer, start)["chainswarm_multi"]  # noqa: E731
 
     before = [multi_stats(peer, start) for peer, start, _ in swarm.route]
     prompts = [[1, 5, 9, 22, 40][: 1 + i % 5] + [i + 3] for i in range(8)]
@@ -150,7 +140,7 @@ def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, mo
         got = [f.result(timeout=60) for f in [generator.submit(p, n) for p, n in zip(prompts, lengths)]]
         assert 1 < generator.stepped_sequences / generator.steps <= 3
         # idle, streams still open: the last sessions' KV is freed on the servers all the same (they can drain)
-        wait_for(lambda: all(server_info(peer, start)["chainswarm_kv"]["used"] == 0 for peer, start, _ in swarm.route),
+        wait_for(lambda: all(info(peer, start)["chainswarm_kv"]["used"] == 0 for peer, start, _ in swarm.route),
                  3, what="the servers' KV slots free while the generator is idle (before its streams close)")
     assert [len(g) for g in got] == lengths
     after = [multi_stats(peer, start) for peer, start, _ in swarm.route]

@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from helpers import wait_for
 from server.local_swarm import LocalSwarm

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from helpers import server_info
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -73,22 +74,12 @@ class Sampler(threading.Thread):
         self.samples: list[tuple[float, str, dict]] = []  # (time, node, counters)
 
     def read(self, peer_id: str) -> dict | None:
-        import asyncio
-
-        from hivemind import MSGPackSerializer
-        from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-        from hivemind.p2p import PeerID
-        from hivemind.proto import runtime_pb2
-
         from server.handler import KV_INFO
 
         try:
-            info = RemoteExpertWorker.run_coroutine(asyncio.wait_for(self.p2p.call_protobuf_handler(
-                PeerID.from_base58(peer_id), "TransformerConnectionHandler.rpc_info", runtime_pb2.ExpertUID(uid=""),
-                runtime_pb2.ExpertInfo), 2.0))
+            return server_info(self.p2p, peer_id, timeout=2.0).get(KV_INFO)
         except Exception:  # loading, reloading or gone: no sample
             return None
-        return MSGPackSerializer.loads(info.serialized_info).get(KV_INFO)
 
     def run(self):
         while not self.stop.is_set():
