@@ -157,8 +157,10 @@ def test_block_map_draws_every_server_over_its_planned_span_and_names_stay_text(
     driver.find_element(By.ID, "admin-key").clear()
     driver.find_element(By.ID, "admin-key").send_keys("sk-admin", Keys.TAB)
     assert js(page, "return localStorage.getItem('chainswarm.adminKey')") == "sk-admin"
+    # the key's change started a poll: stop polling, and let nothing still in flight render over the document below
     js(page, """const p = window.chainswarmPage; clearTimeout(p.timer); p.poll = () => {};
-        p.render(Object.assign({}, arguments[0], {clients: undefined, events: undefined, service_history: undefined}));""",
+        const render = p.render.bind(p); p.render = () => {};
+        render(Object.assign({}, arguments[0], {clients: undefined, events: undefined, service_history: undefined}));""",
        status)
     for note in ("clients-note", "events-note"):
         assert js(page, f"return document.getElementById('{note}').textContent") == "operator detail needs the admin key"
