@@ -18,13 +18,13 @@ import threading
 from typing import Sequence
 
 from client.http import SwarmClient
-from swarm.routing import Lease, RouteSpan
+from swarm.engine.routing import Lease, RouteSpan
 
 logger = logging.getLogger(__name__)
 
 
 class OrchestratorLeases:
-    """A :class:`swarm.routing.LeaseProvider` backed by the orchestrator's HTTP API."""
+    """A :class:`swarm.engine.routing.LeaseProvider` backed by the orchestrator's HTTP API."""
 
     def __init__(self, client: SwarmClient, *, max_new_tokens_hint: int = 1, timeout_s: float | None = None):
         self.client = client
@@ -99,8 +99,8 @@ class DirectSwarmModel:
     @classmethod
     def from_pretrained(cls, model_dir: str, *, orchestrator: str, api_key: str | None = None,
                         client_id: str | None = None, max_retries: int = 3, **petals_kwargs) -> "DirectSwarmModel":
-        from swarm.compat import petals
-        from swarm.routing import install
+        from swarm.model.compat import petals
+        from swarm.engine.routing import install
 
         client = SwarmClient(orchestrator, api_key, client_id=client_id)
         swarm = client.swarm()
@@ -121,7 +121,7 @@ class DirectSwarmModel:
             self.leases.local.input_tokens = None
 
     def close(self) -> None:
-        from swarm.petals_client import close_distributed_model
+        from swarm.engine.petals_client import close_distributed_model
 
         self.leases.close()
         close_distributed_model(self.model)

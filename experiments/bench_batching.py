@@ -6,7 +6,7 @@ Both swarms are up at once and every measurement alternates between them. The sa
 petals' own ``generate``, one thread per session, all sessions started together — runs 1, 2, 4, 8 and 16
 concurrent sessions of ``--tokens`` greedy tokens (prompts of different lengths) against each. Chainswarm's own
 client runs the same sessions a third way (``chainswarm_multi``): all of them submitted together to one
-:class:`swarm.batch_engine.ChainGenerator` — what the orchestrator's engine does with the sessions it holds on a
+:class:`swarm.engine.batching.ChainGenerator` — what the orchestrator's engine does with the sessions it holds on a
 chain — which steps them through one multi-session stream per server and computes one LM head per step. Every token is
 timestamped as it arrives: aggregate tokens/s (all sessions' tokens / wall time), per-token latency (gaps
 between a session's consecutive tokens: median and P95 over all sessions) and TTFT (median). Ratios are to
@@ -121,7 +121,7 @@ def _stats(times: list[list[float]], start: float, wall: float) -> dict:
 
 
 def run_chain_generator(generator, tokenizer, sessions: int, tokens: int) -> dict:
-    """``sessions`` generations submitted together to a :class:`swarm.batch_engine.ChainGenerator` (one
+    """``sessions`` generations submitted together to a :class:`swarm.engine.batching.ChainGenerator` (one
     multi-session stream per server, one LM head per step); the same prompts, tokens and statistics as
     :func:`run_sessions`."""
     stamps: list[list[float]] = [[] for _ in range(sessions)]
@@ -173,7 +173,7 @@ def cpu_seconds(pids) -> float:
 def _budget_gb(model_dir: str, sessions: int) -> float:
     import torch
 
-    from swarm.compat import petals
+    from swarm.model.compat import petals
     from petals.server.block_utils import get_block_size
 
     from server.profiling import cache_bytes_per_token
@@ -194,8 +194,8 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
     from transformers import AutoTokenizer
 
     from server.local_swarm import LocalSwarm
-    from swarm.batch_engine import ChainGenerator
-    from swarm.petals_client import open_distributed_model
+    from swarm.engine.batching import ChainGenerator
+    from swarm.engine.petals_client import open_distributed_model
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with contextlib.ExitStack() as stack:
@@ -374,7 +374,7 @@ def main(argv=None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # inherited by every server process started below
     from tqdm import tqdm
 
-    from swarm.model_store import DEFAULT_MODEL, ensure_model
+    from swarm.model.store import DEFAULT_MODEL, ensure_model
 
     model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
     counts = [int(s) for s in args.sessions.split(",")]

@@ -33,8 +33,8 @@ ADMIN = {"Authorization": "Bearer key-admin"}  # operator detail of /v1/swarm (p
 
 
 def _timed_generate(engine, route, ids, hashes, max_new_tokens):
-    from swarm.engine import SamplingParams
-    from swarm.routing import Lease
+    from swarm.engine.sampling import SamplingParams
+    from swarm.engine.routing import Lease
 
     first = {}
     started = time.perf_counter()
@@ -62,7 +62,7 @@ def _prompt_of(tokenizer, n_tokens, seed):
 
 
 def shared_prefix(engine, route, root, repeats):
-    from swarm import prefix as protocol
+    from swarm.trust import prefix as protocol
 
     tok = engine.tokenizer
     doc = _prompt_of(tok, 1024, 1)
@@ -80,7 +80,7 @@ def shared_prefix(engine, route, root, repeats):
 
 
 def multi_turn(engine, route, root, turns):
-    from swarm import prefix as protocol
+    from swarm.trust import prefix as protocol
 
     tok = engine.tokenizer
     out = {}
@@ -171,9 +171,9 @@ def main(argv=None) -> dict:
     import httpx
 
     from server.local_swarm import LocalSwarm
-    from swarm import prefix as protocol
-    from swarm.checkpoint import TinyLlamaSpec, make_random_llama
-    from swarm.engine import GenerationEngine
+    from swarm.trust import prefix as protocol
+    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.engine.generation import GenerationEngine
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     model = str(make_random_llama(tmp / "model", TinyLlamaSpec(layers=BLOCKS, hidden=512, heads=8, max_length=2048,

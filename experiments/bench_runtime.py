@@ -97,7 +97,7 @@ def _budgets(model_dir: str, servers: int, max_length: int) -> list[float]:
     from petals.server.block_utils import get_block_size
 
     from server.profiling import cache_bytes_per_token
-    from swarm.compat import petals
+    from swarm.model.compat import petals
 
     config = petals.AutoDistributedConfig.from_pretrained(model_dir)
     block = get_block_size(config, "memory", dtype=getattr(torch, DTYPE))
@@ -112,7 +112,7 @@ def bench_split(model_dir: str, servers: int, tokens: int, repeats: int, progres
 
     from client.direct import DirectSwarmModel
     from server.local_swarm import LocalSwarm
-    from swarm.petals_client import open_distributed_model
+    from swarm.engine.petals_client import open_distributed_model
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from tqdm import tqdm
 
-    from swarm.model_store import DEFAULT_MODEL, ensure_model
+    from swarm.model.store import DEFAULT_MODEL, ensure_model
 
     model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
     splits = [int(s) for s in args.splits.split(",")]

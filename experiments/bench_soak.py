@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from server.local_swarm import LocalSwarm
-    from swarm.model_store import DEFAULT_MODEL, ensure_model
+    from swarm.model.store import DEFAULT_MODEL, ensure_model
 
     model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
     with LocalSwarm(model_dir) as swarm:

@@ -23,10 +23,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def measure(blocks: int = 8, repeats: int = 3) -> dict:
     import torch
 
-    from swarm.compat import petals  # noqa: F401  (patches petals before it is imported below)
+    from swarm.model.compat import petals  # noqa: F401  (patches petals before it is imported below)
     from petals.server.from_pretrained import load_pretrained_block
     from petals.utils.convert_block import QuantType, convert_block
-    from swarm.model_store import ensure_model
+    from swarm.model.store import ensure_model
 
     model_dir = ensure_model("smollm2-135m-instruct", "float32")
     config = petals.AutoDistributedConfig.from_pretrained(str(model_dir))

@@ -10,7 +10,7 @@ they should hold; a server whose span changes reloads it (experiments/churn.py c
   :class:`IncrementalReserve` holds those chains in reserve: they take jobs only while no other chain is up.
 * :class:`Scratch`: a fresh plan (auto or GBP-CR with tuned c*) at every change, whatever it moves.
 * :class:`PetalsRebalancing`: petals 2.2's own block selection, with its functions
-  (``petals.server.block_selection``, imported through ``swarm.compat``) applied to module infos built
+  (``petals.server.block_selection``, imported through ``swarm.model.compat``) applied to module infos built
   from the spans held: a joining server takes ``choose_best_blocks`` for its memory-sized span; every
   server checks ``should_choose_other_blocks`` (balance quality 0.75) at intervals drawn uniformly from
   [0, 2·120 s] (petals' defaults), and when it says so the server drops its blocks and loads the span
@@ -152,7 +152,7 @@ class PetalsRebalancing:
     periodic = True
 
     def __init__(self, seed: int):
-        from swarm.compat import petals  # noqa: F401  (petals through the compatibility shim)
+        from swarm.model.compat import petals  # noqa: F401  (petals through the compatibility shim)
         from hivemind import PeerID
         from petals.data_structures import RemoteModuleInfo, ServerInfo, ServerState
         from petals.server import block_selection

@@ -46,14 +46,14 @@ def _ensure_model(args) -> str:
     if args.model:
         return args.model
     if args.tiny:
-        from swarm.checkpoint import TinyLlamaSpec, make_random_llama
+        from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
 
         path = Path(args.workdir) / "demo-model"
         if not (path / "config.json").exists():
             print(f"[demo] writing a tiny random Llama checkpoint to {path}")
             make_random_llama(path, TinyLlamaSpec(layers=4, hidden=64, heads=4, seed=0))
         return str(path)
-    from swarm.model_store import DEFAULT_MODEL, ensure_model
+    from swarm.model.store import DEFAULT_MODEL, ensure_model
 
     started = time.perf_counter()
     path = ensure_model(DEFAULT_MODEL, DTYPE)
@@ -70,7 +70,7 @@ def _prompt(args, tokenizer) -> str:
 
 
 def _budgets_gb(model_dir: str, max_length: int, factors) -> list[float]:
-    from swarm.compat import petals
+    from swarm.model.compat import petals
     import torch
     from petals.server.block_utils import get_block_size
 
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from client import SwarmClient
     from server.local_swarm import LocalSwarm, SwarmStartError
 
-    from swarm.model_store import ModelStoreError
+    from swarm.model.store import ModelStoreError
 
     try:
         model_dir = _ensure_model(args)

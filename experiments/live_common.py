@@ -34,7 +34,7 @@ SESSION_TOKENS = 256  # max_length of a session (LLaMA-2 experiment: 2048) -> on
 
 def experiment_model(root: str | Path) -> str:
     """The experiments' checkpoint (written once under ``root``)."""
-    from swarm.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
 
     path = Path(root) / f"llama-{MODEL_LAYERS}x{MODEL_HIDDEN}"
     if not (path / "config.json").is_file():
@@ -46,7 +46,7 @@ def experiment_model(root: str | Path) -> str:
 def model_sizes(model_dir: str) -> dict[str, int]:
     """Bytes of one block and of one token of KV cache on one block (what the nodes will measure)."""
     from server import profiling
-    from swarm.compat import petals
+    from swarm.model.compat import petals
 
     config = petals.AutoDistributedConfig.from_pretrained(model_dir)
     return {"block_bytes": profiling.block_bytes(config, "float32", "none"),
@@ -392,7 +392,7 @@ class PetalsDriver:
                  use_server_to_server: bool, max_retries: int | None = None):
         import torch
 
-        from swarm.compat import petals
+        from swarm.model.compat import petals
 
         _install_petals_start_probe()
         self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
@@ -433,7 +433,7 @@ class PetalsDriver:
         record.generated = int(out.shape[1] - ids.shape[1])
 
     def close(self) -> None:
-        from swarm.petals_client import close_distributed_model
+        from swarm.engine.petals_client import close_distributed_model
 
         close_distributed_model(self.model)
 

@@ -79,7 +79,7 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
         # compute measured once on a quiet node and declared for all (as in live_table1); RTTs measured
         lc.start_nodes(swarm, config.servers, {h: memory_gb for h in config.servers}, gpus,
                        profile_cache_dir=profile_dir, num_handlers=1)
-        url = swarm.orchestrator.info["url"]
+        url = swarm.control.orchestrator.info["url"]
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             status = httpx.get(f"{url}/v1/swarm", timeout=30).json()

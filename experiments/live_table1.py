@@ -11,7 +11,7 @@ same scaled trace from 127.0.0.1, and stops the swarm. Methods:
   inference session per request, cache-allocation failures retried with petals' back-off. There is no
   queue: a request waits only through petals' retries.
 * **BPRR** — orchestrated nodes, ``placement="bprr"`` (CG-BP with the §12.2 R heuristic) and BPRR's own
-  router: every request is routed on arrival by WS-RR (``router="ws-rr"``, :mod:`swarm.ws_rr`) and waits for
+  router: every request is routed on arrival by WS-RR (``router="ws-rr"``, :mod:`swarm.control.ws_rr`) and waits for
   the KV slots of its path; servers keep KV for all the sessions their memory holds.
 * **JFFC only** — ``placement="whole-model"``: the whole model on every server that fits it, JFFC.
 * **Proposed** — ``placement="gbp-cr"`` (c tuned by the Theorem 3.7 lower bound), GCA, JFFC.
@@ -124,7 +124,7 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
             replan_tolerance=0.0)  # nodes join one by one: end on the planner's plan for all of them
         lc.start_nodes(swarm, config.servers, {h: memory[h] / 2**30 for h in config.servers}, gpus, log,
                        profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
-        url = swarm.orchestrator.info["url"]
+        url = swarm.control.orchestrator.info["url"]
 
         def ready():
             status = httpx.get(f"{url}/v1/swarm", timeout=30).json()

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
 from petals.data_structures import InferenceMetadata
 from petals.server.memory_cache import MemoryCache
 from petals.utils.misc import DUMMY_INT64

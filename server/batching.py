@@ -35,14 +35,14 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
 from petals.data_structures import InferenceMetadata
 from petals.server.backend import TransformerBackend, _MergedInferenceStep
 from petals.server.task_pool import PrioritizedTaskPool, Task, _move_to_device_if_tensor
 from petals.utils.misc import DUMMY_INT64
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, rotate_half
 
-from swarm.kernels import module_linear
+from swarm.model.kernels import module_linear
 
 logger = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ def batched_layer_step(layer: LlamaDecoderLayer, hidden: torch.Tensor, segments:
     """One Llama decoder layer over the new tokens of several sessions (decode steps and prefills alike).
 
     ``hidden`` is ``(N, H)``: every segment's ``b·t`` token rows, one segment after the other. Norms, q/k/v/o
-    projections and the MLP run over all N rows at once (:func:`swarm.kernels.linear`); rotary embeddings at each
+    projections and the MLP run over all N rows at once (:func:`swarm.model.kernels.linear`); rotary embeddings at each
     token's own position; attention per segment over its own cache (causal within its new tokens); each
     segment's new keys/values are written at its positions. Returns the layer's output ``(N, H)``.
     ``token_pos`` (each row's position: :func:`token_positions`) may be passed to save recomputing it per block.

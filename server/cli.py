@@ -74,7 +74,7 @@ class _BadInput(ValueError):
 
 def server_kwargs(args: argparse.Namespace) -> dict:
     """Validate the command line and turn it into :class:`server.node.ChainswarmServer` kwargs."""
-    from swarm.checkpoint import dht_prefix_for
+    from swarm.model.checkpoint import dht_prefix_for
 
     model = Path(args.model)
     if not (model / "config.json").is_file():
@@ -145,7 +145,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     if args.identity_path:
         kwargs["identity_path"] = args.identity_path
     if args.orchestrator_key:
-        from swarm.identity import BadKeyError, parse_public_key
+        from swarm.trust.identity import BadKeyError, parse_public_key
 
         try:
             kwargs["orchestrator_key"] = parse_public_key(args.orchestrator_key)

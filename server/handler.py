@@ -28,7 +28,7 @@ import ctypes
 import multiprocessing as mp
 from typing import Any, AsyncIterator, Optional, Sequence, Tuple
 
-from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
 from hivemind import MSGPackSerializer
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from swarm.records import Assignment
+from swarm.trust.records import Assignment
 
 
 def _layout(assignment: Optional[Assignment]) -> Optional[tuple]:

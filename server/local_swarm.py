@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swarm.checkpoint import dht_prefix_for
-from swarm.process import stop_process_group
+from swarm.model.checkpoint import dht_prefix_for
+from swarm.runtime.process import stop_process_group
 
-_PRELOAD = ["swarm.compat", "petals.server.server", "server.runner", "swarm.dht", "server.node", "swarm.service"]
+_PRELOAD = ["swarm.model.compat", "petals.server.server", "server.runner", "swarm.runtime.dht", "server.node", "swarm.service"]
 
 # ChainswarmServer keyword arguments (the rest of add_node's options are petals Server kwargs).
 _NODE_OPTIONS = ("check_period", "assignment_poll", "drain_timeout", "profile_ttl_factor", "rtt_period",
@@ -89,7 +89,7 @@ class LocalSwarm:
         """``open_sessions``: nodes serve sessions without orchestrator tickets (vanilla petals clients);
         by default they are secure: the swarm's orchestrator key (:attr:`orchestrator_identity`, created here
         and handed to the orchestrator) is given to every node, which then serves only ticketed sessions."""
-        from swarm.identity import Identity
+        from swarm.trust.identity import Identity
 
         self.open_sessions = open_sessions
         self.orchestrator_identity = Identity.generate()
@@ -117,7 +117,7 @@ class LocalSwarm:
 
     def start_dht(self, port: int = 0, timeout: float = 60.0) -> list[str]:
         """Start the bootstrap DHT peer; return its multiaddrs (what clients and servers join with)."""
-        from swarm.dht import bootstrap_dht_main
+        from swarm.runtime.dht import bootstrap_dht_main
 
         if self.dht is not None:
             return self.initial_peers

@@ -1,7 +1,7 @@
 """Multi-session inference streams on the server: one message, many sessions' steps, one batched pass.
 
 :class:`MultiSessionHandler` is the orchestrated node's handler (the ticket gate, the prefix store and the push
-fix of its bases) plus ``rpc_multi_inference`` (wire format: :mod:`swarm.multi_wire`). A stream holds many
+fix of its bases) plus ``rpc_multi_inference`` (wire format: :mod:`swarm.engine.multi_wire`). A stream holds many
 sessions over the same span, each with its own KV cache (allocated, counted and freed exactly as petals'
 ``rpc_inference`` does, behind the same ticket check). Per message, the one-token decode steps of its sessions
 and its prefills (up to petals' 128-token short-inference bound) go to the batching pool as
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Optional
 
-from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
 import torch  # noqa: E402
 from hivemind import MSGPackSerializer, deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
 from hivemind.p2p import P2PContext  # noqa: E402
@@ -37,7 +37,8 @@ from petals.utils.misc import DUMMY_INT64  # noqa: E402
 
 from server import tickets as server_tickets  # noqa: E402
 from server.batching import BatchingTaskPool, Cohort  # noqa: E402
-from swarm import multi_wire, tickets  # noqa: E402
+from swarm.engine import multi_wire
+from swarm.trust import tickets  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
 
     async def rpc_multi_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                                   context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Steps of many sessions over one span per message (:mod:`swarm.multi_wire`)."""
+        """Steps of many sessions over one span per message (:mod:`swarm.engine.multi_wire`)."""
         sessions: dict[str, _Session] = {}
         span: Optional[_Span] = None
         try:

@@ -3,10 +3,10 @@
 :class:`ChainswarmServer` is a petals ``Server`` whose block choice belongs to the orchestrator:
 
 1. On start it measures its profile (:mod:`server.profiling`) and publishes it as a
-   :class:`swarm.records.ServerProfile` DHT record, renewed every heartbeat (``update_period``) with a TTL
+   :class:`swarm.trust.records.ServerProfile` DHT record, renewed every heartbeat (``update_period``) with a TTL
    of ``profile_ttl_factor`` heartbeats, so a vanished server drops out of the orchestrator's view.
 2. ``_choose_blocks()`` — called by petals' ``run()`` loop — waits for the node's
-   :class:`swarm.records.Assignment` (state ``waiting``; an assignment with ``start == end`` means "hold no
+   :class:`swarm.trust.records.Assignment` (state ``waiting``; an assignment with ``start == end`` means "hold no
    blocks" and keeps it waiting), sizes the KV cache to ``cache_slots`` block-slots of ``max_length`` tokens
    (the planner's Σ_k c_k·m_ij) plus the prefix-cache budget (state ``loading``) and returns the range. Once the blocks answer requests
    the state becomes ``serving``.
@@ -35,15 +35,16 @@ import threading
 import time
 from typing import Any, Optional
 
-from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
 from petals.data_structures import ServerState
 from petals.server.server import Server
 
 from server import emulation, layout, profiling, tickets as server_tickets, trust
 from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
-from swarm import records
-from swarm.identity import fetch_owned
-from swarm.records import DRAINING, LOADING, SERVING, WAITING, Assignment, RecordError, ServerProfile
+from swarm.trust import records
+from swarm.trust.identity import fetch_owned
+from swarm.trust.records import DRAINING, LOADING, SERVING, WAITING, Assignment, RecordError, ServerProfile
+from swarm.trust.validation import swarm_validators
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class ChainswarmServer(Server):
         self.open_sessions = open_sessions
         super().__init__(block_indices=_PLACEHOLDER_BLOCKS, **server_kwargs)
         if "record_validators" not in server_kwargs:  # the prefix was not known before petals resolved it
-            self.dht.add_validators(self.identity.validators(self.dht_prefix))
+            self.dht.add_validators(swarm_validators(self.identity, self.dht_prefix))
 
         self.peer_id = self.dht.peer_id.to_base58()
         self.node_id = node_id or f"{socket.gethostname()}-{self.peer_id[-8:]}"
@@ -280,8 +281,8 @@ class ChainswarmServer(Server):
         return STORE
 
     def _publish_prefix_report(self) -> None:
-        """The prefix store's eviction report (``swarm.prefix``), renewed every heartbeat."""
-        from swarm.prefix import publish_report
+        """The prefix store's eviction report (``swarm.trust.prefix``), renewed every heartbeat."""
+        from swarm.trust.prefix import publish_report
 
         store = self._prefix_store()
         store.changed.clear()
@@ -489,7 +490,7 @@ def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
 
 def node_process_main(server_kwargs: dict, launcher_pid: int, report=None, push_counter=None) -> None:
     """Entry point of a node child process started by :meth:`server.local_swarm.LocalSwarm.add_node`."""
-    from swarm.process import become_group_leader
+    from swarm.runtime.process import become_group_leader
 
     become_group_leader(launcher_pid)
     logging.basicConfig(level=os.environ.get("CHAINSWARM_LOGLEVEL", "WARNING"))

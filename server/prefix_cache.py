@@ -1,8 +1,8 @@
 """Server-side prompt-prefix KV store: a petals backend subclass and a handler extension.
 
-Protocol and trust model: :mod:`swarm.prefix`. Pieces here, all in the server process:
+Protocol and trust model: :mod:`swarm.trust.prefix`. Pieces here, all in the server process:
 
-* :class:`PrefixStore` (one per server, :data:`STORE`) keeps KV pages of :data:`~swarm.prefix.PAGE_TOKENS`
+* :class:`PrefixStore` (one per server, :data:`STORE`) keeps KV pages of :data:`~swarm.trust.prefix.PAGE_TOKENS`
   tokens per served block, keyed by the page hash chain, in LRU order within a byte budget — the
   assignment's ``prefix_cache_tokens`` on every block. The budget is separate from petals' session pool,
   so sessions never lose their planned slots to cached prefixes. Evicting a page also evicts the pages
@@ -30,7 +30,7 @@ from typing import AsyncIterator, Optional, Sequence
 
 import torch
 
-from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
 from hivemind import MSGPackSerializer
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
@@ -40,7 +40,7 @@ from petals.server.backend import TransformerBackend
 from petals.utils.misc import DUMMY_INT64
 
 from server.handler import ChainswarmHandler
-from swarm.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes
+from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class PrefixStore:
             return before - len(self.pages)
 
     def report(self) -> dict:
-        """The eviction report the node publishes (see :mod:`swarm.prefix`)."""
+        """The eviction report the node publishes (see :mod:`swarm.trust.prefix`)."""
         with self.lock:
             return {"epoch": self.epoch, "seq": self.seq, "evicted": [list(e) for e in self.evicted],
                     "pages": len(self.pages), "bytes": int(self.nbytes), "budget_bytes": self.budget_bytes,
@@ -315,7 +315,7 @@ def _session_prefix(metadata: dict) -> Optional[_SessionPrefix]:
 
 
 class PrefixHandler(ChainswarmHandler):
-    """The push-fixed handler plus the prefix protocol (:mod:`swarm.prefix`)."""
+    """The push-fixed handler plus the prefix protocol (:mod:`swarm.trust.prefix`)."""
 
     _rpc_handlers = None  # hivemind caches the RPC table per class: collect ours, not the parent's
 

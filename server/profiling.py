@@ -78,7 +78,7 @@ def block_bytes(config, torch_dtype, quant_type, *, cache_dir: Optional[str | os
     """Weights of one transformer block as this server will hold them (dtype and quantisation included),
     by petals' ``get_block_size``. With ``cache_dir`` the result is cached next to the compute times (the
     first call in a process builds a block on the meta device, which takes about a second)."""
-    from swarm.compat import petals  # noqa: F401
+    from swarm.model.compat import petals  # noqa: F401
     from petals.server.block_utils import get_block_size
 
     path = Path(cache_dir) / CACHE_FILE if cache_dir is not None else None
@@ -167,7 +167,7 @@ def measure_block_times(
     """
     import torch
 
-    from swarm.compat import petals  # noqa: F401
+    from swarm.model.compat import petals  # noqa: F401
     from petals.utils.convert_block import convert_block
 
     device = torch.device(device)
@@ -317,7 +317,7 @@ def published_batch_steps(declared: dict, config, device, torch_dtype, quant_typ
     """The batch curve a server publishes (``ServerProfile.batch_step_s``): the declared ``batch_step_s``; none
     when ``prefill_s`` and ``decode_s`` are declared without it (test and experiment profiles keep the planner's
     g ≡ 1); otherwise :func:`batch_step_times` (measured or cached, or b × decode_s for ``max_batch`` 1)."""
-    from swarm.records import check_batch_steps
+    from swarm.trust.records import check_batch_steps
 
     if "batch_step_s" in declared:
         return check_batch_steps(declared["batch_step_s"])
@@ -368,7 +368,7 @@ def _update_cache(path: Path, key: str, entry: Any) -> None:
 def measure_rtt(dht, peer_id: str, *, pings: int = 3, timeout: float = 2.0) -> Optional[float]:
     """Median round-trip time (s) of ``pings`` DHT pings to ``peer_id`` (base58) over the swarm, or None
     when the peer does not answer."""
-    from swarm.compat import petals  # noqa: F401
+    from swarm.model.compat import petals  # noqa: F401
     from hivemind.p2p import PeerID
     from petals.utils.ping import ping
 
@@ -394,7 +394,7 @@ def orchestrator_rtt(dht, dht_prefix: str, orchestrator_key: bytes, **options) -
 
 
 def _orchestrator(dht, dht_prefix: str, orchestrator_key: Optional[bytes]):
-    from swarm.records import fetch_orchestrator
+    from swarm.trust.records import fetch_orchestrator
 
     try:
         return fetch_orchestrator(dht, dht_prefix, orchestrator_key)
@@ -475,7 +475,7 @@ def _dtype_name(torch_dtype) -> str:
 
 
 def _quant(quant_type):
-    from swarm.compat import petals  # noqa: F401
+    from swarm.model.compat import petals  # noqa: F401
     from petals.utils.convert_block import QuantType
 
     if isinstance(quant_type, QuantType):

@@ -91,7 +91,7 @@ def serve(server_kwargs: dict[str, Any], report=None, server_class=None) -> None
     selection (``inference_rps`` = ``throughput`` = 1 / decode_s, ``forward_rps`` = 1 / prefill_s), as
     petals' own benchmark would on that hardware.
     """
-    from swarm.compat import petals  # noqa: F401  (applies the shim before petals.server is used)
+    from swarm.model.compat import petals  # noqa: F401  (applies the shim before petals.server is used)
     from petals.server.server import Server
 
     server_kwargs = dict(server_kwargs)
@@ -115,7 +115,7 @@ def serve(server_kwargs: dict[str, Any], report=None, server_class=None) -> None
 
 def server_process_main(server_kwargs: dict[str, Any], launcher_pid: int, report=None) -> None:
     """Entry point of a server child process started by :class:`server.local_swarm.LocalSwarm`."""
-    from swarm.process import become_group_leader
+    from swarm.runtime.process import become_group_leader
 
     become_group_leader(launcher_pid)
     logging.basicConfig(level=os.environ.get("CHAINSWARM_LOGLEVEL", "WARNING"))

@@ -1,4 +1,4 @@
-"""Sessions only by grant: the server-side check of the orchestrator's session tickets (:mod:`swarm.tickets`).
+"""Sessions only by grant: the server-side check of the orchestrator's session tickets (:mod:`swarm.trust.tickets`).
 
 :class:`TicketHandler` is the handler every orchestrated node runs (:func:`install_ticket_handler`): petals'
 handler with the push fix and the prefix store (:mod:`server.prefix_cache`), plus a gate in front of every RPC
@@ -7,7 +7,7 @@ that computes or pins anything — ``rpc_inference``, ``rpc_forward``/``rpc_forw
 (in its opening metadata, key ``cs_ticket``) a ticket signed by the orchestrator key this server pinned, not
 expired, that names this server's peer id with a span containing the requested blocks; otherwise the call
 fails with a one-line ``TicketError`` before any cache is allocated or any block runs. Prefix pages are stored
-only under the page hashes whose digest the session's ticket carries (see :mod:`swarm.tickets`).
+only under the page hashes whose digest the session's ticket carries (see :mod:`swarm.trust.tickets`).
 
 **Pushes.** ``rpc_push`` puts a step's inputs straight into an open session (petals' server-to-server
 push: the server before this one on the route sends its outputs here, racing the client's own copy of the
@@ -33,7 +33,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
-from swarm.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
 from hivemind import MSGPackSerializer
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
@@ -41,8 +41,8 @@ from hivemind.utils.asyncio import anext
 
 from server.handler import count_refused_push
 from server.prefix_cache import PrefixBackend, PrefixHandler
-from swarm import tickets
-from swarm.tickets import Ticket, TicketError
+from swarm.trust import tickets
+from swarm.trust.tickets import Ticket, TicketError
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ import threading
 import time
 from typing import Optional
 
-from swarm import records
-from swarm.identity import Identity, fingerprint, parse_public_key
+from swarm.trust import records
+from swarm.trust.identity import Identity, fingerprint, parse_public_key
+from swarm.trust.validation import swarm_validators
 
 logger = logging.getLogger(__name__)
 
@@ -90,5 +91,5 @@ def identity_and_trust(server_kwargs: dict, identity_key: Optional[str],
     identity = Identity.load_or_create(identity_key) if identity_key else Identity.generate()
     given = parse_public_key(orchestrator_key) if orchestrator_key else None
     if server_kwargs.get("dht_prefix"):
-        server_kwargs["record_validators"] = identity.validators(server_kwargs["dht_prefix"])
+        server_kwargs["record_validators"] = swarm_validators(identity, server_kwargs["dht_prefix"])
     return identity, OrchestratorTrust(given)

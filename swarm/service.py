@@ -10,9 +10,10 @@ import signal
 import time
 from pathlib import Path
 
-from swarm import planning
-from swarm.options import OrchestratorOptions
-from swarm.orchestrator import Orchestrator, OrchestratorConfig
+from swarm.control import planning
+from swarm.control.options import OrchestratorOptions
+from swarm.control.orchestrator import Orchestrator, OrchestratorConfig
+from swarm.trust.validation import swarm_validators
 
 __all__ = ["OrchestratorOptions", "build_config", "serve", "run", "orchestrator_process_main"]
 
@@ -23,7 +24,7 @@ def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
     """The options resolved for their model: its blocks, the planner's expectations and the DHT prefix."""
     from transformers import AutoConfig
 
-    from swarm.checkpoint import dht_prefix_for
+    from swarm.model.checkpoint import dht_prefix_for
 
     model_config = AutoConfig.from_pretrained(options.model_dir)
     given = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
@@ -37,15 +38,15 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     import hivemind
     import uvicorn
 
-    from swarm.compat import petals  # noqa: F401  (shim before anything petals)
-    from swarm.http_api import create_app
+    from swarm.model.compat import petals  # noqa: F401  (shim before anything petals)
+    from swarm.api.app import create_app
 
-    from swarm.identity import Identity
+    from swarm.trust.identity import Identity
 
     store = None
     if options.state_dir:
-        from swarm.persistence import prepare
-        from swarm.state import StateDir
+        from swarm.state.persistence import prepare
+        from swarm.state.store import StateDir
 
         store = StateDir(options.state_dir)
         options = prepare(options, store)
@@ -62,7 +63,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     dht = hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
                        host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
                        identity_path=None if store is None else store.identity_path(),
-                       record_validators=identity.validators(config.dht_prefix))
+                       record_validators=swarm_validators(identity, config.dht_prefix))
     maddrs = [str(a) for a in dht.get_visible_maddrs()]
     keeper = saver = None
     initial_peers = list(options.initial_peers) or maddrs
@@ -78,7 +79,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
         if keeper is not None:
             saver = asyncio.create_task(keeper.run(), name="orchestrator-state")
         if options.proxy:
-            from swarm.engine import GenerationEngine
+            from swarm.engine.generation import GenerationEngine
 
             engine = await asyncio.to_thread(GenerationEngine, options.model_dir, initial_peers=initial_peers,
                                              dht_prefix=config.dht_prefix, request_timeout=options.request_timeout_s,
@@ -111,7 +112,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
 async def _restore(store, options: OrchestratorOptions, orchestrator: Orchestrator, maddrs: list[str],
                    http_port: int):
     """Record the ports bound, re-adopt the saved plan and counters, wait for the planned servers (bounded)."""
-    from swarm.persistence import Persistence, bound_tcp_port
+    from swarm.state.persistence import Persistence, bound_tcp_port
 
     store.record_ports(dht_port=bound_tcp_port(maddrs) if options.dht_announce_port is None else None,
                        http_port=http_port)
@@ -140,7 +141,7 @@ def _bind(host: str, port: int):
 
 def run(options: OrchestratorOptions, report=None) -> None:
     """Blocking entry point with clean SIGTERM/SIGINT handling; the DHT's process dies with this one."""
-    from swarm.process import children_die_with_me
+    from swarm.runtime.process import children_die_with_me
 
     children_die_with_me()
     async def main() -> None:
@@ -158,7 +159,7 @@ def run(options: OrchestratorOptions, report=None) -> None:
 
 def orchestrator_process_main(options: OrchestratorOptions, launcher_pid: int, report) -> None:
     """Child-process entry point used by :class:`server.local_swarm.LocalSwarm`."""
-    from swarm.process import become_group_leader
+    from swarm.runtime.process import become_group_leader
 
     become_group_leader(launcher_pid)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # run() installs the asyncio handler

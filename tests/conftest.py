@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A 4-block random Llama (hidden 64) with a trained BPE tokenizer, written once per test session."""
-    from swarm.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
 
     return str(make_random_llama(tmp_path_factory.mktemp("models") / "tiny", TinyLlamaSpec(seed=1)))
 

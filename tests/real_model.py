@@ -17,7 +17,7 @@ PARAGRAPH = Path(__file__).parent / "data" / "english_paragraph.txt"
 
 def smollm2_checkpoint(dtype: str = "float32") -> Path:
     """The converted checkpoint directory (``ensure_model``: converts on first use, reuses the cache after)."""
-    from swarm.model_store import ModelDownloadError, ensure_model
+    from swarm.model.store import ModelDownloadError, ensure_model
 
     try:
         return ensure_model(MODEL_NAME, dtype)

@@ -1,6 +1,6 @@
 """Servers' published batch curves: measured and cached (server/profiling.py), declared, bounded by the profile
-record's schema (swarm/records.py, enforced by every DHT peer's validator), and turned into planner servers by
-the orchestrator (swarm/planning.py)."""
+record's schema (swarm/trust/records.py, enforced by every DHT peer's validator), and turned into planner servers by
+the orchestrator (swarm/control/planning.py)."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ import pytest
 
 from planner.service_model import BatchCurve
 from server import profiling
-from swarm import records
-from swarm.planning import Expectations, RoutableChain, choose_plan, planned_step_s, planner_inputs
+from swarm.trust import records
+from swarm.control.planning import Expectations, RoutableChain, choose_plan, planned_step_s, planner_inputs
 from test_orchestrator_logic import profile
 from test_signing import NODE, _accepts, _record, _signed
 
@@ -36,7 +36,7 @@ def test_profile_schema_accepts_a_curve_and_refuses_malformed_ones():
 
 
 def test_measured_declared_and_sequential_curves(tiny_model, tmp_path):
-    from swarm.compat import petals  # noqa: F401
+    from swarm.model.compat import petals  # noqa: F401
     from petals.utils.auto_config import AutoDistributedConfig
 
     config = AutoDistributedConfig.from_pretrained(tiny_model)

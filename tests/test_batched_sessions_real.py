@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct (float32) split by the planner into two two-hop chains (four nodes, the budgets of
 tests/test_real_model_swarm.py), no prefix reuse, so every completion joins its chain's ChainGenerator
-(swarm/batch_engine.py): one multi-session message per server and step, one LM-head pass in the orchestrator.
+(swarm/engine/batching.py): one multi-session message per server and step, one LM-head pass in the orchestrator.
 Concurrent greedy completions with different prompt lengths and start times give the tokens of the same
 model run locally in transformers; a server SIGKILLed in the middle of a batch loses no answer: its chain's
 sessions go on from their tokens as petals sessions on the surviving chain.
@@ -72,7 +72,7 @@ def idle(url: str) -> bool:
 
 
 def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, reference):
-    chains = swarm.status["chains"]
+    chains = swarm.control.status["chains"]
     assert len(chains) >= 2 and all(len(c["servers"]) >= 2 for c in chains)
     steps, session_steps = (_metric(swarm.url, f"chainswarm_batched_{n}_total") for n in ("steps", "session_steps"))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.compat import petals  # noqa: F401
+from swarm.model.compat import petals  # noqa: F401
 from petals.data_structures import InferenceMetadata
 from petals.utils.misc import DUMMY_INT64
 

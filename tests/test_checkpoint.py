@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from swarm.checkpoint import TinyLlamaSpec, dht_prefix_for
+from swarm.model.checkpoint import TinyLlamaSpec, dht_prefix_for
 
 
 def test_tiny_model_loads_with_auto_classes(tiny_model):

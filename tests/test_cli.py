@@ -43,7 +43,7 @@ def test_api_keys_from_the_environment_are_checked_like_the_flag(tiny_model):
 
 
 def test_api_keys_match_in_constant_time_and_only_exactly():
-    from swarm.http_api import match_api_key
+    from swarm.api.app import match_api_key
 
     keys = {"s3cret-alice": "alice", "t0ken-bob": "bob"}
     assert match_api_key("t0ken-bob", keys) == "bob" and match_api_key("s3cret-alice", keys) == "alice"

@@ -11,13 +11,13 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_plain_petals_import_breaks_without_the_shim():
     result = _run("import petals")
-    assert result.returncode != 0, "petals imports without the shim: swarm/compat.py may no longer be needed"
+    assert result.returncode != 0, "petals imports without the shim: swarm/model/compat.py may no longer be needed"
     assert "cannot import name" in result.stderr and "hivemind" in result.stderr
 
 
 def test_petals_imports_through_the_shim_with_offline_patches():
     result = _run(
-        "from swarm.compat import petals, HIVEMIND_TOP_LEVEL_NAMES\n"
+        "from swarm.model.compat import petals, HIVEMIND_TOP_LEVEL_NAMES\n"
         "import hivemind, petals.constants, petals.server.throughput as t, petals.utils.version as v\n"
         "from petals.server.server import Server\n"
         "missing = [n for names in HIVEMIND_TOP_LEVEL_NAMES.values() for n in names if not hasattr(hivemind, n)]\n"
@@ -35,7 +35,7 @@ def test_petals_imports_through_the_shim_with_offline_patches():
 
 def test_every_petals_submodule_imports_through_the_shim():
     result = _run(
-        "from swarm.compat import petals\n"
+        "from swarm.model.compat import petals\n"
         "import importlib, pkgutil\n"
         "bad = []\n"
         "for m in pkgutil.walk_packages(petals.__path__, 'petals.'):\n"

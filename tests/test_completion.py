@@ -1,4 +1,4 @@
-"""swarm.completion's liveness rules, driven with a fake orchestrator and fake sessions (no processes).
+"""swarm.engine.completion's liveness rules, driven with a fake orchestrator and fake sessions (no processes).
 
 The fakes keep the real contracts: the orchestrator grants a slot per acquire and must see every grant
 settled exactly once (finish or abort); the engine runs a session in its executor thread and reports tokens
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from swarm.completion import ClientGone, CompletionFailed, CompletionRunner, Finished
-from swarm.engine import GenerationResult
-from swarm.sampling import SamplingParams
-from swarm.metrics import SwarmMetrics
-from swarm.routing import SessionAborted
+from swarm.engine.completion import ClientGone, CompletionFailed, CompletionRunner, Finished
+from swarm.engine.generation import GenerationResult
+from swarm.engine.sampling import SamplingParams
+from swarm.api.metrics import SwarmMetrics
+from swarm.engine.routing import SessionAborted
 
 
 @dataclass

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from swarm.failures import FailureClaims
-from swarm.leases import LeaseBook, LeaseMisuse
-from swarm.routing import NoRouteError
+from swarm.control.failures import FailureClaims
+from swarm.control.leases import LeaseBook, LeaseMisuse
+from swarm.engine.routing import NoRouteError
 from test_orchestrator_logic import serving_orchestrator
 
 
@@ -163,7 +163,7 @@ def test_idle_clients_are_forgotten():
 
 
 def test_fit_capacities_and_moves():
-    from swarm.occupancy import Occupancy, fit_capacities
+    from swarm.control.occupancy import Occupancy, fit_capacities
 
     chains = [("fast", 2, {"a": 4}), ("split", 2, {"a": 2, "b": 2}), ("slow", 1, {"b": 4})]
     assert fit_capacities(chains, {"a": 12, "b": 8}, {}) == {"fast": 2, "split": 2, "slow": 1}
@@ -229,7 +229,7 @@ def test_occupancy_survives_a_replan_and_no_server_is_overcommitted():
 def test_client_metric_labels_are_bounded():
     from prometheus_client import generate_latest
 
-    from swarm.metrics import OTHER, SwarmMetrics
+    from swarm.api.metrics import OTHER, SwarmMetrics
 
     class Quiet:  # an orchestrator with nothing to report but its clients
         def status(self):
@@ -296,7 +296,7 @@ def test_a_known_failure_cancels_only_the_steps_waiting_for_that_server():
     for the failed server is cancelled (petals' retry loop then fails over) and steps on other servers go on."""
     from types import SimpleNamespace
 
-    from swarm.routing import SessionControl
+    from swarm.engine.routing import SessionControl
 
     class Step:
         def __init__(self, peer):

@@ -9,10 +9,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from swarm import web_pages
-from swarm.orchestrator import QueueFull
-from swarm.service_history import OTHER, ServiceHistory
-from swarm.identity import owned_subkey
+from swarm.api import web_pages
+from swarm.control.orchestrator import QueueFull
+from swarm.control.service_history import OTHER, ServiceHistory
+from swarm.trust.identity import owned_subkey
 from test_orchestrator_logic import PREFIX, node_key, profile, publish, records, run, serving_orchestrator
 
 

@@ -43,7 +43,7 @@ def test_emulation_needs_both_times():
 @pytest.fixture(scope="module")
 def emulated_server(tiny_model):
     from server.local_swarm import LocalSwarm
-    from swarm.petals_client import open_distributed_model
+    from swarm.engine.petals_client import open_distributed_model
 
     with LocalSwarm(tiny_model) as swarm:
         swarm.add_server((0, BLOCKS), max_length=128, num_handlers=2,

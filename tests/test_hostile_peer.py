@@ -22,8 +22,9 @@ import torch
 
 from server import handler as handler_keys
 from server.local_swarm import LocalSwarm, SwarmStartError
-from swarm import prefix as protocol, records, tickets
-from swarm.identity import Identity
+from swarm.trust import prefix as protocol, records, tickets
+from swarm.trust.identity import Identity
+from swarm.trust.validation import swarm_validators
 from helpers import server_info, wait_for
 
 pytestmark = pytest.mark.swarm
@@ -62,7 +63,7 @@ def peers(swarm):
     hostile.identity = hostile_key
     raw = hivemind.DHT(initial_peers=swarm.initial_peers, start=True)
     reader = hivemind.DHT(initial_peers=swarm.initial_peers, start=True,
-                          record_validators=Identity.generate().validators(swarm.dht_prefix))
+                          record_validators=swarm_validators(Identity.generate(), swarm.dht_prefix))
     yield hostile, raw, reader
     for dht in (hostile, raw, reader):
         dht.shutdown()
@@ -197,8 +198,8 @@ def test_forged_eviction_reports_are_ignored(swarm, peers, baseline):
 
 
 def test_sessions_without_a_valid_ticket_are_refused(swarm, tiny_model, peers, baseline):
-    from swarm.petals_client import open_distributed_model
-    from swarm.routing import Lease, install, use_lease
+    from swarm.engine.petals_client import open_distributed_model
+    from swarm.engine.routing import Lease, install, use_lease
     from transformers import AutoTokenizer
 
     hostile = peers[0]
@@ -301,8 +302,8 @@ def test_a_push_from_a_peer_off_the_route_is_refused(swarm, tiny_model, peers, b
 
 
 def _push_into_a_live_session(swarm, tiny_model, p2p, baseline, reference_generate):
-    from swarm.petals_client import open_distributed_model
-    from swarm.routing import Lease, install, use_lease
+    from swarm.engine.petals_client import open_distributed_model
+    from swarm.engine.routing import Lease, install, use_lease
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(tiny_model)(PROMPT, return_tensors="pt").input_ids

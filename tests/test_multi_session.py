@@ -1,4 +1,4 @@
-"""Multi-session streams (server/multi_session.py, swarm/multi_client.py, swarm/batch_engine.py) on loopback.
+"""Multi-session streams (server/multi_session.py, swarm/engine/multi_client.py, swarm/engine/batching.py) on loopback.
 
 A two-hop swarm of the tiny model (open sessions): the protocol's answers to bad input — a malformed message
 closes the stream with its reason, a bad step fails its own session only and the others go on — and the
@@ -36,7 +36,7 @@ def swarm(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(swarm, tiny_model):
-    from swarm.petals_client import open_distributed_model
+    from swarm.engine.petals_client import open_distributed_model
 
     with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
                                 torch_dtype=torch.float32) as m:
@@ -44,7 +44,7 @@ def model(swarm, tiny_model):
 
 
 def _stream(model, swarm):
-    from swarm.multi_client import _Stream
+    from swarm.engine.multi_client import _Stream
 
     peer, start, end = swarm.route[0]
     return _Stream(model.transformer.h.sequence_manager.state.p2p, peer,
@@ -62,8 +62,8 @@ def test_the_plan_is_two_hops(swarm):
 
 
 def test_a_bad_step_fails_its_own_session_and_the_others_go_on(swarm, model):
-    from swarm import multi_wire
-    from swarm.multi_wire import Open
+    from swarm.engine import multi_wire
+    from swarm.engine.multi_wire import Open
 
     hidden = model.config.hidden_size
     stream = _stream(model, swarm)
@@ -99,7 +99,7 @@ def test_a_malformed_message_closes_the_stream_with_its_reason(swarm, model, met
 def test_sessions_stepped_together_get_the_hidden_states_they_get_alone(swarm, model):
     """Three sessions of different prompt lengths: their prefills in one message, then decode steps in one
     message each, through both servers — each session's outputs equal its own run in a stream of its own."""
-    from swarm.multi_client import ChainBatch
+    from swarm.engine.multi_client import ChainBatch
 
     manager = model.transformer.h.sequence_manager
     torch.manual_seed(3)
@@ -127,7 +127,7 @@ def test_sessions_stepped_together_get_the_hidden_states_they_get_alone(swarm, m
 def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, model):
     """Eight generations of different lengths through three session slots: all complete with their lengths,
     in batches of two or three; the servers counted one stream each and every session."""
-    from swarm.batch_engine import ChainGenerator
+    from swarm.engine.batching import ChainGenerator
 
     p2p = model.transformer.h.sequence_manager.state.p2p
     info = lambda peer, start: server_info(p2p, peer, f"{swarm.dht_prefix}.{start}")  # noqa: E731
@@ -150,7 +150,7 @@ def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, mo
 
 
 def test_callbacks_end_their_own_sequence_and_cancel_works(swarm, model):
-    from swarm.batch_engine import ChainGenerator, SequenceFailed, StopSequence
+    from swarm.engine.batching import ChainGenerator, SequenceFailed, StopSequence
 
     seen = []
 
@@ -179,7 +179,7 @@ def test_callbacks_end_their_own_sequence_and_cancel_works(swarm, model):
 
 
 def test_a_route_through_a_server_that_is_not_there_fails_every_sequence_in_bounded_time(swarm, model):
-    from swarm.batch_engine import ChainGenerator, SequenceFailed
+    from swarm.engine.batching import ChainGenerator, SequenceFailed
 
     ghost = "12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq"  # a well-formed peer id nobody has
     route = [(ghost, 0, swarm.route[0][2]), swarm.route[1]]
@@ -200,7 +200,7 @@ def test_a_server_that_answers_with_an_error_is_alive_one_that_vanished_is_not()
     go on on the same route); a lost connection or a timeout is a failed server (they are rerouted around it)."""
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 
-    from swarm.multi_client import ChainBatchError
+    from swarm.engine.multi_client import ChainBatchError
 
     assert ChainBatchError("p", P2PHandlerError("MultiWireError: bad")).alive
     unsupported = ChainBatchError("p", RuntimeError("failed to negotiate: protocol not supported"))

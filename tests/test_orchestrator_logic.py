@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from planner.plan import plan as run_planner
-from swarm import planning, records
-from swarm.identity import Identity
-from swarm.orchestrator import NoChainsError, Orchestrator, OrchestratorConfig, QueueTimeout, UnknownLeaseError
-from swarm.planning import Expectations
-from swarm.routing import NoRouteError
+from swarm.control import planning
+from swarm.trust import records
+from swarm.trust.identity import Identity
+from swarm.control.orchestrator import NoChainsError, Orchestrator, OrchestratorConfig, QueueTimeout, UnknownLeaseError
+from swarm.control.planning import Expectations
+from swarm.engine.routing import NoRouteError
 
 MB = 10**6
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from server.local_swarm import LocalSwarm
-from swarm import prefix as protocol
+from swarm.trust import prefix as protocol
 from helpers import wait_for
-from swarm.identity import Identity
+from swarm.trust.identity import Identity
 from test_orchestrator_logic import MemoryDHT, node_key
 
 pytestmark = pytest.mark.swarm
@@ -59,7 +59,7 @@ def swarm(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(swarm, tiny_model):
     """A petals client in the test process that runs sessions on routes the test chooses."""
-    from swarm.engine import GenerationEngine
+    from swarm.engine.generation import GenerationEngine
 
     eng = GenerationEngine(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
                            max_retries=2, request_timeout=8.0)
@@ -108,10 +108,10 @@ def route_of(swarm, *names):
 
 
 def run_direct(engine, route, ids, hashes, max_new_tokens=10):
-    from swarm.engine import SamplingParams
-    from swarm.routing import Lease
+    from swarm.engine.sampling import SamplingParams
+    from swarm.engine.routing import Lease
 
-    from swarm import tickets
+    from swarm.trust import tickets
 
     request_id = os.urandom(4).hex()
     # the test plays the orchestrator: its ticket grants the route and names the pages the servers may store
@@ -218,8 +218,9 @@ def test_pages_a_save_could_not_keep_are_reported_like_evictions():
 def test_orchestrator_index_follows_dispatch_and_eviction_reports():
     import asyncio
 
-    from swarm import planning, records
-    from swarm.orchestrator import Orchestrator, OrchestratorConfig
+    from swarm.control import planning
+    from swarm.trust import records
+    from swarm.control.orchestrator import Orchestrator, OrchestratorConfig
 
     expect = planning.Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0,
                                    prefix_cache_tokens=256)

@@ -31,7 +31,7 @@ PROMPTS = ["The three primary colours are", "Water boils at", "Once upon a time,
 
 def _budget_gb(model_dir, blocks: int, sessions: int) -> float:
     """Memory for ``blocks`` float32 blocks and ``sessions`` sessions of MAX_LENGTH tokens on each of them."""
-    from swarm.compat import petals
+    from swarm.model.compat import petals
     from petals.server.block_utils import get_block_size
 
     from server.profiling import cache_bytes_per_token
@@ -139,7 +139,7 @@ def swarm(smollm2_dir):
 def test_requests_are_bounded_before_any_work(swarm):
     """A prompt longer than any text of the session's max_length tokens, messages as long together, an
     oversized failed peer id and logit_bias key: refused before tokenizing, queueing or routing anything."""
-    from swarm.openai_api import prompt_char_limit
+    from swarm.api.openai_routes import prompt_char_limit
     from transformers import AutoTokenizer
 
     limit = prompt_char_limit(AutoTokenizer.from_pretrained(swarm.model_dir), MAX_LENGTH)

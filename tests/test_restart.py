@@ -16,6 +16,7 @@ import pytest
 
 from helpers import wait_for
 from server.local_swarm import LocalSwarm
+from swarm.trust.validation import swarm_validators
 
 pytestmark = pytest.mark.swarm
 
@@ -131,12 +132,12 @@ def claim_node_id(local, node_id, peers):
     """A DHT peer with its own key republishes ``node_id``'s profile as its own (a validly signed claim)."""
     import hivemind
 
-    from swarm import records
-    from swarm.identity import Identity
+    from swarm.trust import records
+    from swarm.trust.identity import Identity
 
     identity = Identity.generate()
     local.impostor_dht = dht = hivemind.DHT(initial_peers=peers, start=True,
-                                            record_validators=identity.validators(local.dht_prefix))
+                                            record_validators=swarm_validators(identity, local.dht_prefix))
     real = wait_for(lambda: records.fetch_profile_claims(dht, local.dht_prefix).get(node_id), 15,
                     what=f"{node_id}'s profile")
     assert records.publish_profile(dht, local.dht_prefix, next(iter(real.values())), 120, identity.public)

@@ -1,11 +1,11 @@
-"""swarm.sampling: token choice on real logits (bias, penalties, seeded sampling, top-p, logprobs) and stop
+"""swarm.engine.sampling: token choice on real logits (bias, penalties, seeded sampling, top-p, logprobs) and stop
 strings matched across token boundaries."""
 import math
 
 import pytest
 import torch
 
-from swarm.sampling import SamplingParams, StopMatcher, TokenChooser
+from swarm.engine.sampling import SamplingParams, StopMatcher, TokenChooser
 
 
 def step(chooser, logits):

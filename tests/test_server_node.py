@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from server import profiling
-from swarm import records
-from swarm.records import Assignment, OrchestratorInfo
+from swarm.trust import records
+from swarm.trust.records import Assignment, OrchestratorInfo
+from swarm.trust.validation import swarm_validators
 
 GIB = 1024**3
 
@@ -25,7 +26,7 @@ GIB = 1024**3
 
 
 def _tiny_config(tiny_model):
-    from swarm.compat import petals  # noqa: F401
+    from swarm.model.compat import petals  # noqa: F401
     from petals.utils.auto_config import AutoDistributedConfig
 
     return AutoDistributedConfig.from_pretrained(tiny_model)
@@ -151,7 +152,7 @@ def orchestrator_dht(swarm):
     import hivemind
 
     dht = hivemind.DHT(initial_peers=swarm.initial_peers, start=True,
-                       record_validators=swarm.orchestrator_identity.validators(swarm.dht_prefix))
+                       record_validators=swarm_validators(swarm.orchestrator_identity, swarm.dht_prefix))
     yield dht
     dht.shutdown()
 
@@ -249,7 +250,7 @@ def test_assignment_is_served_with_cache_sized_to_the_slots(swarm, orchestrator_
 def test_two_nodes_generate_like_transformers_with_server_to_server_pushes(swarm, tiny_model, reference_generate):
     from transformers import AutoTokenizer
 
-    from swarm.petals_client import open_distributed_model
+    from swarm.engine.petals_client import open_distributed_model
 
     a, b = swarm.nodes
     input_ids = AutoTokenizer.from_pretrained(tiny_model)("A journey of a thousand miles", return_tensors="pt").input_ids
@@ -269,7 +270,7 @@ def test_malformed_assignments_are_ignored(swarm, orchestrator_dht):
     key = f"{swarm.dht_prefix}.{records.ASSIGNMENTS}"
     from hivemind.utils.timed_storage import get_dht_time
 
-    from swarm.identity import Identity
+    from swarm.trust.identity import Identity
 
     subkey = swarm.orchestrator_identity.subkey("a")
     refused_records = [
@@ -304,7 +305,7 @@ def test_plan_change_drains_open_session_then_reloads(swarm, orchestrator_dht, t
     from petals.data_structures import ServerState
     from transformers import AutoTokenizer
 
-    from swarm.petals_client import open_distributed_model
+    from swarm.engine.petals_client import open_distributed_model
 
     a, b = swarm.nodes
     input_ids = AutoTokenizer.from_pretrained(tiny_model)("Every volunteer GPU", return_tensors="pt").input_ids
@@ -382,7 +383,7 @@ def test_chainswarm_server_command_serves_its_assignment_and_stops_cleanly(swarm
         assert set(_block_servers(orchestrator_dht, swarm)[3]) == {profile.peer_id}
 
         # a session that outlives --drain-timeout does not block a plan change forever
-        from swarm.petals_client import open_distributed_model
+        from swarm.engine.petals_client import open_distributed_model
 
         with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
                                     max_retries=0) as model:

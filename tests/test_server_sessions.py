@@ -1,4 +1,4 @@
-"""swarm.server_sessions: a petals server session is closed without ever blocking hivemind's event loop.
+"""swarm.model.petals_sessions: a petals server session is closed without ever blocking hivemind's event loop.
 
 The burst freeze (issue 15) was petals' own finalizer running on hivemind's RemoteExpertWorker loop thread and
 waiting for a coroutine on that same loop. These tests run the finalizer and close() where that happened, on
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from swarm.compat import petals  # noqa: F401  (installs ClosingServerSession)
+from swarm.model.compat import petals  # noqa: F401  (installs ClosingServerSession)
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-from swarm.server_sessions import ClosingServerSession
+from swarm.model.petals_sessions import ClosingServerSession
 
 
 def open_session(*, fails: bool = False):

@@ -11,8 +11,9 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm import prefix as protocol, records, tickets
-from swarm.identity import BadKeyError, Identity, KeyPins, parse_public_key, split_subkey
+from swarm.trust import prefix as protocol, records, tickets
+from swarm.trust.identity import BadKeyError, Identity, KeyPins, parse_public_key, split_subkey
+from swarm.trust.validation import swarm_validators
 from test_orchestrator_logic import MemoryDHT, profile
 
 PREFIX = "tiny-cs"
@@ -55,12 +56,12 @@ def _record(kind: str, subkey: str, value) -> DHTRecord:
 
 def _signed(identity: Identity, record: DHTRecord) -> DHTRecord:
     """What the writer's DHT stores: the value signed by the writer's validators."""
-    return dataclasses.replace(record, value=CompositeValidator(identity.validators(PREFIX)).sign_value(record))
+    return dataclasses.replace(record, value=CompositeValidator(swarm_validators(identity, PREFIX)).sign_value(record))
 
 
 def _accepts(record: DHTRecord) -> bool:
     """What any honest peer's DHT (its own key does not matter for validation) accepts."""
-    return CompositeValidator(Identity.generate().validators(PREFIX)).validate(record)
+    return CompositeValidator(swarm_validators(Identity.generate(), PREFIX)).validate(record)
 
 
 def test_validators_accept_records_signed_by_the_key_their_subkey_names():

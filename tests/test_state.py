@@ -1,4 +1,4 @@
-"""The state directory (swarm.state) and what the orchestrator keeps in it (swarm.persistence)."""
+"""The state directory (swarm.state.store) and what the orchestrator keeps in it (swarm.state.persistence)."""
 import json
 import os
 import signal
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from swarm import persistence, records
-from swarm.options import OrchestratorOptions
-from swarm.state import StateDir, StateError, atomic_write
+from swarm.state import persistence
+from swarm.trust import records
+from swarm.control.options import OrchestratorOptions
+from swarm.state.store import StateDir, StateError, atomic_write
 from test_orchestrator_logic import make, profile, publish, run, serve_assignments, SERVERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def test_a_write_that_fails_before_the_rename_keeps_the_old_file(tmp_path, monke
 
 WRITER = """
 import sys
-from swarm.state import StateDir
+from swarm.state.store import StateDir
 store = StateDir(sys.argv[1])
 i = 0
 while True:
@@ -165,7 +166,7 @@ def test_node_key_pins_survive_a_restart_and_an_impostor_is_refused_right_after(
     """The node id -> key pins are saved; after a restart an impostor's profile for a live node id is refused
     from the first refresh (without the saved pins, two keys claiming one id would keep the node out of the
     plan), and a restored pin whose node never comes back is released when its hold ends."""
-    from swarm.identity import Identity
+    from swarm.trust.identity import Identity
     from test_orchestrator_logic import PREFIX, node_key
 
     async def scenario():
@@ -206,7 +207,7 @@ def test_node_key_pins_survive_a_restart_and_an_impostor_is_refused_right_after(
 
 
 def test_a_restored_pin_is_held_only_until_its_node_is_seen_or_the_hold_ends():
-    from swarm.identity import KeyPins
+    from swarm.trust.identity import KeyPins
 
     pins = KeyPins()
     pins.restore({"a": b"key-a", "b": b"key-b"}, hold_s=30.0, now=100.0)

@@ -19,7 +19,7 @@ def two_server_swarm(tiny_model):
 def test_two_server_swarm_matches_local_transformers(two_server_swarm, tiny_model, reference_generate):
     from transformers import AutoTokenizer
 
-    from swarm.petals_client import open_distributed_model
+    from swarm.engine.petals_client import open_distributed_model
 
     swarm = two_server_swarm
     assert [(s.start, s.end) for s in swarm.servers] == [(0, 2), (2, 4)]

@@ -65,7 +65,7 @@ def test_achieved_rtt_from_the_orchestrator_host_matches_the_configuration(wan_s
     from hivemind.p2p import PeerID
     from petals.utils.ping import ping
 
-    from swarm.compat import petals  # noqa: F401
+    from swarm.model.compat import petals  # noqa: F401
 
     dht = hivemind.DHT(start=True, client_mode=True, initial_peers=wan_swarm.initial_peers)
     try:

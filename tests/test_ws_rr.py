@@ -1,4 +1,4 @@
-"""WS-RR, BPRR's request router, on the live orchestrator (swarm.ws_rr and Orchestrator(router="ws-rr")).
+"""WS-RR, BPRR's request router, on the live orchestrator (swarm.control.ws_rr and Orchestrator(router="ws-rr")).
 
 The router itself (pure bookkeeping over planner.baselines.ws_rr_route), then the orchestrator on an in-memory
 DHT: servers keep KV for their whole memory, requests get per-request paths that bypass the chains, wait for
@@ -11,8 +11,8 @@ import pytest
 
 from planner.baselines import ws_rr_route
 from planner.model import ModelSpec, Placement, Server
-from swarm.orchestrator import NoChainsError, QueueTimeout
-from swarm.ws_rr import WsRrRouter
+from swarm.control.orchestrator import NoChainsError, QueueTimeout
+from swarm.control.ws_rr import WsRrRouter
 
 from test_orchestrator_logic import profile, run, serving_orchestrator
 

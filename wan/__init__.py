@@ -43,7 +43,7 @@ Typical use by a swarm launcher (server k on 127.0.0.k; the client and bootstrap
     #      chainswarm wan measure --config wan.json
 
 This package must start fast: it imports neither torch nor petals, only the standard library and the
-process helpers of :mod:`swarm.process` (and uvloop inside the proxy process when it is available).
+process helpers of :mod:`swarm.runtime.process` (and uvloop inside the proxy process when it is available).
 
 Modules, one job each: :mod:`wan.config` (WanConfig, hosts and addresses, RIPE Atlas loading and the
 RTT derivation), :mod:`wan.proxy` (the user-space delay proxy), :mod:`wan.netem` (the kernel netem

@@ -1,8 +1,8 @@
 """An asyncio service (the delay proxy, the echo servers) in a child process of its own.
 
-The child leads its own process group and dies with its parent (:func:`swarm.process.become_group_leader`);
+The child leads its own process group and dies with its parent (:func:`swarm.runtime.process.become_group_leader`);
 it reports ``("ready", ports)`` on a pipe, answers ``"stats"`` and stops on SIGTERM, ``"stop"`` or EOF,
-sending ``("stopped", stats)``. The parent stops it with :func:`swarm.process.stop_process_group`.
+sending ``("stopped", stats)``. The parent stops it with :func:`swarm.runtime.process.stop_process_group`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from swarm.process import become_group_leader, stop_process_group
+from swarm.runtime.process import become_group_leader, stop_process_group
 from wan.config import WanError
 
 

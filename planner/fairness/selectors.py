@@ -22,13 +22,23 @@ pair (r, k) with k outside avail_i = {k : d[i][k] > 0} costs +``QUANTUM_PENALTY`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, Protocol, Sequence
 
 from .bfio import add_session_load, server_load_profile, swarm_bfio_cost
 from .types import ChainState, RequestState
 
-if TYPE_CHECKING:
-    from .base import CentralQueueScheduler
+
+class SchedulerView(Protocol):
+    """What a selector reads of its scheduler (:class:`planner.fairness.base.CentralQueueScheduler`)."""
+
+    def stickiness_available(self, client_id: Hashable) -> set | None: ...
+
+    def output_estimate(self, r: RequestState) -> float: ...
+
+    def chains(self) -> Iterable: ...
+
+    def running(self) -> Iterable: ...
+
 
 QUANTUM_PENALTY = 1e6  # §14.4: pairs outside a client's stickiness quantum cost +1e6 (never excluded)
 _TIE_EPS = 1e-7
@@ -68,7 +78,7 @@ class ChainSelector:
         """Build from scheduler keywords; those this selector does not use are ignored."""
         return cls(**{arg: options[kw] for kw, arg in cls.OPTIONS.items() if kw in options})
 
-    def avail(self, sched: CentralQueueScheduler, r: RequestState) -> set | None:
+    def avail(self, sched: SchedulerView, r: RequestState) -> set | None:
         """avail_i for r's client (refilling Q^w as DoubleQ does), or None when quanta do not apply."""
         return sched.stickiness_available(r.client_id) if self.uses_quanta else None
 

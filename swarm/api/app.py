@@ -1,14 +1,14 @@
 """The orchestrator's HTTP API (FastAPI): completions, leases, swarm status, Prometheus metrics.
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` — OpenAI-compatible
-  (:mod:`swarm.openai_api`); the orchestrator runs each session on its granted chain (the paper's proxying
+  (:mod:`swarm.api.openai_routes`); the orchestrator runs each session on its granted chain (the paper's proxying
   orchestrator); ``stream: true`` answers with server-sent events.
 * ``POST /v1/leases`` / ``POST /v1/leases/{id}/reroute`` / ``DELETE /v1/leases/{id}`` — for clients that
   drive the chain themselves (``client.DirectSwarmModel``).
 * ``GET /v1/swarm`` — plan, servers, chains with capacity and active sessions, queue, service and deficit per
   client, a short per-client service history, recent events (joins, leaves, plans, failures, refusals).
 * ``GET /metrics`` — Prometheus; ``GET /health``, ``GET /ready``; ``GET /`` — the dashboard, ``GET /chat`` —
-  a chat page (:mod:`swarm.web_pages`);
+  a chat page (:mod:`swarm.api.web_pages`);
   ``GET /docs`` — the OpenAPI UI. Every response carries ``X-Request-Id``.
 
 Errors are JSON ``{"error": {"type", "message"}}`` with a 4xx status for bad input (400 too long or an
@@ -32,15 +32,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from swarm import web_pages
-from swarm.api_errors import REFUSALS, ApiError, refusal
-from swarm.completion import CompletionRunner
-from swarm.engine import GenerationEngine
-from swarm.metrics import SwarmMetrics
-from swarm.openai_api import add_openai_routes
-from swarm.orchestrator import LeaseMisuse, Orchestrator, UnknownLeaseError
-from swarm.routing import NoRouteError
-from swarm.schemas import LeaseRequest, LeaseResponse, RenewResponse, RerouteRequest, RerouteResponse
+from swarm.api import web_pages
+from swarm.api.errors import REFUSALS, ApiError, refusal
+from swarm.engine.completion import CompletionRunner
+from swarm.engine.generation import GenerationEngine
+from swarm.api.metrics import SwarmMetrics
+from swarm.api.openai_routes import add_openai_routes
+from swarm.control.orchestrator import LeaseMisuse, Orchestrator, UnknownLeaseError
+from swarm.engine.routing import NoRouteError
+from swarm.api.schemas import LeaseRequest, LeaseResponse, RenewResponse, RerouteRequest, RerouteResponse
 
 
 logger = logging.getLogger(__name__)

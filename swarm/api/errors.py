@@ -5,8 +5,8 @@ when to come back (a full queue: 429; a queue timeout: 503).
 """
 from __future__ import annotations
 
-from swarm.completion import CompletionFailed
-from swarm.orchestrator import NoChainsError, QueueFull, QueueTimeout
+from swarm.engine.completion import CompletionFailed
+from swarm.control.orchestrator import NoChainsError, QueueFull, QueueTimeout
 
 
 class ApiError(Exception):

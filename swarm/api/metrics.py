@@ -83,7 +83,7 @@ class _SwarmCollector:
 
 
 class _BatchCollector:
-    """The engine's batched path (:meth:`swarm.engine.GenerationEngine.batch_stats`), read at scrape time."""
+    """The engine's batched path (:meth:`swarm.engine.generation.GenerationEngine.batch_stats`), read at scrape time."""
 
     def __init__(self, engine):
         self.engine = engine

@@ -1,12 +1,12 @@
 """The OpenAI-compatible endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
 
-Both generation endpoints turn a request into :class:`~swarm.sampling.SamplingParams`, start ``n`` runs of
-:class:`swarm.completion.CompletionRunner` (each a session through the fair queue, charged to the client) and
+Both generation endpoints turn a request into :class:`~swarm.engine.sampling.SamplingParams`, start ``n`` runs of
+:class:`swarm.engine.completion.CompletionRunner` (each a session through the fair queue, charged to the client) and
 shape what the runs yield into OpenAI's response or stream format. The token pump, liveness and retries live
 in the runner; this module only speaks the wire format:
 
 * text is decoded from the generated token ids; ``stop`` strings are cut with
-  :class:`~swarm.sampling.StopMatcher` (a streamed delta never contains a stop string or its beginning);
+  :class:`~swarm.engine.sampling.StopMatcher` (a streamed delta never contains a stop string or its beginning);
 * ``logprobs`` (completions: the legacy ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``; chat:
   ``content`` entries with ``bytes``) come from the LM head's real distribution;
 * a stream answers with an HTTP status until its first token exists (so a refusal is still a 4xx/5xx), then
@@ -25,10 +25,10 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import StreamingResponse
 
-from swarm.api_errors import REFUSALS, ApiError, refusal
-from swarm.completion import ClientGone, Finished
-from swarm.sampling import SamplingParams, StopMatcher, TokenLogprob
-from swarm.schemas import (
+from swarm.api.errors import REFUSALS, ApiError, refusal
+from swarm.engine.completion import ClientGone, Finished
+from swarm.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
+from swarm.api.schemas import (
     UNSUPPORTED_CHAT_FIELDS, UNSUPPORTED_COMPLETION_FIELDS, ChatCompletionRequest, CompletionRequest,
     CompletionResponse,
 )
@@ -37,7 +37,7 @@ def prompt_char_limit(tokenizer, max_length: int) -> int:
     """The most characters a text of ``max_length`` tokens can have: ``max_length`` times the longest vocabulary
     entry (no token stands for more characters than its entry has: byte-level BPE spells one byte per
     character, sentencepiece a space as one ``▁``). A tokenizer without a vocabulary: the schema's bound."""
-    from swarm.schemas import MAX_PROMPT_CHARS
+    from swarm.api.schemas import MAX_PROMPT_CHARS
 
     try:
         longest = max(len(token) for token in tokenizer.get_vocab())

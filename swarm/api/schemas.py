@@ -173,7 +173,7 @@ class LeaseResponse(BaseModel):
     ttl_s: float = Field(description="renew the lease (POST /v1/leases/{id}/renew) more often than this while the "
                          "session runs; an unrenewed lease expires and its slot goes to the next request")
     ticket: Optional[str] = Field(None, description="the orchestrator's signed session ticket (base64): send it in "
-                                  "every server request of the session (swarm.tickets)")
+                                  "every server request of the session (swarm.trust.tickets)")
 
 
 class RenewResponse(BaseModel):

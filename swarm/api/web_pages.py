@@ -1,6 +1,6 @@
 """The orchestrator's web pages: the swarm dashboard at ``/`` and the chat page at ``/chat``.
 
-Static files only (``swarm/web/``: two HTML pages, one script, one style sheet), served by the orchestrator
+Static files only (``swarm/api/web/``: two HTML pages, one script, one style sheet), served by the orchestrator
 itself so that no page loads anything from elsewhere. The pages read the public JSON API
 (``GET /v1/swarm``, ``POST /v1/chat/completions``) from the browser; nothing here renders data into markup.
 A strict Content-Security-Policy (same-origin scripts, styles and connections only, no inline script) backs
@@ -26,7 +26,7 @@ router = APIRouter(include_in_schema=False)
 @lru_cache(maxsize=None)
 def page(name: str) -> bytes:
     """One of :data:`FILES`, read from the installed package."""
-    return resources.files("swarm").joinpath("web", name).read_bytes()
+    return resources.files("swarm.api").joinpath("web", name).read_bytes()
 
 
 def _serve(name: str) -> Response:

@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.gguf import GGUFConversionError, convert_gguf
+    from swarm.model.gguf import GGUFConversionError, convert_gguf
 
     try:
         result = convert_gguf(args.file, args.out, args.dtype)

@@ -8,7 +8,7 @@ import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from swarm.model_store import DEFAULT_MODEL, describe_known_models
+    from swarm.model.store import DEFAULT_MODEL, describe_known_models
 
     parser.epilog = "known models: " + "; ".join(describe_known_models())
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"registry name (default {DEFAULT_MODEL})")
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.model_store import ModelStoreError, ensure_model
+    from swarm.model.store import ModelStoreError, ensure_model
 
     started = time.perf_counter()
     try:

@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
 
     try:
         spec = TinyLlamaSpec(

@@ -9,7 +9,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.model_store import cache_root, describe_known_models, list_cached_models
+    from swarm.model.store import cache_root, describe_known_models, list_cached_models
 
     cached = list_cached_models()
     if cached:

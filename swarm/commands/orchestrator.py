@@ -1,6 +1,6 @@
 """``chainswarm orchestrator``: plan the swarm, assign blocks, dispatch sessions, serve the HTTP API.
 
-The arguments are generated from :class:`swarm.options.OrchestratorOptions` (each option's default and help
+The arguments are generated from :class:`swarm.control.options.OrchestratorOptions` (each option's default and help
 live on its field); ``--http``, ``--api-key``, ``--api-keys-file`` and ``--no-proxy`` are written here.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from swarm import options as orchestrator_options
+from swarm.control import options as orchestrator_options
 
 
 API_KEYS_ENV = "CHAINSWARM_API_KEYS"
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         build_config(options)  # validate the planning settings before starting anything
     except ValueError as exc:
         return _fail(str(exc))
-    from swarm.state import StateError
+    from swarm.state.store import StateError
 
     try:
         run_service(options)

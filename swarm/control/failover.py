@@ -1,10 +1,10 @@
-"""The orchestrator's failover and lease operations (mixed into :class:`swarm.orchestrator.Orchestrator`).
+"""The orchestrator's failover and lease operations (mixed into :class:`swarm.control.orchestrator.Orchestrator`).
 
 * **Failover.** A session that sees a server fail asks for a reroute: the orchestrator's own evidence excludes the
   server at once; a lease holder's report is a claim confirmed by another client or the orchestrator's probe
-  (:mod:`swarm.failures`). A rerouted session takes a KV block-slot on every server of its new route or waits for
-  one, before the queue (:mod:`swarm.occupancy`).
-* **Leases** (clients that drive petals themselves; :mod:`swarm.leases`): grant through the fair queue, renewal,
+  (:mod:`swarm.control.failures`). A rerouted session takes a KV block-slot on every server of its new route or waits for
+  one, before the queue (:mod:`swarm.control.occupancy`).
+* **Leases** (clients that drive petals themselves; :mod:`swarm.control.leases`): grant through the fair queue, renewal,
   reroutes bounded to the lease's own peers, release and expiry.
 
 These methods use the orchestrator's state (``view``, ``router``, ``occupancy``, ``leases``, ``claims``,
@@ -18,9 +18,9 @@ import contextlib
 import logging
 import time
 
-from swarm.leases import LeaseRecord
-from swarm.occupancy import blocks_of
-from swarm.routing import NoRouteError, RouteSpan, clip_route
+from swarm.control.leases import LeaseRecord
+from swarm.control.occupancy import blocks_of
+from swarm.engine.routing import NoRouteError, RouteSpan, clip_route
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Failover:
         self._refresh_now.set()
 
     def claim_failure(self, peer_id: str, client_id: str) -> None:
-        """A lease holder says ``peer_id`` failed. Excluded only once confirmed (swarm.failures): by another
+        """A lease holder says ``peer_id`` failed. Excluded only once confirmed (swarm.control.failures): by another
         client's claim, or by the orchestrator's own probe, started here in the background."""
         node = self._node_of(peer_id)
         if node is None or node in self.suspects:
@@ -128,7 +128,7 @@ class LeaseOps:
 
     def rerouted_lease_ticket(self, record: LeaseRecord, route) -> bytes:
         """After a reroute of ``record``'s lease: its route as the client now drives it, and a fresh ticket."""
-        from swarm.routing import splice
+        from swarm.engine.routing import splice
 
         record.lease.route = splice(record.lease.route, route)
         record.lease.ticket = self.ticket(record.request_id, record.lease.chain_id, record.lease.route)

@@ -52,7 +52,7 @@ class DhtPing:
 
         from hivemind import PeerID
 
-        from swarm.compat import petals  # noqa: F401 (the shim before any petals import)
+        from swarm.model.compat import petals  # noqa: F401 (the shim before any petals import)
         from petals.utils.ping import ping
 
         try:

@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from swarm.planning import RoutableChain
-from swarm.routing import Lease, RouteSpan
+from swarm.control.planning import RoutableChain
+from swarm.engine.routing import Lease, RouteSpan
 
 MAX_REROUTES = 4  # failovers one lease may ask for (a session fails over once per failed server, rarely more)
 

@@ -4,8 +4,8 @@
 its help text live on its field. ``chainswarm orchestrator`` generates its arguments from the fields
 (:func:`arguments`, :func:`from_arguments`); :class:`server.local_swarm.LocalSwarm` passes them as keywords;
 :func:`swarm.service.build_config` resolves them against the model into the orchestrator's
-:class:`~swarm.orchestrator.OrchestratorConfig` (a subclass that adds what the model decides), deriving the
-planner's :class:`~swarm.planning.Expectations` in one function (:func:`swarm.planning.expectations`).
+:class:`~swarm.control.orchestrator.OrchestratorConfig` (a subclass that adds what the model decides), deriving the
+planner's :class:`~swarm.control.planning.Expectations` in one function (:func:`swarm.control.planning.expectations`).
 
 Fields marked ``cli=False`` have no generated argument: the command line writes them by hand (``--http
 HOST:PORT``, ``--api-key``, ``--api-keys-file``, ``--no-proxy``) or leaves them to programs.
@@ -23,7 +23,7 @@ from planner.plan import PLACEMENTS
 
 POLICIES = ("dlpm", "vtc", "fcfs", "lpm", "swarm", "bfio", "lcf")
 TUNINGS = ("lower-bound", "surrogate", "upper-bound")
-ROUTER_NAMES = ("jffc", "ws-rr")  # the table of implementations is swarm.routers.ROUTERS
+ROUTER_NAMES = ("jffc", "ws-rr")  # the table of implementations is swarm.control.routers.ROUTERS
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -123,7 +123,7 @@ class OrchestratorOptions:
         None, metavar="DIR", help="keep the orchestrator's state here and restart from it: DHT identity and port, "
         "HTTP port, prefix namespace, API keys, plan and assignments, fairness counters (default: none kept)")
     log_level: str = option("INFO", help="logging level of the orchestrator process")
-    # -- signed control plane (swarm.identity, swarm.tickets) --
+    # -- signed control plane (swarm.trust.identity, swarm.trust.tickets) --
     identity_key: str | None = option(None, metavar="FILE", help="the orchestrator's signing key (RSA, DER; "
                                       "created if missing; default: a new key per run). Servers pin its public "
                                       "key (shown in GET /v1/swarm as orchestrator_key)")

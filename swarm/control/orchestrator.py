@@ -3,20 +3,20 @@
 One asyncio service owns all state; blocking work (DHT calls, petals sessions) runs in threads.
 
 * **Membership and planning.** Every ``refresh_s`` it reads the servers' profile records from the DHT.
-  When the set of live servers changes it re-plans (``swarm.planning.choose_plan``: GBP-CR with c tuned
+  When the set of live servers changes it re-plans (``swarm.control.planning.choose_plan``: GBP-CR with c tuned
   by the Theorem 3.7 lower bound, then GCA, keeping current block ranges when that is nearly as good)
-  and publishes one :class:`~swarm.records.Assignment` per server, renewed while the plan stands. A
+  and publishes one :class:`~swarm.trust.records.Assignment` per server, renewed while the plan stands. A
   server reported failed by a session is excluded at once (GCA over the remaining placement), before
   its heartbeat record even expires.
 * **Dispatch.** Every request — a proxied completion or a client's lease — goes to the router chosen by
-  ``config.router`` at start-up (:mod:`swarm.routers`): by default GCA's chains, the fairness scheduler's
+  ``config.router`` at start-up (:mod:`swarm.control.routers`): by default GCA's chains, the fairness scheduler's
   central queue and JFFC grants; ``ws-rr``, BPRR's per-request WS-RR paths. The router decides everything
   about routing (KV slots per assignment, who starts where, the accounting of tokens); the orchestrator only
   hands grants to the waiting requests.
-* **Failover and leases** are in :mod:`swarm.failover` (mixed in): reroutes, failure claims, lease operations.
-* **Lease bookkeeping and prefix reuse** live in rooms of their own: :class:`swarm.leases.LeaseBook` and
-  :class:`swarm.prefix_view.PrefixView` (radix index of who holds which prompt pages, eviction reports).
-* **Sessions.** A granted completion runs through :class:`swarm.engine.GenerationEngine` on its chain;
+* **Failover and leases** are in :mod:`swarm.control.failover` (mixed in): reroutes, failure claims, lease operations.
+* **Lease bookkeeping and prefix reuse** live in rooms of their own: :class:`swarm.control.leases.LeaseBook` and
+  :class:`swarm.control.prefix_view.PrefixView` (radix index of who holds which prompt pages, eviction reports).
+* **Sessions.** A granted completion runs through :class:`swarm.engine.generation.GenerationEngine` on its chain;
   a lease hands the route to the client, which drives petals itself.
 """
 from __future__ import annotations
@@ -24,29 +24,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from planner.fairness.types import Grant
-from planner.plan import Plan
 from planner.tuning import InfeasibleError
-from swarm import planning, prefix as prefix_protocol, records, tickets
-from swarm.failures import DhtPing, FailureClaims
-from swarm.failover import Failover, LeaseOps
-from swarm.identity import Identity, KeyPins
-from swarm.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
-from swarm.occupancy import Occupancy, blocks_of, fit_capacities
-from swarm.options import OrchestratorOptions
-from swarm.planning import Expectations, RoutableChain
-from swarm.prefix_view import PrefixView
-from swarm.routers import ROUTERS, NoChainsError
-from swarm.routing import NoRouteError
-from swarm.service_history import ServiceHistory
-from swarm.status import swarm_status
+from swarm.control import planning
+from swarm.trust import prefix as prefix_protocol, records, tickets
+from swarm.control.failures import DhtPing, FailureClaims
+from swarm.control.failover import Failover, LeaseOps
+from swarm.trust.identity import Identity, KeyPins
+from swarm.control.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
+from swarm.control.occupancy import Occupancy, blocks_of, fit_capacities
+from swarm.control.planning import RoutableChain
+from swarm.control.prefix_view import PrefixView
+from swarm.control.routers import ROUTERS, NoChainsError
+from swarm.engine.routing import NoRouteError
+from swarm.control.service_history import ServiceHistory
+from swarm.control.status import swarm_status
+from swarm.control.view import OrchestratorConfig, SwarmView
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "QueueTimeout", "UnknownLeaseError",
            "LeaseRecord", "LeaseMisuse"]
@@ -70,34 +69,6 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
-@dataclass(kw_only=True)
-class OrchestratorConfig(OrchestratorOptions):
-    """The options resolved for the served model (:func:`swarm.service.build_config`): ``dht_prefix`` (never
-    None here), the model's ``num_blocks`` and ``expect``, what the planning options come to
-    (:func:`swarm.planning.expectations`; the orchestrator plans with ``expect`` only)."""
-
-    num_blocks: int
-    expect: Expectations
-    assignment_ttl_s: float = 30.0
-    suspect_s: float = 60.0  # how long a server reported failed stays excluded unless its record expires
-    # the secret that roots this orchestrator's prefix-hash namespace (swarm.prefix)
-    prefix_secret: bytes = field(default_factory=lambda: os.urandom(32))
-
-
-@dataclass
-class SwarmView:
-    """What the orchestrator currently believes; rebuilt on every refresh (read by the HTTP layer)."""
-
-    profiles: dict[str, records.ServerProfile] = field(default_factory=dict)
-    plan: Plan | None = None
-    plan_id: str | None = None
-    plan_kept_ranges: bool = False
-    plan_error: str | None = None
-    plan_inputs: dict | None = None  # the planner's input for this plan, in `chainswarm plan --swarm` format
-    assignments: dict[str, records.Assignment] = field(default_factory=dict)
-    chains: list[RoutableChain] = field(default_factory=list)
-
-
 class Orchestrator(Failover, LeaseOps):
     """The control plane. ``dht`` is a running hivemind.DHT (or anything with get/store)."""
 
@@ -106,9 +77,9 @@ class Orchestrator(Failover, LeaseOps):
         self.config = config
         self.dht = dht
         # the key that signs assignments, the orchestrator record and tickets (the DHT must sign with it too:
-        # swarm.service installs identity.validators() on it); servers pin its public half
+        # swarm.service installs swarm_validators() on it); servers pin its public half
         self.identity = identity or Identity.generate()
-        self.pins = KeyPins()  # node id -> the key its profiles are signed with (swarm.identity)
+        self.pins = KeyPins()  # node id -> the key its profiles are signed with (swarm.trust.identity)
         self._refused_keys: set[tuple[str, str]] = set()
         self.http_url = http_url
         self.view = SwarmView()
@@ -249,7 +220,7 @@ class Orchestrator(Failover, LeaseOps):
         return profiles
 
     def ticket(self, request_id: str, chain_id: str, route, page_hashes=()) -> bytes:
-        """A session ticket (swarm.tickets) for ``route``, signed by this orchestrator."""
+        """A session ticket (swarm.trust.tickets) for ``route``, signed by this orchestrator."""
         return tickets.mint(self.identity, request_id=request_id, chain_id=chain_id, route=route,
                             max_length=self.config.expect.max_length, ttl_s=self.config.ticket_ttl_s,
                             page_hashes=page_hashes)
@@ -319,7 +290,7 @@ class Orchestrator(Failover, LeaseOps):
 
     def _refit(self) -> None:
         """Give the router the ready chains with the capacities the servers' KV slots leave them, once the
-        sessions it does not count (earlier plans', rerouted ones') are placed (:mod:`swarm.occupancy`)."""
+        sessions it does not count (earlier plans', rerouted ones') are placed (:mod:`swarm.control.occupancy`)."""
         ready = self._ready
         if self.router.counts_chains and ready:
             slots = {node: a.cache_slots for node, a in self.view.assignments.items()}
@@ -439,7 +410,7 @@ class Orchestrator(Failover, LeaseOps):
         else:
             self._dispatch()
 
-    # -- prefix reuse (swarm.prefix_view) ----------------------------------------------------------------
+    # -- prefix reuse (swarm.control.prefix_view) ----------------------------------------------------------------
     def prompt_hashes(self, token_ids) -> list[bytes]:
         """Page hashes of a prompt this orchestrator tokenized, in its secret namespace ([] when off)."""
         return self.prefix.prompt_hashes(token_ids)
@@ -458,5 +429,5 @@ class Orchestrator(Failover, LeaseOps):
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self, detail: bool = True) -> dict[str, Any]:
-        """The swarm's state (:func:`swarm.status.swarm_status`); without ``detail``, the public view."""
+        """The swarm's state (:func:`swarm.control.status.swarm_status`); without ``detail``, the public view."""
         return swarm_status(self, detail)

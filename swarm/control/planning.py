@@ -26,8 +26,8 @@ from planner.plan import Plan, plan, plan_for_placement
 from planner.replan import incremental_replan
 from planner.standby import add_standby_chains
 from planner.tuning import InfeasibleError
-from swarm.options import OrchestratorOptions
-from swarm.records import SERVING, Assignment, ServerProfile
+from swarm.control.options import OrchestratorOptions
+from swarm.trust.records import SERVING, Assignment, ServerProfile
 
 BYTES_PER_GB = 10**9
 
@@ -35,7 +35,7 @@ BYTES_PER_GB = 10**9
 @dataclass(frozen=True)
 class Expectations:
     """What the orchestrator plans for: request lengths, arrival rate and planner settings (the planner
-    settings' defaults are the options', :class:`swarm.options.OrchestratorOptions`)."""
+    settings' defaults are the options', :class:`swarm.control.options.OrchestratorOptions`)."""
 
     max_length: int  # tokens per session (prompt + output); one KV slot holds this many tokens
     input_tokens: float  # l̄_I, mean prompt length

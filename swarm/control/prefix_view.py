@@ -3,7 +3,7 @@
 :class:`PrefixView` owns the radix index over page hashes (:class:`planner.prefix_index.PrefixIndex`, one
 holder per server, each with the prefix store's page budget), the chain matcher the fairness scheduler asks for
 m_k(r) (a chain reuses what *all* its servers hold), the hit statistics and the bookkeeping of the servers'
-eviction reports (:mod:`swarm.prefix`). The index is optimistic: a dispatched request's pages count as held on
+eviction reports (:mod:`swarm.trust.prefix`). The index is optimistic: a dispatched request's pages count as held on
 every server of its chain at once (§14.4); the servers' eviction reports correct it later. Pure bookkeeping,
 no I/O: the orchestrator fetches the reports and calls :meth:`apply_reports`.
 """
@@ -13,8 +13,8 @@ import contextlib
 from typing import Any, Sequence
 
 from planner.prefix_index import ChainPrefixMatcher, PrefixIndex
-from swarm import prefix as prefix_protocol
-from swarm.planning import RoutableChain
+from swarm.trust import prefix as prefix_protocol
+from swarm.control.planning import RoutableChain
 
 
 class PrefixView:
@@ -61,7 +61,7 @@ class PrefixView:
         stats["stale"] += reused_tokens < expected_tokens
 
     def apply_reports(self, reports: dict[str, dict], live: set[str] | None = None) -> None:
-        """Follow the servers' eviction reports (``swarm.prefix``): drop evicted pages from the radix index;
+        """Follow the servers' eviction reports (``swarm.trust.prefix``): drop evicted pages from the radix index;
         a new store epoch (reload) or a gap in the eviction sequence drops everything the node held."""
         for node, report in reports.items():
             epoch, seq = report["epoch"], report["seq"]

@@ -11,7 +11,7 @@ reroute prefers, and its block of the status.
   free slot). Only ready chains (every server serves its assignment) are grantable; costs are charged as the
   spec's §1 says: input tokens at admission, output tokens as they are generated.
 * :class:`WsRrPaths` (``ws-rr``, the BPRR baseline of the experiments): requests bypass the chains and the
-  fairness queue; each is routed on arrival by WS-RR (:class:`swarm.ws_rr.WsRrRouter`, the pure
+  fairness queue; each is routed on arrival by WS-RR (:class:`swarm.control.ws_rr.WsRrRouter`, the pure
   bookkeeping) over the servers' block ranges and starts when its path's servers have KV slots; servers keep
   KV for all the sessions their memory holds. A started request runs on its path as a one-slot chain.
 """
@@ -20,20 +20,17 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from planner.fairness import ChainSpec, make_scheduler
 from planner.fairness.types import FairnessError, Grant
 from planner.model import Placement
 from planner.plan import Plan
-from swarm import planning
-from swarm.planning import RoutableChain
-from swarm.records import ServerProfile
-from swarm.ws_rr import WsRrRouter
-
-if TYPE_CHECKING:  # pragma: no cover
-    from swarm.orchestrator import OrchestratorConfig, SwarmView
-
+from swarm.control import planning
+from swarm.control.planning import RoutableChain
+from swarm.trust.records import ServerProfile
+from swarm.control.view import OrchestratorConfig, SwarmView
+from swarm.control.ws_rr import WsRrRouter
 
 class NoChainsError(Exception):
     """There is no plan (or no ready chain) that could ever serve the request."""
@@ -106,7 +103,7 @@ class Router:
 class JffcRouter(Router):
     """GCA chains, the fairness scheduler's central queue and JFFC grants. Each ready chain is given to the
     scheduler with the planner's mean service time and its servers' measured prefill per prompt token
-    (:func:`swarm.planning.chain_prefill_s`), which T_k(r) charges for the prompt tokens it must compute."""
+    (:func:`swarm.control.planning.chain_prefill_s`), which T_k(r) charges for the prompt tokens it must compute."""
 
     counts_chains = True
 
@@ -252,5 +249,5 @@ class WsRrPaths(Router):
         return {"ws_rr": self.router.status(), "queue": {}, "clients": {}}
 
 
-# name -> implementation (the names are swarm.options.ROUTER_NAMES, the choices of --router)
+# name -> implementation (the names are swarm.control.options.ROUTER_NAMES, the choices of --router)
 ROUTERS: dict[str, type[Router]] = {"jffc": JffcRouter, "ws-rr": WsRrPaths}

@@ -6,15 +6,14 @@ all of it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # pragma: no cover
-    from swarm.orchestrator import Orchestrator
+from typing import Any
 
 PRIVATE = ("clients", "events", "service_history")  # they name clients and leases
 
 
-def swarm_status(orch: "Orchestrator", detail: bool = True) -> dict[str, Any]:
+def swarm_status(orch: Any, detail: bool = True) -> dict[str, Any]:
+    """The status document of ``orch`` (a :class:`swarm.control.orchestrator.Orchestrator`; it calls this
+    function, so the annotation stays a plain ``Any`` and no import points back up)."""
     view = orch.view
     active = orch.router.active_sessions()
     kv_used = orch.occupancy.per_server()

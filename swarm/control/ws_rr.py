@@ -9,7 +9,7 @@ the slots; a server hands freed slots to its committed requests in arrival order
 overtakes an earlier one on a server they share.
 
 :class:`WsRrRouter` is pure bookkeeping (no I/O): the orchestrator's ``ws-rr`` router
-(:class:`swarm.routers.WsRrPaths`) calls :meth:`submit` on arrival, :meth:`startable` whenever slots may have
+(:class:`swarm.control.routers.WsRrPaths`) calls :meth:`submit` on arrival, :meth:`startable` whenever slots may have
 freed, and :meth:`release` when a request ends. The router keeps its requests across topology updates
 (:meth:`update`) so a re-plan does not forget what is running.
 """

@@ -1,6 +1,6 @@
 """Continuous batching over one chain: many generations share every server message and one LM-head pass.
 
-:class:`ChainGenerator` owns a :class:`swarm.multi_client.ChainBatch` (one multi-session stream per server of
+:class:`ChainGenerator` owns a :class:`swarm.engine.multi_client.ChainBatch` (one multi-session stream per server of
 a route) and a driver thread. Generations are submitted from any thread; at every step the driver admits
 waiting ones (up to ``max_sessions`` running; their prompts' prefills travel in the same messages as the
 running sessions' one-token decode steps), runs one step through the chain for all of them, computes the
@@ -24,9 +24,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from swarm.kernels import linear
-from swarm.multi_client import ChainBatch, ChainBatchError
-from swarm.routing import RouteSpan
+from swarm.model.kernels import linear
+from swarm.engine.multi_client import ChainBatch, ChainBatchError
+from swarm.engine.routing import RouteSpan
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class ChainGenerator:
 
         ``on_token(token)`` is called for every token; if it raises :class:`StopSequence` the sequence is complete,
         any other exception ends the sequence with that exception. ``processor(input_ids (1, n), scores (1, V))``
-        (a transformers logits processor, e.g. :class:`swarm.sampling.TokenChooser`) adjusts the scores before the
+        (a transformers logits processor, e.g. :class:`swarm.engine.sampling.TokenChooser`) adjusts the scores before the
         greedy pick. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a generation needs at least one input token and max_new_tokens >= 1")

@@ -8,9 +8,9 @@ generated token ids as they appear, then one :class:`Finished`. It owns the sess
   taken out of the queue at once. While generating, the session stops at its next token and its slot is
   returned once its servers are released.
 * **No progress.** A session that makes no progress (no server step, no token) for longer than its stall
-  limit is aborted (:class:`swarm.routing.SessionControl`): its running step is cancelled, its servers are
+  limit is aborted (:class:`swarm.engine.routing.SessionControl`): its running step is cancelled, its servers are
   released, its slot is returned. The stall limit is ``stall_timeout_s`` if set, else ``stall_factor`` × the
-  planned time of the step in progress (:func:`swarm.planning.planned_step_s`), clamped to
+  planned time of the step in progress (:func:`swarm.control.planning.planned_step_s`), clamped to
   [``stall_floor_s``, ``stall_cap_s``] — seconds, never minutes. A stuck petals call never holds a slot: if
   the session thread does not let go within ``release_wait_s`` the slot is returned anyway.
 * **Retry.** A session that failed or stalled before producing a token is queued again (up to
@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from swarm.engine import GenerationEngine, StopGeneration
-from swarm.routing import Lease, NoRouteError, SessionControl, splice
-from swarm.sampling import SamplingParams, StopMatcher, TokenLogprob
+from swarm.engine.generation import GenerationEngine, StopGeneration
+from swarm.engine.routing import Lease, NoRouteError, SessionControl, splice
+from swarm.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

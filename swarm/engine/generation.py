@@ -1,12 +1,12 @@
 """The orchestrator's generation engine: runs a granted session through its chain (the paper's proxy).
 
 One petals distributed model (embeddings and LM head local, blocks remote) serves every session; each
-session runs in its own worker thread and routes on its own lease (``swarm.routing``), so many sessions
+session runs in its own worker thread and routes on its own lease (``swarm.engine.routing``), so many sessions
 proceed concurrently on different chains. Generated tokens are reported as they appear, for streaming
 and for per-token fairness charging.
 
 Sessions on the same chain are batched (``batch_sessions`` > 0, the default): a session without prefix reuse
-joins the chain's :class:`swarm.batch_engine.ChainGenerator`, which steps all of that chain's sessions together —
+joins the chain's :class:`swarm.engine.batching.ChainGenerator`, which steps all of that chain's sessions together —
 one multi-session message per server and step, one batched pass on each server, one LM-head pass here — with
 the same tokens (greedy, or the request's own sampling). If the batched path fails (a server that dies, or
 a server without multi-session streams), the session goes on from the tokens it has on petals' own
@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from swarm.batch_engine import ChainGenerator, SequenceFailed, StopSequence
-from swarm.prefix import PAGE_TOKENS, reusable_pages
-from swarm.sampling import SamplingParams, TokenChooser, TokenLogprob
-from swarm.routing import (
+from swarm.engine.batching import ChainGenerator, SequenceFailed, StopSequence
+from swarm.trust.prefix import PAGE_TOKENS, reusable_pages
+from swarm.engine.sampling import SamplingParams, TokenChooser, TokenLogprob
+from swarm.engine.routing import (
     Lease, LeaseProvider, NoRouteError, PrefixPlan, PrefixSessionFailed, SessionControl, install, probe_route,
     splice, use_lease,
 )
@@ -77,7 +77,7 @@ class GenerationEngine:
                  batch_sessions: int = 16):
         from transformers import AutoTokenizer
 
-        from swarm.compat import petals
+        from swarm.model.compat import petals
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
@@ -108,7 +108,7 @@ class GenerationEngine:
                  control: SessionControl | None = None) -> GenerationResult:
         """Run one session on ``lease``'s chain (blocking). ``provider`` handles mid-session failover.
 
-        With ``page_hashes`` (the prompt's full-page hashes, :mod:`swarm.prefix`) the chain's servers are
+        With ``page_hashes`` (the prompt's full-page hashes, :mod:`swarm.trust.prefix`) the chain's servers are
         probed first; the pages all of them hold are reused (``on_prefix(reused_tokens)`` is called before
         the prefill) and the new pages are stored after it. If a server fails during a session that reused a
         prefix, the session restarts on a route without it from the prompt plus the tokens generated so far,
@@ -271,7 +271,7 @@ class GenerationEngine:
         if chooser is not None:
             sampling["logits_processor"] = LogitsProcessorList([chooser])
         # petals' generate() opens the InferenceSession in a ``with`` block on this thread and closes it (and
-        # every server session) here on every path: success, error, abort, failover (swarm.server_sessions)
+        # every server session) here on every path: success, error, abort, failover (swarm.model.petals_sessions)
         with use_lease(lease, provider, control) as context, torch.inference_mode():
             context.prefix = plan
             self.model.generate(
@@ -281,7 +281,7 @@ class GenerationEngine:
             )
 
     def close(self) -> None:
-        from swarm.petals_client import close_distributed_model
+        from swarm.engine.petals_client import close_distributed_model
 
         self._closed.set()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,6 +1,6 @@
 """The client side of multi-session streams: many sessions stepped through one chain, one message per server.
 
-:class:`ChainBatch` opens one ``rpc_multi_inference`` stream (:mod:`swarm.multi_wire`) to every server of a route
+:class:`ChainBatch` opens one ``rpc_multi_inference`` stream (:mod:`swarm.engine.multi_wire`) to every server of a route
 and steps any number of sessions through the whole chain at once: the first server gets all their hidden
 states in one message, its reply goes (relay, through the client) to the next server in one message, and so
 on. Sessions open and close between steps, so a caller can run continuous batching: new sessions' prefills
@@ -19,7 +19,7 @@ import contextlib
 import logging
 from typing import Mapping, NamedTuple, Optional, Sequence
 
-from swarm.compat import petals  # noqa: F401  (shim first)
+from swarm.model.compat import petals  # noqa: F401  (shim first)
 import torch  # noqa: E402
 from hivemind import MSGPackSerializer, PeerID, deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker  # noqa: E402
@@ -28,8 +28,8 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 from hivemind.utils.asyncio import anext  # noqa: E402
 from petals.data_structures import CHAIN_DELIMITER  # noqa: E402
 
-from swarm import multi_wire  # noqa: E402
-from swarm.routing import RouteSpan  # noqa: E402
+from swarm.engine import multi_wire  # noqa: E402
+from swarm.engine.routing import RouteSpan  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

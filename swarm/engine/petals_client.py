@@ -27,7 +27,7 @@ def open_distributed_model(
     model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_retries: int = 3, **config
 ) -> Iterator[object]:
     """A petals ``DistributedLlamaForCausalLM`` (or other family) on a private swarm, closed on exit."""
-    from swarm.compat import petals
+    from swarm.model.compat import petals
 
     model = petals.AutoDistributedModelForCausalLM.from_pretrained(
         model_dir, initial_peers=list(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries,

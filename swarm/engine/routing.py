@@ -26,7 +26,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
-from swarm.compat import petals  # noqa: F401  (shim first)
+from swarm.model.compat import petals  # noqa: F401  (shim first)
 import torch  # noqa: E402
 import petals.client.remote_sequential as remote_sequential_module  # noqa: E402
 from hivemind import PeerID  # noqa: E402
@@ -34,9 +34,9 @@ from petals.client.inference_session import InferenceSession  # noqa: E402
 from petals.client.routing.sequence_manager import RemoteSequenceManager  # noqa: E402
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState  # noqa: E402
 
-from swarm import server_sessions  # noqa: E402
-from swarm.tickets import META_KEY as TICKET_META_KEY  # noqa: E402
-from swarm.prefix import META_KEY as PREFIX_META_KEY, MISSING_MESSAGE as PREFIX_MISSING, PROBE_RPC as PREFIX_PROBE_RPC  # noqa: E402
+from swarm.model import petals_sessions as server_sessions  # noqa: E402
+from swarm.trust.tickets import META_KEY as TICKET_META_KEY  # noqa: E402
+from swarm.trust.prefix import META_KEY as PREFIX_META_KEY, MISSING_MESSAGE as PREFIX_MISSING, PROBE_RPC as PREFIX_PROBE_RPC  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Lease:
     chain_id: str
     route: tuple[RouteSpan, ...]
     max_length: int | None = None
-    ticket: bytes | None = None  # the orchestrator's signed session ticket (swarm.tickets), sent to every server
+    ticket: bytes | None = None  # the orchestrator's signed session ticket (swarm.trust.tickets), sent to every server
 
 
 class LeaseProvider(Protocol):
@@ -72,7 +72,7 @@ class LeaseProvider(Protocol):
 
 @dataclass
 class PrefixPlan:
-    """Prompt-prefix reuse for the session opened in this context (protocol: :mod:`swarm.prefix`).
+    """Prompt-prefix reuse for the session opened in this context (protocol: :mod:`swarm.trust.prefix`).
 
     ``hashes`` are the prompt's full-page hashes (every server stores the new pages after the prefill);
     ``load_pages`` the pages every server of the route holds (the chain minimum from the probe): each server
@@ -145,7 +145,7 @@ class SessionControl:
 
     def _cancel_steps(self, peer_id: str | None = None) -> None:
         """Cancel the running steps of the session's server sessions (those on ``peer_id`` only, if given)."""
-        if self.session is not None:  # its server sessions are ClosingServerSessions (swarm.compat installs them)
+        if self.session is not None:  # its server sessions are ClosingServerSessions (swarm.model.compat installs them)
             for server_session in list(self.session._server_sessions):
                 if peer_id is None or server_session.span.peer_id.to_base58() == peer_id:
                     server_session.cancel_step()
@@ -347,8 +347,8 @@ def probe_route(manager: RemoteSequenceManager, route: Sequence[RouteSpan], hash
 def install(model, lease_provider: LeaseProvider | None = None) -> OrchestratedSequenceManager:
     """Switch a petals distributed model to orchestrated routing; return its new sequence manager.
 
-    (Its server sessions are :class:`swarm.server_sessions.ClosingServerSession` objects, as every petals client's
-    in our processes: :mod:`swarm.compat` installs them.)"""
+    (Its server sessions are :class:`swarm.model.petals_sessions.ClosingServerSession` objects, as every petals client's
+    in our processes: :mod:`swarm.model.compat` installs them.)"""
     remote_sequential_module.InferenceSession = ChainswarmInferenceSession
     layers = model.model.layers if hasattr(model, "model") else model.transformer.h
     old = layers.sequence_manager

@@ -44,7 +44,7 @@ def _train_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = resources.files("swarm").joinpath("assets/tokenizer_corpus.txt").read_text(encoding="utf-8")
+    corpus = resources.files("swarm").joinpath("model/assets/tokenizer_corpus.txt").read_text(encoding="utf-8")
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -286,7 +286,7 @@ class _OpenGGUF:
 
 def _open_llama_gguf(gguf_path: str | Path) -> _OpenGGUF:
     """Read and validate a GGUF (architecture, tokenizer kind, tensor names); nothing is dequantized yet."""
-    from swarm.gguf_tokenizer import UnsupportedTokenizer, check_tokenizer_supported
+    from swarm.model.gguf_tokenizer import UnsupportedTokenizer, check_tokenizer_supported
 
     src = Path(gguf_path)
     if not src.is_file():
@@ -355,7 +355,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
     that a wrong layout is detected. ``extra_info`` is merged into ``chainswarm_model.json``.
     Raises :class:`GGUFConversionError` (one-line message) for files it cannot convert faithfully.
     """
-    from swarm.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer
+    from swarm.model.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer
 
     started = time.perf_counter()
     if dtype not in DTYPES:

@@ -35,7 +35,7 @@ import sys
 import threading
 import traceback
 
-from swarm.compat import petals  # noqa: F401  (shim first)
+from swarm.model.petals_shim import petals  # noqa: F401  (shim first)
 import petals.client.inference_session as inference_session_module  # noqa: E402
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402

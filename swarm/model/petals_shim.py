@@ -11,8 +11,8 @@ those names back and switches off petals' start-up calls that need the internet:
 * the speedtest.net measurement behind ``throughput="auto"`` (the default network speed is used instead;
   Chainswarm measures communication time itself, see ``server.profiling``).
 
-Every entry point imports petals through this module (``from swarm.compat import petals``) so the
-patches are applied before anything else touches petals. ``tests/test_compat.py`` checks that plain
+Every entry point imports petals through :mod:`swarm.model.compat` (``from swarm.model.compat import petals``),
+which imports this module first, so the patches are applied before anything else touches petals. ``tests/test_compat.py`` checks that plain
 ``import petals`` still breaks without the shim, so the shim cannot rot silently when versions move.
 """
 from __future__ import annotations
@@ -101,12 +101,5 @@ _import_bitsandbytes_quietly()
 import petals  # noqa: E402  (must follow the hivemind names)
 
 _patch_petals()
-
-# Every petals client in Chainswarm's processes (the orchestrator's engine, DirectSwarmModel, the vanilla petals
-# clients of tests, benchmarks and the PETALS baseline) closes its server sessions explicitly and never blocks
-# hivemind's event loop from a finalizer: petals 2.2's own close can deadlock that loop (swarm.server_sessions).
-from swarm import server_sessions  # noqa: E402  (needs `petals` above)
-
-server_sessions.install()
 
 __all__ = ["petals", "restore_hivemind_names", "HIVEMIND_TOP_LEVEL_NAMES"]

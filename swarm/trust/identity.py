@@ -1,10 +1,11 @@
-"""Who wrote a control-plane record: signing keys, owned subkeys, the DHT validators, node-id pins.
+"""Who wrote a control-plane record: signing keys, owned subkeys, node-id pins.
 
 Every Chainswarm control-plane record (server profiles, assignments, the orchestrator record, prefix eviction
 reports) is stored under a subkey ``<name>[owner:<public key>]`` (:meth:`Identity.subkey`). hivemind's
 :class:`~hivemind.dht.crypto.RSASignatureValidator` then makes the DHT sign the value with the writer's key and
 makes every DHT peer that has it installed refuse a value whose signature does not match the key named in the
-subkey. :class:`RecordSchemaValidator` (installed next to it, :meth:`Identity.validators`) additionally refuses,
+subkey. :class:`~swarm.trust.validation.RecordSchemaValidator` (installed next to it by
+:func:`swarm.trust.validation.swarm_validators`) additionally refuses,
 under Chainswarm's four keys, any record that is not owned or whose value does not parse (a profile whose
 ``node_id`` differs from the subkey's name, a mistyped assignment, ...). Both are mechanism: *which* owner a
 reader believes is policy and lives with the reader:
@@ -30,10 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, TypeVar
 
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
-from hivemind.utils.serializer import MSGPackSerializer
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +118,6 @@ class Identity:
     def sign(self, data: bytes) -> bytes:
         return self.private_key.sign(data)
 
-    def validators(self, dht_prefix: str) -> list[RecordValidatorBase]:
-        """What every DHT of the swarm must run: signatures (signing with this key) + Chainswarm's schemas."""
-        return [RSASignatureValidator(self.private_key), RecordSchemaValidator(dht_prefix)]
-
     @property
     def public_b64(self) -> str:
         return self.public.split()[1].decode()
@@ -134,64 +128,6 @@ def verify(public: bytes, data: bytes, signature: bytes) -> bool:
         return RSAPublicKey.from_bytes(public).verify(data, signature)
     except Exception:
         return False
-
-
-# -- the schema validator ------------------------------------------------------------------------------
-
-
-def _check_value(kind: str, name: str, value: Any) -> bool:
-    from swarm import prefix as prefix_protocol, records
-
-    try:
-        if kind == records.PROFILES:
-            return records.ServerProfile.from_dict(value).node_id == name
-        if kind == records.ASSIGNMENTS:
-            records.Assignment.from_dict(value)
-            return True
-        if kind == records.ORCHESTRATOR:
-            records.OrchestratorInfo.from_dict(value)
-            return name == "main"
-        if kind == prefix_protocol.REPORTS:
-            return prefix_protocol.valid_report(value)
-    except (records.RecordError, TypeError, ValueError):
-        return False
-    return False
-
-
-class RecordSchemaValidator(RecordValidatorBase):
-    """Under ``{prefix}._cs.*`` only owned subkeys (so: signed, see the module doc) with well-formed values.
-
-    Other keys (petals' own block records, ``_petals.models``) pass untouched. Runs after hivemind's
-    signature validator (lower priority), on the value with the signature stripped.
-    """
-
-    def __init__(self, dht_prefix: str):
-        from swarm import prefix as prefix_protocol, records
-
-        kinds = (records.PROFILES, records.ASSIGNMENTS, records.ORCHESTRATOR, prefix_protocol.REPORTS)
-        self._kinds = {DHTID.generate(source=f"{dht_prefix}.{kind}").to_bytes(): kind for kind in kinds}
-
-    def validate(self, record: DHTRecord) -> bool:
-        kind = self._kinds.get(record.key)
-        if kind is None:
-            return True
-        try:
-            owned = split_subkey(MSGPackSerializer.loads(record.subkey)) if record.subkey else None
-            if owned is None:
-                return False
-            return _check_value(kind, owned[0], MSGPackSerializer.loads(record.value))
-        except Exception:
-            return False
-
-    @property
-    def priority(self) -> int:
-        return 5  # below RSASignatureValidator's 10: sees the value without its signature
-
-    def merge_with(self, other: RecordValidatorBase) -> bool:
-        if not isinstance(other, RecordSchemaValidator):
-            return False
-        self._kinds.update(other._kinds)
-        return True
 
 
 # -- reading owned records -----------------------------------------------------------------------------
@@ -219,7 +155,7 @@ class KeyPins:
     one key is pinned to it; one claimed by several keys at once with none pinned is refused altogether (who
     came first cannot be told) until only one remains.
 
-    Pins survive an orchestrator restart (:mod:`swarm.persistence` saves :attr:`pins` and :meth:`restore` loads
+    Pins survive an orchestrator restart (:mod:`swarm.state.persistence` saves :attr:`pins` and :meth:`restore` loads
     them): a restored pin holds for ``hold_s`` even while its key's record is not seen (a restarted DHT peer
     finds records only as it reconnects), so an impostor cannot claim a live node's id in the moments after a
     restart; once its record is seen it is an ordinary pin again, and one whose record never comes back is

@@ -76,10 +76,10 @@ def valid_report(value: Any) -> bool:
 
 
 def publish_report(dht, prefix: str, node_id: str, report: Mapping[str, Any], ttl: float, owner: bytes) -> bool:
-    """Publish ``node_id``'s report signed by ``owner`` (the node's key; swarm.identity)."""
+    """Publish ``node_id``'s report signed by ``owner`` (the node's key; swarm.trust.identity)."""
     from hivemind.utils.timed_storage import get_dht_time
 
-    from swarm.identity import owned_subkey
+    from swarm.trust.identity import owned_subkey
 
     return bool(dht.store(f"{prefix}.{REPORTS}", dict(report), expiration_time=get_dht_time() + ttl,
                           subkey=owned_subkey(node_id, owner)))
@@ -88,7 +88,7 @@ def publish_report(dht, prefix: str, node_id: str, report: Mapping[str, Any], tt
 def fetch_reports(dht, prefix: str, owners: Mapping[str, bytes]) -> dict[str, dict]:
     """{node id: report} for well-formed reports signed by the key ``owners`` pins for their node id (a report
     in another key's name, or for a node id nobody pinned, is ignored)."""
-    from swarm.identity import fetch_owned
+    from swarm.trust.identity import fetch_owned
 
     out = {}
     for node, owner, value in fetch_owned(dht, f"{prefix}.{REPORTS}"):

@@ -9,7 +9,7 @@ Three keys live under the model's DHT prefix, next to petals' own block records:
 A record that is not renewed expires; that is how the orchestrator notices a vanished server and how a
 server notices a vanished orchestrator. Values are plain msgpack-friendly dicts; ``from_dict`` validates
 them, so a malformed record from a buggy or hostile peer is skipped instead of crashing its reader. Every
-record is signed by its writer (owned subkeys, :mod:`swarm.identity`); readers name the owner they believe.
+record is signed by its writer (owned subkeys, :mod:`swarm.trust.identity`); readers name the owner they believe.
 """
 from __future__ import annotations
 
@@ -181,10 +181,10 @@ class OrchestratorInfo:
 
 # -- DHT access (a hivemind.DHT; imported lazily so this module stays light) ----------------------------
 #
-# Every record is stored under an owned subkey ``<name>[owner:<public key>]`` (swarm.identity): the DHT signs it
+# Every record is stored under an owned subkey ``<name>[owner:<public key>]`` (swarm.trust.identity): the DHT signs it
 # with the writer's key and validating peers refuse it unless the signature matches. Readers choose the owner
 # they believe: assignments and the orchestrator record only under the orchestrator key, profiles under the
-# key pinned for their node id (swarm.identity.KeyPins).
+# key pinned for their node id (swarm.trust.identity.KeyPins).
 
 
 def _now() -> float:
@@ -199,7 +199,7 @@ def _store(dht, key: str, subkey: str, value: dict, ttl: float) -> bool:
 
 def _claims(dht, key: str, cls) -> dict[str, dict[bytes, Any]]:
     """{name: {owner key: record}} of the well-formed owned records under ``key``."""
-    from swarm.identity import fetch_owned, group_claims
+    from swarm.trust.identity import fetch_owned, group_claims
 
     parsed = []
     for name, owner, value in fetch_owned(dht, key):
@@ -212,7 +212,7 @@ def _claims(dht, key: str, cls) -> dict[str, dict[bytes, Any]]:
 
 def publish_profile(dht, prefix: str, profile: ServerProfile, ttl: float, owner: bytes) -> bool:
     """Publish ``profile`` signed by ``owner`` (the public key of the identity the DHT signs with)."""
-    from swarm.identity import owned_subkey
+    from swarm.trust.identity import owned_subkey
 
     return _store(dht, f"{prefix}.{PROFILES}", owned_subkey(profile.node_id, owner), profile.to_dict(), ttl)
 
@@ -224,7 +224,7 @@ def fetch_profile_claims(dht, prefix: str) -> dict[str, dict[bytes, ServerProfil
 
 
 def fetch_profiles(dht, prefix: str, pins=None) -> dict[str, ServerProfile]:
-    """{node id: profile}: with ``pins`` (a :class:`swarm.identity.KeyPins`) the pinned key's profile, without
+    """{node id: profile}: with ``pins`` (a :class:`swarm.trust.identity.KeyPins`) the pinned key's profile, without
     them only node ids claimed by exactly one key."""
     claims = fetch_profile_claims(dht, prefix)
     if pins is not None:
@@ -233,7 +233,7 @@ def fetch_profiles(dht, prefix: str, pins=None) -> dict[str, ServerProfile]:
 
 
 def publish_assignment(dht, prefix: str, node_id: str, assignment: Assignment, ttl: float, owner: bytes) -> bool:
-    from swarm.identity import owned_subkey
+    from swarm.trust.identity import owned_subkey
 
     return _store(dht, f"{prefix}.{ASSIGNMENTS}", owned_subkey(node_id, owner), assignment.to_dict(), ttl)
 
@@ -245,7 +245,7 @@ def fetch_assignments(dht, prefix: str, orchestrator: bytes) -> dict[str, Assign
 
 
 def publish_orchestrator(dht, prefix: str, info: OrchestratorInfo, ttl: float, owner: bytes) -> bool:
-    from swarm.identity import owned_subkey
+    from swarm.trust.identity import owned_subkey
 
     return _store(dht, f"{prefix}.{ORCHESTRATOR}", owned_subkey("main", owner), info.to_dict(), ttl)
 

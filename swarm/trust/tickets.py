@@ -73,7 +73,7 @@ def now() -> float:
 
 def mint(identity, *, request_id: str, chain_id: str, route: Sequence[Sequence], max_length: int,
          ttl_s: float = DEFAULT_TTL_S, page_hashes: Sequence[bytes] = (), at: float | None = None) -> bytes:
-    """A ticket signed by ``identity`` (a :class:`swarm.identity.Identity`, the orchestrator's)."""
+    """A ticket signed by ``identity`` (a :class:`swarm.trust.identity.Identity`, the orchestrator's)."""
     body = MSGPackSerializer.dumps({
         "request_id": str(request_id), "chain_id": str(chain_id),
         "route": [[str(p), int(s), int(e)] for p, s, e in route],
@@ -104,7 +104,7 @@ def _parse(body: Any) -> Ticket:
 def read(blob: Any, orchestrator_key: bytes) -> Ticket:
     """The ticket in ``blob`` if ``orchestrator_key`` signed it (whatever it grants, expired or not); else
     :class:`TicketError` with a one-line reason."""
-    from swarm.identity import verify as verify_signature
+    from swarm.trust.identity import verify as verify_signature
 
     if blob is None:
         raise TicketError("chainswarm: session refused: no ticket (ask the orchestrator for a lease)")
