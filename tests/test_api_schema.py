@@ -27,7 +27,7 @@ def api_url(tiny_model):
         swarm.add_node(node_id="only", memory_gb=0.0024,
                        declared_profile={"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002})
         swarm.wait_chains_ready()
-        yield swarm.control.orchestrator.info["url"]
+        yield swarm.orchestrator.info["url"]
 
 
 def test_no_server_errors_and_no_slow_answers(api_url):

@@ -72,7 +72,7 @@ def idle(url: str) -> bool:
 
 
 def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, reference):
-    chains = swarm.control.status["chains"]
+    chains = swarm.status["chains"]
     assert len(chains) >= 2 and all(len(c["servers"]) >= 2 for c in chains)
     steps, session_steps = (_metric(swarm.url, f"chainswarm_batched_{n}_total") for n in ("steps", "session_steps"))
 

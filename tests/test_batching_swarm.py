@@ -72,15 +72,15 @@ def _complete(url: str, prompt: str, delay: float) -> str:
 def _batching_stats(model, swarm) -> list[dict]:
     """Each server's batching counters, from petals' rpc_info (a vanilla client's own p2p)."""
     p2p = model.transformer.h.sequence_manager.state.p2p
-    chain = swarm.control.status["chains"][0]
+    chain = swarm.status["chains"][0]
     peers = {node.name: node.peer_id for node in swarm.nodes}
     return [server_info(p2p, peers[name], f"{swarm.dht_prefix}.{span[0]}")["chainswarm_batching"]
             for name, span in zip(chain["servers"], chain["spans"])]
 
 
 def test_concurrent_sessions_are_batched_and_equal_local_transformers(swarm, reference, smollm2_dir):
-    assert len(swarm.control.status["chains"]) == 1 and len(swarm.control.status["chains"][0]["servers"]) == 2
-    assert swarm.control.status["chains"][0]["capacity"] >= len(PROMPTS)
+    assert len(swarm.status["chains"]) == 1 and len(swarm.status["chains"][0]["servers"]) == 2
+    assert swarm.status["chains"][0]["capacity"] >= len(PROMPTS)
     for round_ in range(2):  # the second round loads the prompts' pages from the servers' prefix stores
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             texts = list(pool.map(lambda ip: _complete(swarm.url, ip[1], 0.2 * ip[0]), enumerate(PROMPTS)))

@@ -54,8 +54,8 @@ def swarm(smollm2_dir):
                                 update_period=UPDATE_PERIOD_S) for name in ("n0", EVIL)]
         for node in nodes:
             swarm.wait_profiled(node, timeout=180)
-        swarm.control.status = swarm.wait_chains_ready(timeout=240)
-        swarm.url = swarm.control.orchestrator.info["url"]
+        swarm.status = swarm.wait_chains_ready(timeout=240)
+        swarm.url = swarm.orchestrator.info["url"]
         yield swarm
 
 
@@ -256,7 +256,7 @@ def test_a_burst_from_two_clients_is_live_and_a_refusal_says_when_to_retry(swarm
     js(page, "window.__sameDocument = true")
     burst = Burst(swarm.url)
     try:
-        capacity = swarm.control.status["chains"][0]["capacity"]
+        capacity = swarm.status["chains"][0]["capacity"]
         wait_js(page, f"return document.querySelector('#chains .occupancy')?.textContent === "
                       f"'{capacity} / {capacity} sessions'", 30, "a full chain on the dashboard")
         wait_js(page, "const rows = [...document.querySelectorAll('#clients tbody tr')].map(r => r.dataset.client);"
@@ -314,7 +314,7 @@ def test_a_killed_server_shows_as_gone_and_its_chain_disappears_without_a_reload
     assert EVIL in js(page, "return document.getElementById('block-map').textContent")
     # the orchestrator itself gone: the page says so and keeps trying (the browser logs the refused connections)
     page.allowed = ("/v1/swarm - Failed to load resource: net::ERR_",)
-    swarm.control.orchestrator.process.kill()
+    swarm.orchestrator.process.kill()
     wait_js(page, "return document.getElementById('state').textContent === 'unreachable'", 15, "an unreachable badge")
     assert "orchestrator unreachable" in js(page, "return document.getElementById('summary').textContent")
     assert js(page, "return window.__sameDocument") is True

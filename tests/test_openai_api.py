@@ -69,8 +69,8 @@ def swarm(smollm2_dir):
                  for i in range(2)]
         for node in nodes:
             swarm.wait_profiled(node, timeout=180)
-        swarm.control.status = swarm.wait_chains_ready(timeout=240)
-        swarm.url = swarm.control.orchestrator.info["url"]
+        swarm.status = swarm.wait_chains_ready(timeout=240)
+        swarm.url = swarm.orchestrator.info["url"]
         yield swarm
 
 
@@ -174,7 +174,7 @@ def test_unsupported_and_unknown_fields(client, local, swarm):
 
 
 def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(swarm, local):
-    capacity = sum(c["capacity"] for c in swarm.control.status["chains"])
+    capacity = sum(c["capacity"] for c in swarm.status["chains"])
     count = 20 * capacity
     prompt = "Water boils at"
     expected = local.greedy(prompt, 4)

@@ -100,7 +100,7 @@ def idle(url: str) -> bool:
 
 
 def test_the_plan_splits_the_real_model_into_multi_hop_chains(swarm):
-    chains = swarm.control.status["chains"]
+    chains = swarm.status["chains"]
     assert len(chains) >= 2 and all(len(c["servers"]) >= 2 for c in chains)
     assert all(c["spans"][0][0] == 0 and c["spans"][-1][1] == 30 for c in chains)
 

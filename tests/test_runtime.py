@@ -63,7 +63,7 @@ def reference(tiny_model, prompt, max_new_tokens):
 
 
 def test_published_plan_is_the_planners_output_for_the_measured_profiles(swarm):
-    status = swarm.control.status
+    status = swarm.status
     plan = status["plan"]
     inputs = plan["inputs"]
     profiles = {s["node_id"]: s for s in status["servers"]}
@@ -97,8 +97,8 @@ def test_completion_and_stream_equal_local_transformers(swarm, tiny_model):
         doc = response.json()
         assert doc["choices"][0]["text"] == expected_text
         assert doc["usage"]["completion_tokens"] == 24 or doc["choices"][0]["finish_reason"] == "stop"
-        assert doc["chainswarm"]["chain_id"] == swarm.control.status["chains"][0]["id"]  # JFFC: the fastest chain
-        assert doc["chainswarm"]["servers"] == swarm.control.status["chains"][0]["servers"]
+        assert doc["chainswarm"]["chain_id"] == swarm.status["chains"][0]["id"]  # JFFC: the fastest chain
+        assert doc["chainswarm"]["servers"] == swarm.status["chains"][0]["servers"]
     from client import SwarmClient
 
     with SwarmClient(swarm.url, "key-bob") as sc:
@@ -151,7 +151,7 @@ def test_public_status_shows_no_clients_and_reroutes_cannot_be_abused(swarm):
         assert lease["lease_id"] in httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).text
         assert bob.get("/v1/swarm").json().get("events") is None  # a client's key is not an admin's
         own = {r["peer_id"] for r in lease["route"]}
-        strangers = {p for c in swarm.control.status["chains"] for p, _, _ in c["route"]} - own
+        strangers = {p for c in swarm.status["chains"] for p, _, _ in c["route"]} - own
         reroute = f"/v1/leases/{lease['lease_id']}/reroute"
         response = bob.post(reroute, json={"start": 0, "end": 2, "failed_peers": sorted(strangers)[:1]})
         assert response.status_code == 403 and "not on it" in response.json()["error"]["message"]
@@ -210,7 +210,7 @@ def test_a_client_that_disconnects_mid_generation_frees_its_slot(swarm):
 
 
 def test_overload_queues_and_jffc_fills_fastest_chains_first(swarm):
-    chains = swarm.control.status["chains"]
+    chains = swarm.status["chains"]
     capacity = sum(c["capacity"] for c in chains)
     samples = []
     stop = threading.Event()
@@ -245,7 +245,7 @@ def test_overload_queues_and_jffc_fills_fastest_chains_first(swarm):
 
 
 def test_dlpm_does_not_starve_a_light_client_behind_a_flood(swarm):
-    capacity = sum(c["capacity"] for c in swarm.control.status["chains"])
+    capacity = sum(c["capacity"] for c in swarm.status["chains"])
     results = {"flood": [], "light": []}
 
     def call(key, who):
