@@ -4,11 +4,11 @@ petals 2.2 runs every inference step of every session as its own task: its ``Pri
 runtime one task at a time. Here the server's merged inference pool is a :class:`BatchingTaskPool`: when the
 runtime asks for work it takes *what is queued right now* (no waiting for company) and, if the oldest task
 is a one-token decode step, groups it with the other queued decode steps over the same span — up to
-``max_batch`` sequences. :class:`BatchedInferenceStep` runs such a group as one pass per block: norms,
-q/k/v/o projections and the MLP over all sequences at once; rotary embeddings at each sequence's own
-position; attention per session over its own cache length; each session's new key/value written to its own
-cache slots. Everything else — prefills (several tokens), prefix-store operations (:class:`PrefixOp`), deep
-prompts, adapters, non-Llama blocks — runs exactly as petals runs it. A lone decode step runs the batched
+``max_batch`` sequences. :class:`BatchedInferenceStep` runs such a group as one pass per block through the
+block's own ragged step (:meth:`swarm.model.block.DecoderBlock.step`, the same code petals' single-session
+path runs): norms, projections and the MLP over all sequences at once, RoPE at each sequence's own positions,
+attention per session over its own cache. Everything else — prefix-store operations (:class:`PrefixOp`), deep
+prompts, adapters, sharded blocks — runs exactly as petals runs it. A lone decode step runs the batched
 code with a batch of one (no waiting): it is a little faster than petals' step, which concatenates the whole
 cache with the new key/value on every block, and a session's decode numerics do not depend on its company.
 
@@ -27,10 +27,8 @@ import contextlib
 import ctypes
 import itertools
 import logging
-import math
 import multiprocessing as mp
 import queue
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -40,9 +38,8 @@ from petals.data_structures import InferenceMetadata
 from petals.server.backend import TransformerBackend, _MergedInferenceStep
 from petals.server.task_pool import PrioritizedTaskPool, Task, _move_to_device_if_tensor
 from petals.utils.misc import DUMMY_INT64
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, rotate_half
-
-from swarm.model.kernels import module_linear
+from swarm.model.block import DecoderBlock, Segment, token_positions
+from swarm.model.families import install_server_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -248,115 +245,17 @@ class BatchingTaskPool(PrioritizedTaskPool):
             task.future.set_exception(exception)
 
 
-def _llama_layer(backend: TransformerBackend) -> Optional[LlamaDecoderLayer]:
+def _block(backend: TransformerBackend) -> Optional[DecoderBlock]:
+    """The backend's block when it can run in a batched pass (Chainswarm's block code, one shard)."""
     shards = getattr(backend.module, "module_shards", None)
-    if shards is None or len(shards) != 1 or not isinstance(shards[0], LlamaDecoderLayer):
+    if shards is None or len(shards) != 1 or not isinstance(shards[0], DecoderBlock):
         return None
-    layer = shards[0]
-    return layer if getattr(layer.self_attn.config, "pretraining_tp", 1) == 1 else None
+    return shards[0]
 
 
 def _offset(backend: TransformerBackend, handles: tuple) -> int:
     """Positions a session skipped by loading a stored prefix (``PrefixBackend``), else 0."""
     return getattr(backend, "_offsets", {}).get(handles, 0)
-
-
-@dataclass
-class Segment:
-    """One entry of a batched pass: ``b`` sequences of ``t`` new tokens each (rows ``b·t`` of the flat hidden
-    states, sequence-major), their block cache (keys ``(b, kv_heads, head_dim, L)``, values ``(b, kv_heads, L,
-    head_dim)``, petals' layout) and ``pos``, where their new tokens go (the cached length)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    pos: int
-    b: int
-    t: int
-
-
-def token_positions(segments: Sequence[Segment]) -> torch.Tensor:
-    """The position of every token row of a batched pass (its segment's ``pos`` + its index among the new)."""
-    return torch.cat([torch.arange(s.pos, s.pos + s.t).repeat(s.b) for s in segments])
-
-
-def _attend_decodes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    segments: Sequence[Segment], starts: Sequence[int], scale: float) -> None:
-    """Attention of one-token segments in one pass: each writes its new key/value into its own cache, the
-    caches are copied into one zero-padded (rows, kv_heads, head_dim, L) block, and the positions past each
-    row's length are masked out; results go to ``out`` at the segments' rows."""
-    rows, kv_heads, head_dim = sum(s.b for s in segments), k.shape[1], k.shape[2]
-    length = max(s.pos + 1 for s in segments)
-    keys = q.new_zeros(rows, kv_heads, head_dim, length)
-    values = q.new_zeros(rows, kv_heads, length, head_dim)
-    index, lengths, row = [], [], 0
-    for s, start in zip(segments, starts):
-        end = s.pos + 1
-        s.keys[:, :, :, s.pos] = k[start:start + s.b]
-        s.values[:, :, s.pos, :] = v[start:start + s.b]
-        keys[row:row + s.b, :, :, :end] = s.keys[:, :, :, :end]
-        values[row:row + s.b, :, :end] = s.values[:, :, :end]
-        index.extend(range(start, start + s.b))
-        lengths.extend([end] * s.b)
-        row += s.b
-    index = torch.tensor(index, device=q.device)
-    q_rows = q.index_select(0, index).view(rows, kv_heads, -1, head_dim)  # (rows, kv_heads, groups, head_dim)
-    scores = torch.matmul(q_rows, keys) / scale  # (rows, kv_heads, groups, L)
-    padding = torch.arange(length, device=q.device)[None, :] >= torch.tensor(lengths, device=q.device)[:, None]
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out.index_copy_(0, index, torch.matmul(probs, values).view(rows, -1, head_dim))
-
-
-def _mlp(layer: LlamaDecoderLayer, x: torch.Tensor) -> torch.Tensor:
-    mlp = layer.mlp
-    return module_linear(mlp.act_fn(module_linear(x, mlp.gate_proj)) * module_linear(x, mlp.up_proj), mlp.down_proj)
-
-
-@torch.inference_mode()
-def batched_layer_step(layer: LlamaDecoderLayer, hidden: torch.Tensor, segments: Sequence[Segment],
-                       token_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One Llama decoder layer over the new tokens of several sessions (decode steps and prefills alike).
-
-    ``hidden`` is ``(N, H)``: every segment's ``b·t`` token rows, one segment after the other. Norms, q/k/v/o
-    projections and the MLP run over all N rows at once (:func:`swarm.model.kernels.linear`); rotary embeddings at each
-    token's own position; attention per segment over its own cache (causal within its new tokens); each
-    segment's new keys/values are written at its positions. Returns the layer's output ``(N, H)``.
-    ``token_pos`` (each row's position: :func:`token_positions`) may be passed to save recomputing it per block.
-    """
-    attn = layer.self_attn
-    n, heads, kv_heads, head_dim = hidden.shape[0], attn.num_heads, attn.num_key_value_heads, attn.head_dim
-    groups = heads // kv_heads
-    x = layer.input_layernorm(hidden)
-    q = module_linear(x, attn.q_proj).view(n, heads, head_dim)
-    k = module_linear(x, attn.k_proj).view(n, kv_heads, head_dim)
-    v = module_linear(x, attn.v_proj).view(n, kv_heads, head_dim)
-    cos, sin = attn.rotary_emb(v, seq_len=max(s.pos + s.t for s in segments))
-    token_pos = token_positions(segments).to(hidden.device) if token_pos is None else token_pos
-    cos, sin = cos[0, 0][token_pos].unsqueeze(1), sin[0, 0][token_pos].unsqueeze(1)  # (N, 1, head_dim)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    out = torch.empty(n, heads, head_dim, dtype=hidden.dtype, device=hidden.device)
-    scale = math.sqrt(head_dim)
-    starts = list(itertools.accumulate([0, *(s.b * s.t for s in segments)]))
-    decodes = [i for i, s in enumerate(segments) if s.t == 1]
-    if len(decodes) > 1:  # every one-token segment in one padded attention pass
-        _attend_decodes(q, k, v, out, [segments[i] for i in decodes], [starts[i] for i in decodes], scale)
-    for i, s in enumerate(segments):
-        if s.t == 1 and len(decodes) > 1:
-            continue
-        start, stop, end = starts[i], starts[i + 1], s.pos + s.t
-        s.keys[:, :, :, s.pos:end] = k[start:stop].view(s.b, s.t, kv_heads, head_dim).permute(0, 2, 3, 1)
-        s.values[:, :, s.pos:end, :] = v[start:stop].view(s.b, s.t, kv_heads, head_dim).transpose(1, 2)
-        q_s = q[start:stop].view(s.b, s.t, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # (b, kv, g, t, d)
-        scores = torch.matmul(q_s, s.keys[:, :, None, :, :end]) / scale  # (b, kv_heads, groups, t, end)
-        if s.t > 1:  # causal within the new tokens
-            future = torch.arange(end, device=hidden.device)[None, :] > torch.arange(s.pos, end, device=hidden.device)[:, None]
-            scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        attended = torch.matmul(probs, s.values[:, :, None, :end])  # (b, kv_heads, groups, t, head_dim)
-        out[start:stop] = attended.permute(0, 3, 1, 2, 4).reshape(s.b * s.t, heads, head_dim)
-    hidden = hidden + module_linear(out.view(n, heads * head_dim), attn.o_proj)
-    return hidden + _mlp(layer, layer.post_attention_layernorm(hidden))
 
 
 class BatchedInferenceStep:
@@ -365,7 +264,7 @@ class BatchedInferenceStep:
     def __init__(self, backends: dict):
         self.backends = backends
         self.merged = _MergedInferenceStep(backends)
-        self._layers = {uid: _llama_layer(b) for uid, b in backends.items()}
+        self._layers = {uid: _block(b) for uid, b in backends.items()}
 
     def supports(self, uids: Sequence[str]) -> bool:
         return all(self._layers.get(uid) is not None for uid in uids)
@@ -419,7 +318,7 @@ class BatchedInferenceStep:
                     segments.append(Segment(tensors[0], tensors[1], info.prefix_length
                                             + _offset(backend, info.cache_handles), *group.shapes[i]))
                 token_pos = token_positions(segments) if token_pos is None else token_pos
-                hidden = batched_layer_step(layer, hidden, segments, token_pos)
+                hidden = layer.step(hidden, segments, token_pos)
         offsets = list(itertools.accumulate([0, *group.sizes]))
         start = 0
         for i in live:
@@ -452,6 +351,7 @@ def install(server_kwargs: dict) -> dict:
     import petals.server.backend as backend_module
     import petals.server.server as server_module
 
+    install_server_hooks()  # blocks bound to their layers, KV at the real head_dim
     kwargs = dict(server_kwargs)
     max_batch = kwargs.pop("max_batch", None)
     max_batch = DEFAULT_MAX_BATCH if max_batch is None else int(max_batch)

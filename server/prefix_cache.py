@@ -7,7 +7,7 @@ Protocol and trust model: :mod:`swarm.trust.prefix`. Pieces here, all in the ser
   assignment's ``prefix_cache_tokens`` on every block. The budget is separate from petals' session pool,
   so sessions never lose their planned slots to cached prefixes. Evicting a page also evicts the pages
   after it (useless without it); every eviction gets a sequence number for the orchestrator's report.
-* :class:`PrefixBackend` (a ``TransformerBackend``) runs the store's operations inside the runtime, where
+* :class:`PrefixBackend` (a ``TransformerBackend``: :class:`swarm.model.families.ModelBackend`) runs the store's operations inside the runtime, where
   the KV tensors live: they travel through the (merged) inference pool as :class:`PrefixOp` metadata, so
   they are ordered with the session's own steps. ``probe`` (pages held for all blocks of a span, pinned for
   a few seconds), ``load`` (copy pages into a session's cache and offset its positions), ``save`` (store
@@ -36,7 +36,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import anext
 from petals.data_structures import InferenceMetadata
-from petals.server.backend import TransformerBackend
+from swarm.model.families import ModelBackend
 from petals.utils.misc import DUMMY_INT64
 
 from server.handler import ChainswarmHandler
@@ -211,7 +211,7 @@ class PrefixOp(InferenceMetadata):
     op: tuple = ()
 
 
-class PrefixBackend(TransformerBackend):
+class PrefixBackend(ModelBackend):
     """A ``TransformerBackend`` that also runs :class:`PrefixOp` store operations and honours the position
     offset of sessions that loaded a prefix."""
 

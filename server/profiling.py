@@ -94,11 +94,13 @@ def block_bytes(config, torch_dtype, quant_type, *, cache_dir: Optional[str | os
 
 
 def cache_bytes_per_token(config, torch_dtype) -> int:
-    """KV cache bytes of one token on one block: keys + values, shared across the query groups."""
+    """KV cache bytes of one token on one block: keys + values of the KV heads, at the real ``head_dim``."""
     from petals.utils.misc import get_size_in_bytes
 
-    groups = getattr(config, "num_key_value_groups", 1) or 1
-    return int(2 * config.hidden_size // groups * get_size_in_bytes(_dtype(torch_dtype)))
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(2 * kv_heads * head_dim * get_size_in_bytes(_dtype(torch_dtype)))
 
 
 # -- compute ---------------------------------------------------------------------------------------------

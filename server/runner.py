@@ -94,6 +94,10 @@ def serve(server_kwargs: dict[str, Any], report=None, server_class=None) -> None
     from swarm.model.compat import petals  # noqa: F401  (applies the shim before petals.server is used)
     from petals.server.server import Server
 
+    from swarm.model.families import install_server_hooks
+
+    install_server_hooks()  # blocks bound to their layers, KV at the real head_dim
+
     server_kwargs = dict(server_kwargs)
     emulated = server_kwargs.pop("emulated_compute", None)
     if emulated is not None:
