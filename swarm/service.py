@@ -22,11 +22,11 @@ logger = logging.getLogger(__name__)
 
 def build_config(options: OrchestratorOptions) -> OrchestratorConfig:
     """The options resolved for their model: its blocks, the planner's expectations and the DHT prefix."""
-    from transformers import AutoConfig
-
     from swarm.model.checkpoint import dht_prefix_for
+    from swarm.model.compat import petals
 
-    model_config = AutoConfig.from_pretrained(options.model_dir)
+    # the family's own config class (swarm.model.families): an unsupported family is a one-line ValueError
+    model_config = petals.AutoDistributedConfig.from_pretrained(options.model_dir)
     given = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     given["dht_prefix"] = options.dht_prefix or dht_prefix_for(options.model_dir)
     return OrchestratorConfig(**given, num_blocks=model_config.num_hidden_layers,

@@ -61,3 +61,61 @@ def test_a_family_outside_the_supported_ones_is_refused_in_one_line(tmp_path):
         petals.AutoDistributedConfig.from_pretrained(str(tmp_path))
     message = str(info.value)
     assert "'phi3'" in message and "qwen3" in message and "gemma3" in message and "\n" not in message
+
+
+def test_gemma3_through_the_orchestrator_batched_path_equals_the_block_code_run_locally(tmp_path):
+    """The product's path for a family transformers 4.34 cannot run: an orchestrator and two Chainswarm nodes
+    serve the Gemma 3 golden checkpoint (local and global layers, windows shorter than the prompts); concurrent
+    ``/v1/completions`` go through the continuous-batching engine (multi-session streams, one LM head per step)
+    and each answer equals :class:`LocalModel`'s greedy continuation — which equals transformers 5.x's
+    (test_family_goldens)."""
+    import concurrent.futures as cf
+    import shutil
+
+    import httpx
+
+    from swarm.model.checkpoint import _train_tokenizer
+    from swarm.model.local_model import LocalModel
+
+    model_dir = tmp_path / "gemma3"
+    shutil.copytree(GOLDENS / "gemma3", model_dir)
+    tokenizer = _train_tokenizer(512)
+    assert len(tokenizer) <= 512
+    tokenizer.save_pretrained(model_dir)
+    local = LocalModel.from_pretrained(model_dir)
+    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    candidates = ["the swarm serves blocks of a model", "volunteers run servers on their own machines",
+                  "a request waits in the central queue", "every chain has a capacity", "prefix pages are reused",
+                  "the planner places blocks on servers"]
+    expected = {}
+    for prompt in candidates:
+        ids = tokenizer(prompt).input_ids
+        tokens, logits = local.greedy(torch.tensor(ids), 10)
+        top2 = logits.topk(2).values
+        if bool(((top2[:, 0] - top2[:, 1]) > NEAR_TIE).all()):  # no near tie: the answer is determined
+            tokens = tokens[:tokens.index(eos)] if eos in tokens else tokens
+            expected[prompt] = tokenizer.decode(tokens, skip_special_tokens=True)
+    assert len(expected) >= 3, "too few prompts without a near tie"
+    with LocalSwarm(model_dir) as swarm:
+        nodes = [swarm.add_node(node_id=f"g{i}", memory_gb=0.0012, wait=False, num_handlers=2, torch_dtype="float32",
+                                max_batch=8) for i in range(2)]
+        for node in nodes:
+            swarm.wait_profiled(node, timeout=180)
+        swarm.add_orchestrator(expected_rate=0.2, max_length=64, expected_input_tokens=16, expected_output_tokens=10,
+                               refresh_s=0.5, torch_dtype="float32", placement="gbp-cr")
+        status = swarm.wait_chains_ready(timeout=240)
+        assert any(len(chain["servers"]) == 2 for chain in status["chains"]), status["chains"]
+        url = swarm.orchestrator.info["url"]
+
+        def complete(prompt):
+            body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "stop": None}
+            response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": "family"}, timeout=300)
+            response.raise_for_status()
+            return response.json()["choices"][0]["text"]
+
+        with cf.ThreadPoolExecutor(len(expected)) as pool:
+            answers = dict(zip(expected, pool.map(complete, expected)))
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert answers == expected
+    batched = [line for line in metrics.splitlines() if line.startswith("chainswarm_batched_session_steps_total")]
+    assert batched and float(batched[0].split()[-1]) > 0, batched
