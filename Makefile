@@ -36,7 +36,7 @@ screenshots: venv browser
 	  $(PY) -m pytest tests/test_browser.py -p no:cacheprovider
 
 bench: venv
-	$(PY) -m experiments.bench_planner
+	$(PY) -m experiments.bench.planning
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -21,7 +21,7 @@ with ``Server.decode_time_s`` = D_j, the decode share of τp_j (per block, whole
 
 where n_j is the number of sessions j holds (on every chain through it). :class:`ChainService` evaluates it.
 A job progresses at rate 1/T_k(n(t)) while the occupancy n(t) changes (the simulators,
-:mod:`experiments.batch_sim`): processor sharing between the sessions of a server, exactly.
+:mod:`experiments.sim.batch_sim`): processor sharing between the sessions of a server, exactly.
 
 **What the planner uses.** GCA (:mod:`planner.allocation`) rates chain k at the occupancy its capacities imply,
 n_j = Σ_{k∋j} c_k — every chain through j full (:func:`capacity_occupancy`): μ_k = 1/T_k(n^cap). For

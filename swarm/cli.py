@@ -12,7 +12,7 @@ import sys
 
 # name -> (module implementing it, one-line help); imported lazily, listed in this order by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("experiments.demo", "start a local swarm, generate text through it and check it against transformers"),
+    "demo": ("experiments.live.demo", "start a local swarm, generate text through it and check it against transformers"),
     "generate": ("client.cli", "generate text through an orchestrator (HTTP), optionally streaming"),
     "make-model": ("swarm.commands.make_model", "write a random-weight Llama checkpoint and a BPE tokenizer"),
     "convert-gguf": ("swarm.commands.convert_gguf", "convert a Llama GGUF file (llama.cpp) into a transformers/petals checkpoint"),
@@ -21,8 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "orchestrator": ("swarm.commands.orchestrator", "run the orchestrator: plan, assign blocks, dispatch sessions, HTTP API"),
     "server": ("server.cli", "run a volunteer server node: profile, wait for the orchestrator's assignment, serve blocks"),
     "plan": ("swarm.commands.plan", "plan block placement (GBP-CR) and chains (GCA) for a swarm description"),
-    "simulate": ("experiments.simulate_cli", "run the model-driven simulations and regenerate the paper figures and report"),
-    "experiment": ("experiments.live_cli", "run a live-swarm experiment (Table 1 replay, fairness, model validation)"),
+    "simulate": ("experiments.figures.cli", "run the model-driven simulations and regenerate the paper figures and report"),
+    "experiment": ("experiments.live.cli", "run a live-swarm experiment (Table 1 replay, fairness, model validation)"),
     "wan": ("wan.cli", "emulate WAN latency between loopback hosts: config, run, measure"),
 }
 

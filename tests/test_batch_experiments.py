@@ -1,5 +1,5 @@
-"""Fig. 8 with batching servers (experiments/fig_batching.py) and the batch term of the validation experiment
-(experiments/batch_validation.py), on small inputs and on the committed benchmark."""
+"""Fig. 8 with batching servers (experiments/figures/batching.py) and the batch term of the validation experiment
+(experiments/live/batch_validation.py), on small inputs and on the committed benchmark."""
 from __future__ import annotations
 
 import argparse
@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import batch_validation as bv
-from experiments.fig_batching import METHODS, fig8_batching, measured_curve, run_cli
-from experiments.figure_common import Settings
+from experiments.figures.batching import METHODS, fig8_batching, measured_curve, run_cli
+from experiments.figures.common import Settings
+from experiments.live import batch_validation as bv
 from planner.service_model import BatchCurve
 
 RESULTS = Path(__file__).resolve().parents[1] / "experiments" / "results"
@@ -60,12 +60,12 @@ def test_fig8_batching_small_run_and_its_report(tmp_path):
 
 
 def test_bench_batching_runs_both_swarms_end_to_end(tiny_model):
-    """experiments/bench_batching.py against live swarms (the tiny model, 2 sessions × 3 tokens): vanilla petals
+    """experiments/bench/batching.py against live swarms (the tiny model, 2 sessions × 3 tokens): vanilla petals
     servers and batched Chainswarm nodes both serve petals' own client (the nodes open to it), and each run
     records tokens, latencies and the servers' CPU time per token."""
     from tqdm import tqdm
 
-    from experiments.bench_batching import SETUPS, bench_servers
+    from experiments.bench.batching import SETUPS, bench_servers
 
     results = bench_servers(tiny_model, [2], tokens=3, max_batch=8, repeats=1, progress=tqdm(disable=True))
     for name in SETUPS:

@@ -1,5 +1,5 @@
 """The service model of batching servers (planner/service_model.py), GCA's rates at the occupancy its capacities
-imply, and the occupancy-dependent simulators (experiments/batch_sim.py, the PETALS/BPRR request simulations)."""
+imply, and the occupancy-dependent simulators (experiments/sim/batch_sim.py, the PETALS/BPRR request simulations)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,10 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from experiments.batch_sim import simulate_plan, simulate_shared_chains
-from experiments.baseline_sim import simulate_bprr, simulate_petals
-from experiments.scenarios import ScenarioConfig, build_scenario
-from experiments.simulator import Jobs, poisson_jobs, simulate_chains
+from experiments.sim.baseline_sim import simulate_bprr, simulate_petals
+from experiments.sim.batch_sim import simulate_plan, simulate_shared_chains
+from experiments.sim.scenarios import ScenarioConfig, build_scenario
+from experiments.sim.simulator import Jobs, poisson_jobs, simulate_chains
 from planner.allocation import gca
 from planner.batch_bounds import allocation_bounds, fill_death_rates
 from planner.bounds import death_rates, response_time_bounds

@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from experiments import fairness_sim as fs
-from experiments.token_sim import REF_INPUT, REF_OUTPUT, FastChainMatcher, TokenSim, plan_chains
-from experiments.workloads import (
+from experiments.figures import fairness as fs
+from experiments.sim.token_sim import REF_INPUT, REF_OUTPUT, FastChainMatcher, TokenSim, plan_chains
+from experiments.sim.workloads import (
     TABLE2,
     PromptHasher,
     build_workload,

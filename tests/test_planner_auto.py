@@ -1,7 +1,7 @@
 """placement="auto" (planner/auto.py, planner/auto_score.py): never worse than GBP-CR(c*) by its own score,
 deterministic, valid plans; the score's methods agree with the exact CTMC and the Theorem 3.7 bounds.
 
-The J = 1,000 time budget is measured in experiments/bench_planner.py, not here.
+The J = 1,000 time budget is measured in experiments/bench/planning.py, not here.
 """
 from __future__ import annotations
 

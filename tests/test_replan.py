@@ -1,5 +1,5 @@
 """planner/replan.py: the incremental re-planner keeps survivors' ranges, covers the model again, respects
-memory, never loads more blocks than the fresh plan, and is deterministic; experiments/churn_sim.py restarts
+memory, never loads more blocks than the fresh plan, and is deterministic; experiments/sim/churn_sim.py restarts
 jobs whose chain breaks."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from experiments.churn_sim import EpochChain, simulate_epochs
+from experiments.sim.churn_sim import EpochChain, simulate_epochs
 from planner.auto import auto_placement
 from planner.model import ModelSpec, Placement, Server, check_chain, check_memory
 from planner.replan import blocks_loaded, incremental_replan, missing_segments
@@ -88,8 +88,8 @@ def test_a_broken_chain_restarts_its_jobs():
 def test_churn_experiment_end_to_end(tmp_path):
     """A short churn run with the incremental re-planner and petals' own rebalancing (petals' functions
     applied to constructed module infos), rendered to a section."""
-    from experiments.churn import ChurnConfig, churn_events, one_run
-    from experiments.churn_report import section
+    from experiments.figures.churn import ChurnConfig, churn_events, one_run
+    from experiments.report.churn import section
 
     cfg = ChurnConfig(num_servers=12, horizon_s=300.0, runs=1, churn_per_min=0.2)
     data = one_run(cfg, 0, strategies=("incremental", "incremental + reserve", "petals rebalancing"))

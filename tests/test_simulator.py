@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from experiments.scenarios import (
+from experiments.sim.scenarios import (
     BLOOM_176B,
     HIGH_GPU,
     LOW_GPU,
@@ -17,7 +17,7 @@ from experiments.scenarios import (
     comm_time_ms,
     service_matrix,
 )
-from experiments.simulator import (
+from experiments.sim.simulator import (
     Jobs,
     load_trace,
     poisson_jobs,
@@ -188,7 +188,7 @@ def test_scenario_matches_wan_config_and_is_deterministic():
 def test_bprr_belief_ledger_matches_the_sorted_schedule():
     """BeliefLedger.wait is the definition it replaces: sort the entries that end after t by end and free
     their slots in that order until ``need`` slots are free (random adds, removals, queries, equal ends)."""
-    from experiments.baseline_sim import BeliefLedger
+    from experiments.sim.baseline_sim import BeliefLedger
 
     rng = np.random.default_rng(7)
     for trial in range(30):
@@ -222,7 +222,7 @@ def test_bprr_belief_ledger_matches_the_sorted_schedule():
 
 
 def test_petals_and_bprr_simulations():
-    from experiments.baseline_sim import simulate_bprr, simulate_petals
+    from experiments.sim.baseline_sim import simulate_bprr, simulate_petals
 
     sc = build_scenario(ScenarioConfig(num_servers=20, eta=0.2), seed=1)
     light = poisson_jobs(0.005, 300, seed=1)  # nearly no overlap between requests

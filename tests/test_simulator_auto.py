@@ -1,4 +1,4 @@
-"""fig8's auto column and fig9 (experiments/fig_auto.py) in quick mode, and the report lines they render."""
+"""fig8's auto column and fig9 (experiments/figures/auto.py) in quick mode, and the report lines they render."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from experiments.auto_bounds import queue_bound, service_bound
-from experiments.auto_report import auto_lines
-from experiments.fig_auto import auto_verdict, azure_jobs
-from experiments.fig_baselines import _cell_stats
+from experiments.figures.auto import auto_verdict, azure_jobs
+from experiments.figures.methods import _cell_stats
+from experiments.report.auto import auto_lines
+from experiments.sim.auto_bounds import queue_bound, service_bound
 from planner.bounds import exact_mean_response_time
 from planner.model import ModelSpec, Server
 from planner.plan import plan

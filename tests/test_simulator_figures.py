@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments.figures import Settings, fig3, fig4, fig5, fig6, fig7, fig8
+from experiments.figures.paper import Settings, fig3, fig4, fig5, fig6, fig7, fig8
 
 QUICK = Settings.make(quick=True)
 
@@ -80,7 +80,7 @@ def test_cli_writes_json_png_section_and_report(tmp_path):
     report = (tmp_path / "REPORT.md").read_text()
     assert "Fig. 4" in report and "fig4.png" in report and "claims" in report
     (tmp_path / "sections" / "zz_other.md").write_text("## Another section\n")
-    from experiments.report import assemble
+    from experiments.report.report import assemble
 
     assert "Another section" in assemble(tmp_path).read_text()
 

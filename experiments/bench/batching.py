@@ -27,7 +27,7 @@ the servers' blocks only, so the servers set the pace).
 
 Writes ``experiments/results/bench_batching.json`` and ``.png``.
 
-    python -m experiments.bench_batching [--model DIR] [--sessions 1,2,4,8,16] [--tokens 32] [--max-batch 8]
+    python -m experiments.bench.batching [--model DIR] [--sessions 1,2,4,8,16] [--tokens 32] [--max-batch 8]
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.bench_runtime import DTYPE, _Stamps
+from experiments.bench.runtime import DTYPE, _Stamps
 
 PROMPTS = [
     "The history of the bicycle begins in the early nineteenth century, when",

@@ -7,7 +7,7 @@ charges a BLOOM-176B block (s_m = 1.32 GB) ``s_m / throughput`` seconds: the sam
 bandwidth measured here (page cache warm after the first pass, so this is a lower estimate: a server
 that fetches blocks over the network or from a cold disk takes longer).
 
-    python -m experiments.churn_load [--blocks 8] [--repeats 3]   # writes experiments/results/churn_load.json
+    python -m experiments.bench.churn_load [--blocks 8] [--repeats 3]   # writes experiments/results/churn_load.json
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import os
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from experiments.paths import RESULTS
+
 
 
 def measure(blocks: int = 8, repeats: int = 3) -> dict:

@@ -12,7 +12,7 @@ target < 1 s at J = 1,000) at the sizes given by ``--auto-sizes``, and one churn
 re-planner (planner/replan.py: 10% of the servers leave, as many join; it plans auto from scratch to compare,
 then repairs) at ``--replan-sizes``.
 
-    python -m experiments.bench_planner [--sizes 10 100 1000 10000] [--repeats 3] [--auto-sizes 10 100 1000]
+    python -m experiments.bench.planning [--sizes 10 100 1000 10000] [--repeats 3] [--auto-sizes 10 100 1000]
                                         [--replan-sizes 100 1000]
 """
 from __future__ import annotations

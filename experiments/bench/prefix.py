@@ -13,7 +13,7 @@ Three measurements in one run (issue 7), on a random Llama (8 blocks, hidden 512
 
 Prefill compute is counted in token·blocks (prompt positions computed × blocks they pass through); TTFT is
 the wall time from the call to the first generated token (the reuse path includes the probe round trip).
-Run: ``.venv/bin/python experiments/bench_prefix.py [--quick]``; writes experiments/results/prefix_reuse.json.
+Run: ``.venv/bin/python -m experiments.bench.prefix [--quick]``; writes experiments/results/prefix_reuse.json.
 """
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ import threading
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "prefix_reuse.json"
+from experiments import paths
+
+RESULTS = paths.RESULTS / "prefix_reuse.json"
 BLOCKS = 8
 ADMIN = {"Authorization": "Bearer key-admin"}  # operator detail of /v1/swarm (per-client service)
 

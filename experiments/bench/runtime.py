@@ -13,7 +13,7 @@ for HTTP): TTFT = request start → first token, per-token = mean gap between la
 ``--repeats`` runs after a warm-up; ratios are to vanilla petals measured in the same run on the same servers.
 Writes ``experiments/results/bench_runtime.json`` (and the markdown table it prints).
 
-    python -m experiments.bench_runtime [--model DIR] [--splits 2,3] [--tokens 32] [--repeats 5]
+    python -m experiments.bench.runtime [--model DIR] [--splits 2,3] [--tokens 32] [--repeats 5]
 """
 from __future__ import annotations
 

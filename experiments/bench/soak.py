@@ -15,7 +15,7 @@ error) or lost (no response at all before the client timeout — must be 0). Sam
 ``/v1/swarm``: slots in use, capacity and queue length. Writes ``experiments/results/bench_soak.json`` (every
 request, the samples, per-phase P50/P99) and ``bench_soak.png``.
 
-    python -m experiments.bench_soak [--phase-s 120] [--model DIR]
+    python -m experiments.bench.soak [--phase-s 120] [--model DIR]
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Azure trace's arrivals) and the lower bounds that show how far below Proposed (c
   (``room``) and the grid average of that room.
 * :func:`attach_service_bounds`: per cell and scenario T_min (the fastest chain any placement can form,
   exact) times the measured jobs' mean size: no placement's simulated mean response on that sample can
-  be lower (experiments/auto_bounds.py).
+  be lower (experiments/sim/auto_bounds.py).
 * :func:`attach_queue_bounds`: where the service bound leaves ≥ 10% of room, the queue-aware MILP bound
   on the first scenarios of the cell, against the planner's predicted means of c* and auto.
 * :func:`fig9`: the Fig. 8 grid at λ ∈ {0.2, 0.4, 0.6} under Poisson arrivals and the Azure code trace's
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.auto_bounds import LEVEL_RATIO, measured_size_mean, queue_bound, service_bound
-from experiments.fig_baselines import PLAN_METHODS, _cell_stats, empty_cell, plan_methods, run_methods
-from experiments.figure_common import Settings, _bar, _map
-from experiments.scenarios import build_scenario
-from experiments.simulator import DEFAULT_WARMUP, Jobs, load_trace, poisson_jobs
+from experiments.figures.common import Settings, _bar, _map
+from experiments.figures.methods import PLAN_METHODS, _cell_stats, empty_cell, plan_methods, run_methods
+from experiments.sim.auto_bounds import LEVEL_RATIO, measured_size_mean, queue_bound, service_bound
+from experiments.sim.scenarios import build_scenario
+from experiments.sim.simulator import DEFAULT_WARMUP, Jobs, load_trace, poisson_jobs
 from planner.auto import auto_placement
 from planner.auto_trace import TraceScore
 
@@ -135,7 +135,7 @@ def auto_verdict(cells: list[dict], baselines=BASELINES) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# Lower bounds: how far below Proposed (c*) any placement could go (experiments/auto_bounds.py)
+# Lower bounds: how far below Proposed (c*) any placement could go (experiments/sim/auto_bounds.py)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -168,7 +168,7 @@ def attach_service_bounds(cells: list[dict], settings: Settings) -> None:
 
 
 def attach_queue_bounds(verdict: dict, settings: Settings, limit: int) -> None:
-    """The queue-aware bound (a MILP relaxation, see experiments/auto_bounds.py) on the first
+    """The queue-aware bound (a MILP relaxation, see experiments/sim/auto_bounds.py) on the first
     QUEUE_BOUND_SCENARIOS scenarios of the ``limit`` missed Poisson cells whose service bound leaves the most room;
     compared with the planner's predicted (expected) mean response of c* and auto on the same scenarios."""
     from planner.auto_score import predict

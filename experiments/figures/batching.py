@@ -11,8 +11,8 @@ in two worlds on the same scenarios and Poisson jobs:
   g(n) = n (petals 2.2). The chain planners know the curves (GCA rates chains at the occupancy their capacities
   imply); ``proposed (c*), blind`` is the plan made with the paper's model, run on the same batching servers.
 
-Every simulation is exact and event-driven (:mod:`experiments.batch_sim` for the chains,
-:mod:`experiments.baseline_sim` for PETALS and BPRR). :mod:`experiments.fig_batching_report` writes the report
+Every simulation is exact and event-driven (:mod:`experiments.sim.batch_sim` for the chains,
+:mod:`experiments.sim.baseline_sim` for PETALS and BPRR). :mod:`experiments.report.batching` writes the report
 section, whose conclusions are computed from the JSON.
 """
 from __future__ import annotations
@@ -25,12 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.figure_common import Settings, _jsonable, _map
-from experiments.scenarios import build_scenario, describe
+from experiments.figures.common import Settings, _jsonable, _map
+from experiments.paths import RESULTS
+from experiments.sim.scenarios import build_scenario, describe
 from planner.service_model import BATCH_SIZES, BatchCurve
 
 NAME = "fig8_batching"
-BENCH = Path(__file__).resolve().parent / "results" / "bench_batching.json"
+BENCH = RESULTS / "bench_batching.json"
 WORLDS = ("paper", "batching")
 CHAIN_METHODS = ("proposed (c*)", "auto")
 METHODS = {"paper": ("proposed (c*)", "auto", "BPRR", "PETALS"),
@@ -77,7 +78,7 @@ def _summary(result) -> dict:
 
 
 def _baselines(sc, seed: int, servers, petals_servers, jobs) -> dict:
-    from experiments.baseline_sim import simulate_bprr, simulate_petals
+    from experiments.sim.baseline_sim import simulate_bprr, simulate_petals
 
     out = {}
     try:
@@ -96,8 +97,8 @@ def _baselines(sc, seed: int, servers, petals_servers, jobs) -> dict:
 
 def _run(sc, seed: int, curve: BatchCurve, num_jobs: int) -> dict:
     """One scenario in both worlds: {world: {method: summary}} plus the planners' choices and predictions."""
-    from experiments.batch_sim import simulate_plan
-    from experiments.simulator import poisson_jobs
+    from experiments.sim.batch_sim import simulate_plan
+    from experiments.sim.simulator import poisson_jobs
 
     jobs = poisson_jobs(sc.arrival_rate, num_jobs, seed=1000 + seed)
     paper, batching = list(sc.servers), with_curves(sc, curve)
@@ -196,7 +197,7 @@ def run_cli(args) -> int:
     """``chainswarm simulate fig8-batching [--quick] [--runs N] [--workers N] [--out DIR] [--replot]``."""
     import sys
 
-    from experiments import fig_batching_report, report
+    from experiments.report import batching as fig_batching_report, report
 
     out = Path(args.out)
     path = out / f"{NAME}.json"

@@ -1,16 +1,16 @@
 """``chainswarm simulate churn``: re-planning while servers join and leave (issue 20, item 5).
 
 A trace-driven run: jobs arrive with the Azure code trace's arrival process (its gaps rescaled to mean
-1/λ, a seed-dependent rotation, Exp(1) sizes: :func:`experiments.fig_auto.azure_jobs`); the swarm starts
+1/λ, a seed-dependent rotation, Exp(1) sizes: :func:`experiments.figures.auto.azure_jobs`); the swarm starts
 with J servers drawn from a pool of 2J (a Fig. 8 scenario of 2J servers: RIPE Atlas RTTs, a share η of
 fast GPUs); every active server leaves at rate ``churn_per_min`` per minute and servers from the pool join
 at ``churn_per_min``·J per minute, so about 10% of the servers leave and 10% join every minute.
 
-At each change the strategy (experiments/churn_strategies.py) gives the spans the servers should hold;
+At each change the strategy (experiments/sim/churn_strategies.py) gives the spans the servers should hold;
 a server whose span changes drops its blocks at once and serves the new span only after loading it, at
-``reload_s_per_block`` seconds per block (measured: experiments/churn_load.py, the load path of a
+``reload_s_per_block`` seconds per block (measured: experiments/bench/churn_load.py, the load path of a
 petals/Chainswarm server at the bandwidth measured here, for a 1.32 GB BLOOM-176B block). The chains in
-force at any time are GCA's over the spans that are loaded (experiments/churn_sim.py runs JFFC over
+force at any time are GCA's over the spans that are loaded (experiments/sim/churn_sim.py runs JFFC over
 them; a job on a chain that breaks restarts from the queue's head). Per strategy and run: blocks loaded,
 blocks new to their server, servers reloading, the planner's decisions, mean/P95 response, restarted
 jobs, and the response-time cost of churn: mean response minus the same strategy's static run (its
@@ -23,26 +23,24 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from experiments.churn_sim import EpochChain, simulate_epochs
-from experiments.churn_strategies import (Context, Incremental, IncrementalReserve, IncrementalStandby,
-                                          PetalsRebalancing, Scratch)
-from experiments.fig_auto import azure_jobs
-from experiments.figure_common import _jsonable
-from experiments.scenarios import ScenarioConfig, build_scenario
-from experiments.simulator import DEFAULT_WARMUP
+from experiments.figures.auto import azure_jobs
+from experiments.figures.common import _jsonable
+from experiments.paths import RESULTS
+from experiments.report.churn import _findings, plot, section
+from experiments.sim.churn_sim import EpochChain, simulate_epochs
+from experiments.sim.churn_strategies import (STRATEGIES, Context, Incremental, IncrementalReserve,
+                                              IncrementalStandby, PetalsRebalancing, Scratch)
+from experiments.sim.scenarios import ScenarioConfig, build_scenario
+from experiments.sim.simulator import DEFAULT_WARMUP
 from planner.allocation import gca
 from planner.model import Placement
-
-RESULTS = Path(__file__).resolve().parent / "results"
-STRATEGIES = ("incremental", "incremental + standby", "incremental + reserve", "scratch (auto)", "scratch (gbp-cr)",
-              "petals rebalancing")
-
 
 @dataclass(frozen=True)
 class ChurnConfig:
@@ -66,7 +64,7 @@ class ChurnConfig:
 
 
 def measured_reload_s(block_gb: float = 1.32) -> float:
-    """s_m / the load bandwidth measured by experiments/churn_load.py (5.8 s if it was never run)."""
+    """s_m / the load bandwidth measured by experiments/bench/churn_load.py (5.8 s if it was never run)."""
     path = RESULTS / "churn_load.json"
     if not path.exists():
         return 5.8
@@ -243,3 +241,29 @@ def churn(cfg: ChurnConfig, progress: bool = True) -> dict:
         }
     return _jsonable({"figure": "churn", "config": asdict(cfg), "runs": runs, "aggregate": agg,
                       "elapsed_s": time.perf_counter() - t0, "load_average": [load, list(os.getloadavg())]})
+
+
+def run_cli(args) -> int:
+    """``chainswarm simulate churn [--runs N] [--quick] [--out DIR] [--replot]``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "churn.json"
+    if getattr(args, "replot", False):
+        if not path.exists():
+            print(f"chainswarm simulate churn: --replot: no churn.json in {out}", file=sys.stderr)
+            return 2
+        data = json.loads(path.read_text())
+    else:
+        cfg = ChurnConfig.make(runs=args.runs, quick=args.quick)
+        data = churn(cfg, progress=not getattr(args, "no_progress", False) and sys.stderr.isatty())
+        path.write_text(json.dumps(data, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    plot(data, out / "churn.png")
+    (out / "sections").mkdir(parents=True, exist_ok=True)
+    (out / "sections" / "churn.md").write_text(section(data))
+    for line in _findings(data["aggregate"], [n for n in STRATEGIES if n in data["aggregate"]]):
+        print(line)
+    print(f"churn: {path} ({data['elapsed_s']:.0f} s)")
+    return 0

@@ -5,10 +5,10 @@
 Each figure writes ``<out>/figN.json`` (every number), ``<out>/figN.png`` and ``<out>/sections/figN.md``,
 then ``<out>/REPORT.md`` is reassembled from all sections present. ``--replot`` recomputes nothing: it
 re-renders the PNGs and sections from the JSON already in ``<out>`` and reassembles the report.
-``fairness`` is delegated to ``experiments.fairness_sim.run_cli(args)`` (options it does not share with
+``fairness`` is delegated to ``experiments.figures.fairness.run_cli(args)`` (options it does not share with
 the figures pass through), ``fig8-batching`` (Fig. 8 with batching servers, not part of ``all``) to
-``experiments.fig_batching.run_cli(args)``, ``churn`` (re-planning while servers join and leave) to
-``experiments.churn_report.run_cli(args)``.
+``experiments.figures.batching.run_cli(args)``, ``churn`` (re-planning while servers join and leave) to
+``experiments.figures.churn.run_cli(args)``.
 """
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.paths import RESULTS
+
 TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "all", "fairness", "fig8-batching", "churn")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,19 +58,19 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "fairness":
         return _fairness(args)
     if args.target == "fig8-batching":
-        from experiments import fig_batching
+        from experiments.figures import batching as fig_batching
 
         return fig_batching.run_cli(args)
     if args.target == "churn":
-        from experiments import report
-        from experiments.churn_report import run_cli
+        from experiments.figures.churn import run_cli
+        from experiments.report import report
 
         code = run_cli(args)
         if code == 0:
             report.assemble(Path(args.out))
         return code
-    from experiments import report
-    from experiments.figures import FIGURES, Settings, write_figure
+    from experiments.figures.paper import FIGURES, Settings, write_figure
+    from experiments.report import report
 
     names = FIGURES if args.target == "all" else (args.target,)
     out = Path(args.out)
@@ -94,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _replot(out: Path, names) -> int:
     """Re-render the figures' PNGs and sections from their JSON in ``out``; reassemble the report."""
-    from experiments import report
-    from experiments.figures import replot
+    from experiments.figures.paper import replot
+    from experiments.report import report
 
     missing = [n for n in names if not (out / f"{n}.json").exists()]
     if missing:
@@ -111,16 +113,16 @@ def _replot(out: Path, names) -> int:
 
 def _fairness(args: argparse.Namespace) -> int:
     try:
-        module = importlib.import_module("experiments.fairness_sim")
+        module = importlib.import_module("experiments.figures.fairness")
     except ModuleNotFoundError as exc:
-        if exc.name != "experiments.fairness_sim":
+        if exc.name != "experiments.figures.fairness":
             raise
-        print("chainswarm simulate fairness: not available yet (experiments.fairness_sim is not in this "
+        print("chainswarm simulate fairness: not available yet (experiments.figures.fairness is not in this "
               "checkout)", file=sys.stderr)
         return 2
     code = int(module.run_cli(args) or 0)
     if code == 0:
-        from experiments import report
+        from experiments.report import report
 
         report.assemble(Path(args.out))
     return code

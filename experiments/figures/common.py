@@ -1,6 +1,6 @@
 """What the model-driven figures share: run settings, progress bars, JSON conversion, claims, simulation
-helpers and the worker pool (used by :mod:`experiments.figures`, :mod:`experiments.fig_tuning`,
-:mod:`experiments.fig_baselines` and :mod:`experiments.fig_auto`)."""
+helpers and the worker pool (used by :mod:`experiments.figures.paper`, :mod:`experiments.figures.tuning`,
+:mod:`experiments.figures.baselines` and :mod:`experiments.figures.auto`)."""
 from __future__ import annotations
 
 import math
@@ -11,8 +11,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from experiments.scenarios import ScenarioConfig
-from experiments.simulator import DEFAULT_WARMUP, poisson_jobs, simulate_chains
+from experiments.sim.scenarios import ScenarioConfig
+from experiments.sim.simulator import DEFAULT_WARMUP, poisson_jobs, simulate_chains
 
 
 C_UNIT = 7

@@ -1,8 +1,8 @@
 """``chainswarm simulate fairness``: fair, locality-aware scheduling on simulated multi-client workloads.
 
 Runs every (scenario, policy, seed) of the grid through the token-level
-simulator (``experiments.token_sim``) on chains of a real GBP-CR + GCA plan
-and the workloads of ``experiments.workloads`` (fairness-locality.md §10), and
+simulator (``experiments.sim.token_sim``) on chains of a real GBP-CR + GCA plan
+and the workloads of ``experiments.sim.workloads`` (fairness-locality.md §10), and
 computes the §9 metrics:
 
 * service rate per client over time (actual service = w_e * extend + w_q *
@@ -27,9 +27,9 @@ the report section sections/fairness.md (``--replot`` rewrites the plots and the
 section from an existing fairness.json without running anything).
 
 This module is the command; the work is split by job:
-``fairness_suite`` (scenarios, configuration, runner), ``fairness_metrics_sim``
-(per-run metrics and the claims), ``fairness_plots`` (matplotlib),
-``fairness_tables`` and ``fairness_report`` (the report section).
+``sim.fairness_suite`` (scenarios, configuration, runner), ``sim.fairness_metrics_sim``
+(per-run metrics and the claims), ``report.fairness_plots`` (matplotlib),
+``report.fairness_tables`` and ``report.fairness`` (the report section).
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ import sys
 import time
 from pathlib import Path
 
-from .fairness_metrics_sim import (  # noqa: F401  (re-exported: the tests and callers use these names)
+from experiments.sim.fairness_metrics_sim import (  # noqa: F401  (re-exported: the tests and callers use these names)
     TPUT_KEY,
     add_common_window,
     max_backlogged_gap_fast,
     mean_of,
 )
-from .fairness_plots import write_plots
-from .fairness_report import write_section
-from .fairness_suite import (  # noqa: F401  (re-exported)
+from experiments.report.fairness import write_section
+from experiments.report.fairness_plots import write_plots
+from experiments.sim.fairness_suite import (  # noqa: F401  (re-exported)
     ALL_SCENARIOS,
     DEFAULT_POLICIES,
     DEFAULT_RUNS,
@@ -64,7 +64,7 @@ from .fairness_suite import (  # noqa: F401  (re-exported)
     run_suite,
     write_json,
 )
-from .fairness_tables import fmt
+from experiments.report.fairness_tables import fmt
 
 
 def replot(out: Path) -> list:
@@ -121,7 +121,7 @@ def run_cli(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m experiments.fairness_sim", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.figures.fairness", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default=None,
                     help=f"comma list of scenarios ({', '.join(ALL_SCENARIOS)}), workloads ({', '.join(WORKLOADS)}), "
                          "s1/s2, or all (default)")

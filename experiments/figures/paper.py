@@ -3,8 +3,8 @@
 Each ``figN(settings)`` computes every number of the figure and returns a JSON-safe dict with a
 ``claims`` list (each claim: text, ``holds`` and the evidence); :func:`write_figure` then writes
 ``figN.json``, ``figN.png`` (matplotlib) and ``sections/figN.md`` (rendered by
-:mod:`experiments.figure_report`) under the output directory; :func:`replot` re-renders the PNG and the
-section from an existing ``figN.json``. :func:`experiments.report.assemble` turns the sections into
+:mod:`experiments.report.paper`) under the output directory; :func:`replot` re-renders the PNG and the
+section from an existing ``figN.json``. :func:`experiments.report.report.assemble` turns the sections into
 ``REPORT.md``.
 
 Settings (:class:`Settings`): ``runs`` Monte Carlo runs per point (the paper: 20), ``num_jobs`` per run
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.fig_auto import fig9, plot_fig9
-from experiments.fig_baselines import fig8, plot_fig8
-from experiments.fig_tuning import fig6, fig7, plot_fig6, plot_fig7
-from experiments.figure_common import C_UNIT, Settings, _bar, _claim, _jsonable, _map, _mean_std, _sim_mean
-from experiments.figure_report import FIGURES, section
-from experiments.scenarios import build_scenario, describe
+from experiments.figures.auto import fig9, plot_fig9
+from experiments.figures.baselines import fig8, plot_fig8
+from experiments.figures.common import C_UNIT, Settings, _bar, _claim, _jsonable, _map, _mean_std, _sim_mean
+from experiments.figures.tuning import fig6, fig7, plot_fig6, plot_fig7
+from experiments.report.paper import FIGURES, section
+from experiments.sim.scenarios import build_scenario, describe
 from planner.allocation import gca
 from planner.baselines import random_placement
 from planner.bounds import exact_mean_response_time, response_time_bounds

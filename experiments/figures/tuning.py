@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.figure_common import Settings, _claim, _map, _mean_std
-from experiments.scenarios import build_scenario, describe
-from experiments.simulator import poisson_jobs, simulate_chains
+from experiments.figures.common import Settings, _claim, _map, _mean_std
+from experiments.sim.scenarios import build_scenario, describe
+from experiments.sim.simulator import poisson_jobs, simulate_chains
 from planner.tuning import iter_candidates
 
 

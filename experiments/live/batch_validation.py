@@ -68,7 +68,7 @@ def ps_service_time(start: float, solo: float, terms: list[tuple[str, float, Bat
 
 
 def table1_with_batch(rows: list[dict], cpu_decode_s: float) -> None:
-    """Add ``predicted_batch`` to each row of :func:`experiments.live_validation.predictions` (see the module doc;
+    """Add ``predicted_batch`` to each row of :func:`experiments.live.validation.predictions` (see the module doc;
     occupancy is counted per method, i.e. per run)."""
     seq = BatchCurve.sequential()
     for method in {r["method"] for r in rows}:

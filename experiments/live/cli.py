@@ -11,8 +11,8 @@ import argparse
 import importlib
 import sys
 
-EXPERIMENTS = {"table1": "experiments.live_table1", "fairness": "experiments.live_fairness",
-               "validation": "experiments.live_validation"}
+EXPERIMENTS = {"table1": "experiments.live.table1", "fairness": "experiments.live.fairness",
+               "validation": "experiments.live.validation"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

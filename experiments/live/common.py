@@ -1,7 +1,7 @@
 """Shared pieces of the live-swarm experiments (``chainswarm experiment ...``).
 
 * the experiment model (a random Llama, 8 blocks of hidden 128: LLaMA-2-7B's 32 blocks scaled by 1/4),
-* trace scaling: the Azure code trace (``experiments.simulator.load_trace``) compressed in time and in
+* trace scaling: the Azure code trace (``experiments.sim.simulator.load_trace``) compressed in time and in
   lengths so that the CPU swarm replays it in minutes,
 * prompts of an exact token length, request drivers (orchestrator HTTP; vanilla petals client) that record
   submission / start / completion of every request, and the §11.4 statistics.
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from experiments.report.common import fmt  # noqa: F401  (lc.fmt: the live sections' number format)
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -153,7 +155,7 @@ class Scaling:
 
 
 def scaled_trace(scaling: Scaling) -> dict[str, np.ndarray]:
-    from experiments.simulator import load_trace
+    from experiments.sim.simulator import load_trace
 
     trace = load_trace()
     lo, hi = scaling.offset, scaling.offset + scaling.num_requests
@@ -449,10 +451,6 @@ def records_to_json(records: Sequence[Record]) -> list[dict]:
                 d[k] = round(v, 5)
         out.append(d)
     return out
-
-
-def fmt(x: float, digits: int = 2) -> str:
-    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
 
 
 def machine_note() -> str:

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import live_common as lc
+from experiments.live import common as lc
+from experiments.paths import RESULTS
 
 POLICIES = ("fcfs", "vtc", "dlpm")
 PREFIX_POLICIES = ("fcfs", "vtc", "dlpm", "swarm")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS
 W_EXTEND, W_OUTPUT = 1.0, 2.0
 
 
@@ -79,7 +80,7 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
         # compute measured once on a quiet node and declared for all (as in live_table1); RTTs measured
         lc.start_nodes(swarm, config.servers, {h: memory_gb for h in config.servers}, gpus,
                        profile_cache_dir=profile_dir, num_handlers=1)
-        url = swarm.control.orchestrator.info["url"]
+        url = swarm.orchestrator.info["url"]
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args, st: dict, work: Path, started: float) -> int:
-    from experiments.live_table1 import gpu_emulation, wan_config
+    from experiments.live.table1 import gpu_emulation, wan_config
 
     prefix_reuse = getattr(args, "prefix_reuse", False)
     policies = [p for p in (args.policies or ",".join(PREFIX_POLICIES if prefix_reuse else POLICIES)).split(",") if p]
@@ -289,7 +290,7 @@ def _run(args, st: dict, work: Path, started: float) -> int:
     _plot(data, out / f"{name}.png")
     (out / "sections" / f"{name}.md").write_text(section(data))
     if not args.quick:
-        from experiments import report
+        from experiments.report import report
 
         report.assemble(out)
     print(f"wrote {out / (name + '.json')} ({data['elapsed_s'] / 60:.1f} min)")

@@ -35,11 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import live_common as lc
-from experiments.live_table1_report import CONFIGS, METHODS, findings, write_outputs
+from experiments.live import common as lc
+from experiments.paths import RESULTS
+from experiments.report.live_table1 import CONFIGS, METHODS, findings, write_outputs
 
 PLACEMENT = {"bprr": "bprr", "jffc": "whole-model", "proposed": "gbp-cr", "auto": "auto"}
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS
 
 # Memory budgets as multiples of the model's weights (L blocks): the paper's 40 GB / 20 GB MIG slices hold
 # LLaMA-2-7B (13 GB in fp16) 3.1 / 1.55 times (chain-composition spec §11.1).
@@ -124,7 +125,7 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
             replan_tolerance=0.0)  # nodes join one by one: end on the planner's plan for all of them
         lc.start_nodes(swarm, config.servers, {h: memory[h] / 2**30 for h in config.servers}, gpus, log,
                        profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
-        url = swarm.control.orchestrator.info["url"]
+        url = swarm.orchestrator.info["url"]
 
         def ready():
             status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
@@ -248,7 +249,7 @@ def replot(args: argparse.Namespace) -> int:
     data["findings"] = findings(data)
     write_outputs(data, out, name)
     if not args.quick:
-        from experiments import report
+        from experiments.report import report
 
         report.assemble(out)
     return 0
@@ -374,7 +375,7 @@ def _run(args, st: dict, scaling: lc.Scaling, work: Path, started: float) -> int
     data["findings"] = findings(data)
     write_outputs(data, out, name)
     if not args.quick:
-        from experiments import report
+        from experiments.report import report
 
         report.assemble(out)
     log(f"wrote {out / (name + '.json')} ({data['elapsed_s'] / 60:.1f} min)")

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import live_common as lc
+from experiments.live import common as lc
+from experiments.paths import RESULTS
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = RESULTS
 HOP_OVERHEAD_S = 0.018
 BLOCK_OVERHEAD_S = 0.001
 
@@ -109,8 +110,8 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def _batch_term(table1: dict, rows: list[dict], out: Path) -> dict:
     """The batch term of the service model on Table 1 (adds ``predicted_batch`` to ``rows``) and on the
-    batching benchmark's committed results (:mod:`experiments.batch_validation`)."""
-    from experiments import batch_validation as bv
+    batching benchmark's committed results (:mod:`experiments.live.batch_validation`)."""
+    from experiments.live import batch_validation as bv
 
     cpu = (table1.get("settings", {}).get("measured_compute") or {}).get("decode_s")
     if cpu:
@@ -124,7 +125,7 @@ def _batch_term(table1: dict, rows: list[dict], out: Path) -> dict:
 def _batch_lines(batch: dict) -> list[str]:
     s = batch["summary"]
     lines = ["", "**The batch term** (step time as a function of the sessions a server holds, "
-             "`planner/service_model.py`; computed by `experiments/batch_validation.py`):", ""]
+             "`planner/service_model.py`; computed by `experiments/live/batch_validation.py`):", ""]
     if "table1" in s:
         t = s["table1"]
         lines.append(f"* Table 1 (the CPU part of the decode steps, {1e3 * batch['cpu_decode_s']:.2f} ms per block and "
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     lines.append(f"\n![model validation]({name}.png)\n")
     (out / "sections" / f"{name}.md").write_text("\n".join(lines) + "\n")
     if not args.quick:
-        from experiments import report
+        from experiments.report import report
 
         report.assemble(out)
     print("\n".join(lines))

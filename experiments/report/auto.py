@@ -1,6 +1,6 @@
 """Report lines for placement="auto" (Fig. 8's auto part and Fig. 9), every number and verdict from the JSON
-that :func:`experiments.fig_auto.auto_verdict`, :func:`experiments.fig_auto.attach_service_bounds` and
-:func:`experiments.fig_auto.attach_queue_bounds` wrote."""
+that :func:`experiments.figures.auto.auto_verdict`, :func:`experiments.figures.auto.attach_service_bounds` and
+:func:`experiments.figures.auto.attach_queue_bounds` wrote."""
 from __future__ import annotations
 
 
@@ -92,7 +92,7 @@ def auto_lines(d: dict) -> list[str]:
         out += [f"* {_where(r)}: {_reason(r, v.get('queue_bounds', []), v['target_gain'])}." for r in v["missed"]]
     qs = v.get("queue_bound_settings")
     if v.get("queue_bounds") and qs:
-        out += ["", f"Queue-aware bound (experiments/auto_bounds.py), on the first {qs['scenarios']} scenarios of the "
+        out += ["", f"Queue-aware bound (experiments/sim/auto_bounds.py), on the first {qs['scenarios']} scenarios of the "
                 f"{len(v['queue_bounds'])} missed cells whose service bound leaves the most room: a MILP bounds the "
                 "largest total service rate ν*_n that n jobs running at once could have on any placement (servers "
                 "hold their blocks plus every job's cache; block ranges need not be contiguous; rates on a "

@@ -1,5 +1,5 @@
 """The report section of ``chainswarm simulate fig8-batching`` (``sections/fig8_batching.md``), every number and
-every conclusion computed from ``fig8_batching.json`` (:mod:`experiments.fig_batching`)."""
+every conclusion computed from ``fig8_batching.json`` (:mod:`experiments.figures.batching`)."""
 from __future__ import annotations
 
 import math
@@ -142,7 +142,7 @@ def section(data: dict) -> str:
         "PETALS' servers run sessions one at a time, g(n) = n. Proposed and auto plan with the curves (GCA rates "
         "chains at the occupancy their capacities imply; Proposed's c is tuned by bounds that rate each state at "
         "its own occupancy, auto scores candidates by the chains' rates); *blind* is Proposed planned with g ≡ 1 "
-        "and run on the batching servers. Exact event-driven simulation with occupancy-dependent speeds (`experiments/batch_sim.py`).",
+        "and run on the batching servers. Exact event-driven simulation with occupancy-dependent speeds (`experiments/sim/batch_sim.py`).",
         "",
         "Mean response time (s; * = some runs unstable, left out):",
         "",

@@ -1,12 +1,10 @@
 """The churn experiment's PNG and report section (``sections/churn.md``), every number from ``churn.json``
-(experiments/churn.py), and the ``chainswarm simulate churn`` entry point."""
+(written by experiments/figures/churn.py, which is also the ``chainswarm simulate churn`` entry point)."""
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
-from experiments.churn import STRATEGIES, ChurnConfig, churn
+from experiments.sim.churn_strategies import STRATEGIES
 
 COLORS = {"incremental": "tab:purple", "incremental + standby": "tab:blue", "incremental + reserve": "tab:cyan",
           "scratch (auto)": "tab:orange", "scratch (gbp-cr)": "tab:olive", "petals rebalancing": "tab:red"}
@@ -60,7 +58,7 @@ def section(data: dict) -> str:
              f"leaves and {joins:.0f} joins per run); Azure code-trace arrivals rescaled to "
              f"λ = {cfg['arrival_rate']:g} "
              f"req/s, Exp(1) sizes; a server whose span changes serves it only after loading it at "
-             f"{cfg['reload_s_per_block']:.2f} s per block (the load path measured by experiments/churn_load.py, "
+             f"{cfg['reload_s_per_block']:.2f} s per block (the load path measured by experiments/bench/churn_load.py, "
              "scaled to a 1.32 GB BLOOM-176B block), and a job on a chain that breaks restarts; replanning "
              f"tolerance {100 * cfg['tolerance']:g}%; computed in {data['elapsed_s']:.0f} s at load average "
              f"{data['load_average'][0][0]:.1f} → {data['load_average'][1][0]:.1f} on 2 cores.", "",
@@ -106,29 +104,3 @@ def _findings(agg: dict, names: list[str]) -> list[str]:
         cost = "–" if word is None else f"{word} response-time cost of churn ({_s(ci)} s against {_s(co)} s)"
         out.append(f"* incremental against {n}: {ratio} blocks loaded ({_s(bl, 0)} against {_s(bo, 0)}), {cost}.")
     return out
-
-
-def run_cli(args) -> int:
-    """``chainswarm simulate churn [--runs N] [--quick] [--out DIR] [--replot]``."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "churn.json"
-    if getattr(args, "replot", False):
-        if not path.exists():
-            print(f"chainswarm simulate churn: --replot: no churn.json in {out}", file=sys.stderr)
-            return 2
-        data = json.loads(path.read_text())
-    else:
-        cfg = ChurnConfig.make(runs=args.runs, quick=args.quick)
-        data = churn(cfg, progress=not getattr(args, "no_progress", False) and sys.stderr.isatty())
-        path.write_text(json.dumps(data, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    plot(data, out / "churn.png")
-    (out / "sections").mkdir(parents=True, exist_ok=True)
-    (out / "sections" / "churn.md").write_text(section(data))
-    for line in _findings(data["aggregate"], [n for n in STRATEGIES if n in data["aggregate"]]):
-        print(line)
-    print(f"churn: {path} ({data['elapsed_s']:.0f} s)")
-    return 0

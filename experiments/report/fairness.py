@@ -1,7 +1,7 @@
 """The fairness section of the simulation report (``sections/fairness.md``), from a ``fairness.json`` document.
 
 :func:`write_section` assembles the run and setup paragraphs, the results and claims tables
-(:mod:`experiments.fairness_tables`) and the reading of the results (:func:`discussion_text`).
+(:mod:`experiments.report.fairness_tables`) and the reading of the results (:func:`discussion_text`).
 Every number and every verdict in the reading is computed from the document at report time, and
 the explanations of why a claim fails are worded for what the numbers show, so re-rendering the
 section after a re-run re-checks it.  The workload quantities it quotes (offered load per client,
@@ -14,18 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fairness_metrics_sim import (
-    FAIR_LOCAL,
-    PREFIX_HEAVY,
-    STARVE,
-    TPUT_ABOVE,
-    TPUT_KEY,
-    m0_share,
-    mean_of,
-    worst_gap,
-)
-from .fairness_suite import Config, demand_shares, ideal_hit_rate, scenario_load, split_scenario
-from .fairness_tables import (
+from experiments.report.fairness_tables import (
     KIND_NAMES,
     PAPER_D2LPM_VS_VTC,
     claims_text,
@@ -38,6 +27,17 @@ from .fairness_tables import (
     slot_ratio,
     span,
 )
+from experiments.sim.fairness_metrics_sim import (
+    FAIR_LOCAL,
+    PREFIX_HEAVY,
+    STARVE,
+    TPUT_ABOVE,
+    TPUT_KEY,
+    m0_share,
+    mean_of,
+    worst_gap,
+)
+from experiments.sim.fairness_suite import Config, demand_shares, ideal_hit_rate, scenario_load, split_scenario
 
 JAIN_LOW = 0.9  # a fair policy's Jain's index below this is discussed
 SAME_KEYS = ("jain_actual", TPUT_KEY, "wb_latency_p99", "max_gap")  # swarm = dlpm when all of these agree

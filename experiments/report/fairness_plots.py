@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .fairness_metrics_sim import LATENCY_METRIC, TPUT_KEY, mean_of
+from experiments.sim.fairness_metrics_sim import LATENCY_METRIC, TPUT_KEY, mean_of
 
 
 def write_plots(doc: dict, out: Path) -> list:

@@ -1,7 +1,7 @@
 """Tables and fixed-form paragraphs of the fairness report section, from a ``fairness.json`` document.
 
 The run and setup paragraphs, the results table, the headline and the claims table, plus the
-formatting helpers the discussion (:mod:`experiments.fairness_report`) shares.  Every number and
+formatting helpers the discussion (:mod:`experiments.report.fairness`) shares.  Every number and
 verdict is formatted from the document.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .fairness_metrics_sim import (
+from experiments.sim.fairness_metrics_sim import (
     JAIN_CLOSE,
     STARVE,
     TPUT_ABOVE,
@@ -19,7 +19,7 @@ from .fairness_metrics_sim import (
     sd_of,
     worst_gap,
 )
-from .token_sim import REF_INPUT, REF_OUTPUT
+from experiments.sim.token_sim import REF_INPUT, REF_OUTPUT
 
 KIND_NAMES = {"ldqa": "long-document QA", "tot": "tree-of-thought", "judge": "judge", "chat": "chat"}
 PAPER_D2LPM_VS_VTC = 2.87  # the papers' largest D2LPM/VTC throughput ratio
@@ -103,7 +103,7 @@ def setup_text(doc: dict) -> list:
                      f"({'/'.join(p.upper() for p in pols)} only)")
     ratio_txt = f"tpre = tdec/{slot_ratio(first['swarm']['chains']):.0f}"
     return [
-        "Setup: a token-level discrete-event simulation (`experiments/token_sim.py`) of the chains of a real "
+        "Setup: a token-level discrete-event simulation (`experiments/sim/token_sim.py`) of the chains of a real "
         "GBP-CR + GCA plan of the LLaMA-2-7B 9-MIG swarm (chain-composition.md §9.7/§11, "
         f"`experiments/examples/{first['swarm']['swarm']}`), planned for the workload's context length "
         f"({_plans(doc)}). Per-token times follow from each chain's planned service time T_k for the "

@@ -1,5 +1,5 @@
 """Table 1's outputs: the JSON of the numbers, the plot, the Markdown section with its table and the findings
-computed from the data (the runs themselves are :mod:`experiments.live_table1`)."""
+computed from the data (the runs themselves are :mod:`experiments.live.table1`)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import live_common as lc
+from experiments.report.common import fmt
 
 METHODS = ("petals", "bprr", "jffc", "proposed", "auto")
 LABEL = {"petals": "PETALS", "bprr": "BPRR", "jffc": "JFFC only", "proposed": "Proposed", "auto": "Auto"}
@@ -89,9 +89,9 @@ def table_markdown(runs: dict) -> str:
     lines = ["| Metric | " + " | ".join(LABEL[m] for m in methods) + " |",
              "|---|" + "---|" * len(methods)]
     for label, a, b in ROWS:
-        lines.append(f"| {label} | " + " | ".join(lc.fmt(runs[m]["stats"][a][b]) for m in methods) + " |")
+        lines.append(f"| {label} | " + " | ".join(fmt(runs[m]["stats"][a][b]) for m in methods) + " |")
     lines.append("| Service min / max | " + " | ".join(
-        f"{lc.fmt(runs[m]['stats']['service']['min'])} / {lc.fmt(runs[m]['stats']['service']['max'])}"
+        f"{fmt(runs[m]['stats']['service']['min'])} / {fmt(runs[m]['stats']['service']['max'])}"
         for m in methods) + " |")
     if "petals" in runs:
         p = runs["petals"]["stats"]

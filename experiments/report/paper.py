@@ -3,8 +3,8 @@
 :func:`section` writes a figure's settings line, its table, and the paper's claims with the verdicts
 the figure computed; where a claim does not hold, a ``why_*`` function explains it with numbers taken
 from the same JSON (and, for the model facts it quotes, from the §10.1 model), worded for what the
-numbers show, so a re-run that changes them changes the explanation too.  :mod:`experiments.figures`
-(compute and plot) and :mod:`experiments.report` (assembly of ``REPORT.md``) both use this module;
+numbers show, so a re-run that changes them changes the explanation too.  :mod:`experiments.figures.paper`
+(compute and plot) and :mod:`experiments.report.report` (assembly of ``REPORT.md``) both use this module;
 it uses neither.
 """
 from __future__ import annotations
@@ -185,7 +185,7 @@ def why_fig7_sides(d: dict, claim: dict) -> str | None:
 
 def _blocks_per_fast_gpu(c: int) -> tuple[int, int, int]:
     """(PETALS' blocks, GBP-CR's blocks at c, L) on a high-performance GPU of the §10.1 model."""
-    from experiments.scenarios import BLOOM_176B, HIGH_GPU
+    from experiments.sim.scenarios import BLOOM_176B, HIGH_GPU
     from planner.baselines import petals_num_blocks
     from planner.model import Server, max_blocks
 
@@ -273,7 +273,7 @@ def _claims(name: str, data: dict) -> list[str]:
 
 
 def _settings_line(data: dict) -> str:
-    from experiments.simulator import DEFAULT_WARMUP
+    from experiments.sim.simulator import DEFAULT_WARMUP
 
     s = data.get("settings", {})
     mode = "quick" if s.get("quick") else "full"
@@ -420,13 +420,13 @@ def _body_fig8(d: dict) -> list[str]:
 
 
 def _body_fig8_auto(d: dict) -> list[str]:
-    from experiments.auto_report import auto_lines
+    from experiments.report.auto import auto_lines
 
     return _body_fig8(d) + ([""] + auto_lines(d) if "auto" in d else [])
 
 
 def _body_fig9(d: dict) -> list[str]:
-    from experiments.auto_report import auto_lines
+    from experiments.report.auto import auto_lines
 
     return auto_lines(d)
 

@@ -2,7 +2,7 @@
 
 Figure sections come first in figure order, then any other section (for example ``fairness.md``, written
 by the fairness simulations, or the live experiments' sections) in name order. The figure sections
-themselves are rendered by :mod:`experiments.figure_report` (``section``, ``write_all_sections``, re-exported
+themselves are rendered by :mod:`experiments.report.paper` (``section``, ``write_all_sections``, re-exported
 here); this module only reads them.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.figure_report import FIGURES, section, write_all_sections  # noqa: F401  (re-exported)
+from experiments.report.paper import FIGURES, section, write_all_sections  # noqa: F401  (re-exported)
 
 
 def assemble(out_dir: str | Path) -> Path:
@@ -50,7 +50,7 @@ def _intro(out_dir: Path) -> str:
         "high-performance GPUs 40 GB / τp = 108.9 ms, low-performance 20 GB / τp = 175.2 ms; τc_j = l̄_O·(RTT(o, j) + "
         "18 ms) with l̄_O = 20 and RTT(o, j) from the RIPE Atlas EU anchors (orchestrator and servers drawn per "
         "scenario seed, `wan.WanConfig.from_ripe_atlas`); Poisson arrivals, Exp(1) job sizes; exact "
-        "event-driven simulation with the central queue served at completion instants (`experiments/simulator.py`).",
+        "event-driven simulation with the central queue served at completion instants (`experiments/sim/simulator.py`).",
         "",
         "Computation time: " + (", ".join(timing) if timing else "–") + ".",
         "",

@@ -19,7 +19,7 @@ proposed method, so the three methods see the same workload).
   the slots still held ("surprise waiting"), fails, and retries with the same backoff schedule.
 
 On batching servers (servers with a ``batch`` curve, :mod:`planner.service_model`) a request's service
-progresses at the rate its path's occupancy allows (:class:`experiments.batch_sim.RequestClock`); otherwise it
+progresses at the rate its path's occupancy allows (:class:`experiments.sim.batch_sim.RequestClock`); otherwise it
 takes exactly ``r·T_path``.
 
 Simplifications, stated in the report: petals' temporary peer ban and the immediate first retry are not
@@ -40,8 +40,8 @@ import numpy as np
 
 from planner.baselines import bprr_reservation, cg_bp, petals_placement, ws_rr_route
 from planner.model import ModelSpec, Placement, Server, free_slots
-from experiments.batch_sim import RequestClock
-from experiments.simulator import Jobs, SimResult
+from experiments.sim.batch_sim import RequestClock
+from experiments.sim.simulator import Jobs, SimResult
 
 PETALS_HOP_OVERHEAD_S = 0.018
 PETALS_NO_CACHE_PENALTY_S = 10.0

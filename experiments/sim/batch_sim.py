@@ -9,11 +9,11 @@ by the batch curve), with no time step.
 
 * :class:`SharedServers` — the occupancy, each job's speed and projected completion; a job whose path has no
   batching server always runs at speed 1, so its completion is ``start + duration`` exactly as in
-  :func:`experiments.simulator.simulate_chains` (with g ≡ 1 both give the same numbers, bit for bit).
+  :func:`experiments.sim.simulator.simulate_chains` (with g ≡ 1 both give the same numbers, bit for bit).
 * :func:`simulate_shared_chains` — chains with capacities under any :mod:`planner.dispatch` policy (JFFC by
   default), the central queue served at completions, like ``simulate_chains``; :func:`simulate_plan` takes a
   plan's chains and the swarm's servers.
-* :class:`RequestClock` — the same for the request-level baselines of :mod:`experiments.baseline_sim`
+* :class:`RequestClock` — the same for the request-level baselines of :mod:`experiments.sim.baseline_sim`
   (PETALS' and BPRR's paths), which use it when their servers batch.
 
 Heaps may hold stale completions (a job projected again); they are recognised and skipped when popped.
@@ -27,7 +27,7 @@ import numpy as np
 
 from planner.dispatch import make_dispatcher
 from planner.service_model import ChainService, chain_services, has_batching, path_service
-from experiments.simulator import Jobs, SimResult
+from experiments.sim.simulator import Jobs, SimResult
 
 
 class SharedServers:

@@ -1,6 +1,6 @@
 """JFFC over a chain set that changes while jobs run (issue 20, item 5: servers join, leave and reload).
 
-experiments/simulator.py keeps one chain set for a whole run; under churn the chains change whenever a
+experiments/sim/simulator.py keeps one chain set for a whole run; under churn the chains change whenever a
 server leaves, finishes loading or starts reloading. Here the run is split into **epochs**: epoch i starts
 at ``times[i]`` and serves with ``chains[i]`` (each chain: a hashable key — its servers and spans —, its
 service time T_k and capacity c_k), until the next epoch starts.

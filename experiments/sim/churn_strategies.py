@@ -1,7 +1,7 @@
 """What each re-planning strategy does when servers join and leave (the churn experiment, issue 20 item 5).
 
 Every strategy maps the servers present now and the spans they hold (loaded or loading) to the spans
-they should hold; a server whose span changes reloads it (experiments/churn.py charges the time).
+they should hold; a server whose span changes reloads it (experiments/figures/churn.py charges the time).
 
 * :class:`Incremental`: planner/replan.py — survivors keep their ranges, the previous chains' missing
   segments go to idle servers, a fresh auto plan only when it predicts a clearly better response time.
@@ -34,6 +34,10 @@ from planner.standby import add_standby_chains
 from planner.tuning import InfeasibleError
 
 Spans = dict[str, Span | None]
+
+STRATEGIES = ("incremental", "incremental + standby", "incremental + reserve", "scratch (auto)", "scratch (gbp-cr)",
+              "petals rebalancing")
+"""The strategies the churn experiment compares (experiments/figures/churn.py), in report order."""
 
 PETALS_CHECK_PERIOD_S = 120.0
 """petals' ``mean_balance_check_period``."""

@@ -17,8 +17,8 @@ import numpy as np
 
 from planner.fairness_metrics import jain_index, percentile, swarm_bound
 
-from .token_sim import SwarmSetup
-from .workloads import Workload
+from experiments.sim.token_sim import SwarmSetup
+from experiments.sim.workloads import Workload
 
 FAIR_LOCAL = ("dlpm", "swarm", "bfio")
 PREFIX_HEAVY = ("ldqa", "tot", "judge")

@@ -23,15 +23,15 @@ import numpy as np
 
 from planner.fairness import make_scheduler
 
-from .fairness_metrics_sim import (
+from experiments.sim.fairness_metrics_sim import (
     PREFIX_HEAVY,
     add_common_window,
     aggregate,
     compute_metrics,
     evaluate_claims,
 )
-from .token_sim import SwarmSetup, TokenSim, plan_chains
-from .workloads import (
+from experiments.sim.token_sim import SwarmSetup, TokenSim, plan_chains
+from experiments.sim.workloads import (
     RATE_FACTOR,
     SCENARIOS,
     WORKLOADS,

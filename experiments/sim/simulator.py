@@ -29,12 +29,13 @@ from typing import Sequence
 
 import numpy as np
 
+from experiments.paths import DATA
 from planner.dispatch import JFFC, make_dispatcher
 
 DEFAULT_WARMUP = 0.1
 """Fraction of the first jobs (by arrival) left out of steady-state statistics (§10.5)."""
 
-AZURE_CODE_TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_inference_trace_code_2023-11-16.csv"
+AZURE_CODE_TRACE = DATA / "azure_llm_inference_trace_code_2023-11-16.csv"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -47,7 +48,7 @@ class Jobs:
     """A workload: arrival times (s, nondecreasing) and sizes (mean-1 multipliers of T_k).
 
     ``input_tokens``/``output_tokens`` are set for trace workloads (used to build explicit per-chain
-    service times, see :func:`experiments.scenarios.service_matrix`).
+    service times, see :func:`experiments.sim.scenarios.service_matrix`).
     """
 
     arrivals: np.ndarray

@@ -34,10 +34,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+from experiments.paths import EXAMPLES
 from planner.fairness import ChainSpec, CentralQueueScheduler
 from planner.prefix_index import ChainPrefixMatcher, PrefixIndex
 
-from .workloads import Call, PromptHasher, Workload
+from experiments.sim.workloads import Call, PromptHasher, Workload
 
 REF_INPUT, REF_OUTPUT = 2048, 28  # the planner's reference job (Azure code trace means)
 PREFILL_RATIO = 0.1  # tpre = tdec / 10 (fairness-locality.md §14.3 placeholder)
@@ -93,7 +94,7 @@ def plan_chains(context_tokens: int = 8192, *, swarm_file: str | None = None) ->
     from planner.model import ModelSpec
     from planner.plan import parse_swarm, plan
 
-    path = Path(swarm_file) if swarm_file else Path(__file__).resolve().parent / "examples" / "swarm_small.json"
+    path = Path(swarm_file) if swarm_file else EXAMPLES / "swarm_small.json"
     model, servers, rate, rho = parse_swarm(json.loads(path.read_text()))
     model = ModelSpec(model.num_blocks, model.block_size_gb, model.cache_slot_gb * context_tokens / 2048)
     p = plan(model, servers, rate, target_load=rho)
