@@ -28,15 +28,16 @@ from server.prefix_cache import PrefixBackend
 
 def load_backends(model_dir: str, blocks: Iterable[int], dtype: torch.dtype = torch.float32) -> dict:
     """``{uid: PrefixBackend}`` for ``blocks`` of the checkpoint, sharing one in-process ``MemoryCache``."""
-    from petals.server.from_pretrained import load_pretrained_block
     from petals.utils.convert_block import QuantType, convert_block
+
+    from swarm.model.families import load_block
 
     config = petals.AutoDistributedConfig.from_pretrained(str(model_dir))
     cache = MemoryCache(None)
     cpu = torch.device("cpu")
     backends = {}
     for i in blocks:
-        block = load_pretrained_block(str(model_dir), i, config=config, torch_dtype=dtype)
+        block = load_block(str(model_dir), i, config=config, torch_dtype=dtype)
         block = convert_block(block, i, config, [cpu], cpu, QuantType.NONE)
         backends[f"block.{i}"] = _backend(f"block.{i}", block, config, cache, dtype)
     return backends

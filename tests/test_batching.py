@@ -33,6 +33,23 @@ def _step(step, session, hidden):
     return out
 
 
+def test_the_blocks_hold_the_checkpoint_weights_bound_to_their_layers(backends, smollm2_dir):
+    """What the other tests compare runs on the real weights: every parameter left petals' meta initialisation
+    and equals the checkpoint's tensor (petals' key-checking dummy load is a no-op; the real load follows)."""
+    from swarm.model.block import DecoderBlock
+    from swarm.model.local_model import load_state_dict
+
+    for uid, backend in backends.items():
+        index = int(uid.split(".")[1])
+        block = backend.module.module_shards[0]
+        assert isinstance(block, DecoderBlock) and block.layer_spec == block.spec.layer(index)
+        saved = load_state_dict(smollm2_dir, f"model.layers.{index}.")
+        params = dict(block.named_parameters())
+        assert set(params) == set(saved)
+        for name, param in params.items():
+            assert param.device.type == "cpu" and torch.equal(param, saved[name].to(param.dtype)), name
+
+
 def test_batched_decode_equals_sequential_steps(backends):
     """8 sessions with different prompt lengths: a batched decode pass gives the hidden states and KV caches
     of stepping each session on its own (petals' path), within float tolerance — several steps in a row."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -183,10 +184,18 @@ def register() -> None:
     auto_config.AutoConfig = _ModelTypeOf
 
 
+# petals' load_pretrained_block first calls load_state_dict on the meta-initialised block only to check the
+# names ("dummy load"), which makes torch warn that copying into a meta parameter is a no-op; the weights are
+# then really set by accelerate's set_module_tensor_to_device (tests/test_batching checks they are).
+_DUMMY_LOAD_WARNING = r".*copying from a non-meta parameter in the checkpoint to a meta parameter.*"
+
+
 def _bound(load):
     @functools.wraps(load)
     def load_bound(model_name, block_index, *args, **kwargs):
-        block = load(model_name, block_index, *args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DUMMY_LOAD_WARNING, category=UserWarning)
+            block = load(model_name, block_index, *args, **kwargs)
         if isinstance(block, DecoderBlock):
             block.bind_layer(block_index)
         return block
@@ -208,6 +217,13 @@ class ModelBackend(TransformerBackend):
             tensors.append(TensorDescriptor((batch_size, kv_heads, head_dim, max_length), dtype=self.dtype, device=device))
             tensors.append(TensorDescriptor((batch_size, kv_heads, max_length, head_dim), dtype=self.dtype, device=device))
         return tensors
+
+
+def load_block(model_dir: str, index: int, **kwargs) -> nn.Module:
+    """petals' ``load_pretrained_block``, bound to its layer (what a server holds as block ``index``)."""
+    from petals.server.from_pretrained import load_pretrained_block
+
+    return _bound(load_pretrained_block)(model_dir, index, **kwargs)
 
 
 def install_server_hooks() -> None:
