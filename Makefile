@@ -1,4 +1,5 @@
-# Chainswarm — the two commands: `make demo` (run the demo swarm) and `make test` (run the tests).
+# Chainswarm — the two commands: `make demo` (run the demo swarm) and `make test` (run the tests; it also builds
+# the documentation site strictly, as `make docs` does).
 # Both build .venv on first use with scripts/bootstrap.sh and reuse it afterwards.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 # a missing model is a failure, never a silent skip.
 export CHAINSWARM_REQUIRE_REAL_MODEL ?= 1
 
-.PHONY: demo test venv bench clean browser screenshots
+.PHONY: demo test venv bench clean browser screenshots docs
 
 venv: $(VENV)/.chainswarm-stamp
 $(VENV)/.chainswarm-stamp: requirements.txt requirements-dev.txt requirements-experiments.txt pyproject.toml scripts/bootstrap.sh
@@ -19,8 +20,18 @@ $(VENV)/.chainswarm-stamp: requirements.txt requirements-dev.txt requirements-ex
 demo: venv
 	$(VENV)/bin/chainswarm demo
 
+# The documentation site into build/docs: the generated references (scripts/docs/: CLI from argparse, HTTP API from
+# the OpenAPI schema, results tables from experiments/results/*.json) into docs/reference/, then a strict build
+# (a broken link, a bad anchor or a missing page fails it).
+DOCS_OUT ?= build/docs
+docs: venv
+	$(PY) scripts/docs/generate.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d $(DOCS_OUT)
+	@echo "[docs] site in $(DOCS_OUT)/index.html"
+
 # setsid + timeout: a hung swarm test can never outlive the run or leave orphaned servers behind.
-test: venv
+# The strict docs build runs first (a few seconds): a broken page fails `make test` before the suite starts.
+test: venv docs
 	setsid --wait timeout -k 30 1500 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 

@@ -1,0 +1,244 @@
+"""Results pages from the committed JSON in ``experiments/results/``, and the README's headline numbers.
+
+``make docs`` runs this before ``mkdocs build``. It writes, under ``docs/reference/`` (generated, git-ignored):
+
+* ``results/``: a copy of ``experiments/results`` (REPORT.md, the sections, every PNG and JSON), so the site can
+  show the report and link the data;
+* ``data-provenance.md``: ``experiments/data/README.md``;
+* ``tables/*.md``: tables rendered from the JSON, included by the hand-written pages (``--8<--``, pymdownx.snippets)
+  so that no page restates a measured number by hand: ``batching.md`` (``bench_batching.json``),
+  ``device_check.md`` (``device_check_h200.json``), ``runtime.md`` (``bench_runtime.json``), ``soak.md``
+  (``bench_soak.json``), ``headline.md``;
+* ``results.md``: the headline table and every generated table on one page.
+
+:func:`headline` is the source of the README's "Headline results" table; ``tests/test_docs.py`` checks that the
+README states exactly these values.
+
+Usage: ``python scripts/docs/results.py [--out-dir docs/reference]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "experiments" / "results"
+DATA_README = ROOT / "experiments" / "data" / "README.md"
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _sci(x: float) -> str:
+    """1.4899e-06 -> '1.5e-6'."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _minus(x: float) -> str:
+    return f"{x:.1f}".replace("-", "−")
+
+
+# -- bench_batching.json ----------------------------------------------------------------------------------------
+
+def _by_sessions(rows: list[dict], client: str = "generate") -> dict[int, dict]:
+    return {r["sessions"]: r for r in rows if r.get("client", "generate") == client}
+
+
+def batching_table() -> str:
+    d = load("bench_batching.json")["results"]
+    vanilla, multi = _by_sessions(d["vanilla_petals"]), _by_sessions(d["chainswarm_multi"])
+    batched = _by_sessions(d["chainswarm_batched"])
+    out = [_row(["sessions", "vanilla petals tok/s", "`ChainGenerator` tok/s", "×", "per-token latency (median)",
+                 "TTFT", "server CPU per token", "petals `generate` on Chainswarm servers ×"]),
+           _row(["---"] * 8)]
+    for n in sorted(multi):
+        v, m, b = vanilla[n], multi[n], batched[n]
+        latency = f"{m['per_token_ratio']:.2f}×"
+        if n in (1, 8):
+            latency += f" ({v['per_token_ms_median']:.0f} → {m['per_token_ms_median']:.0f} ms)"
+        tok, ratio = f"{m['tokens_per_s']:.1f}", f"{m['throughput_ratio']:.2f}"
+        if n == 8:  # the issue's target: ≥ 3× at 8 sessions
+            tok, ratio = f"**{tok}**", f"**{ratio}**"
+        cpu = "{:.0f} / {} ms".format(v["server_cpu_ms_per_token"], f"{m['server_cpu_ms_per_token']:.1f}"
+                                       if m["server_cpu_ms_per_token"] < 10 else f"{m['server_cpu_ms_per_token']:.0f}")
+        out.append(_row([n, f"{v['tokens_per_s']:.1f}", tok, ratio, latency, f"{m['ttft_ratio']:.2f}×", cpu,
+                         f"{b['throughput_ratio']:.2f}"]))
+    return "\n".join(out) + "\n"
+
+
+# -- device_check_h200.json -------------------------------------------------------------------------------------
+
+def device_check_table() -> str:
+    d = load("device_check_h200.json")
+    cases: dict[str, dict[str, dict]] = {}
+    for g in d["goldens"]:
+        cases.setdefault(g["case"], {})[g["dtype"]] = g
+    dtypes = ("float32", "float16", "bfloat16")
+    out = [f"{d['device']}, torch {d['torch']} (`scripts/device_check.sh`, "
+           "[device_check_h200.json](results/device_check_h200.json)): relative error of the last block's hidden "
+           "states against the float32 goldens made by transformers, and greedy tokens against the goldens' "
+           "(tokens compared up to the first near-tie).", "",
+           _row(["case", "family", "float32 rel. error", "float16", "bfloat16", "greedy tokens equal (compared f32 / f16 / bf16)",
+                 "batched vs alone (f32)"]), _row(["---"] * 7)]
+    for case, by in cases.items():
+        f32 = by["float32"]
+        out.append(_row([f"`{case}`", f"`{f32['family']}`", *(_sci(by[t]["hidden_rel_err"]) for t in dtypes),
+                         ("yes" if all(by[t]["tokens_agree"] for t in dtypes) else "**no**") + " ("
+                         + " / ".join(str(by[t]["tokens_compared"]) for t in dtypes) + ")",
+                         _sci(f32["batched_vs_alone_rel"])]))
+    steps = d["block_step_ms"]
+    out += ["", "A Llama-3-8B-shaped bfloat16 block, one batched decode step: "
+            + ", ".join(f"{float(ms):.2f} ms at {n} session{'s' if n != '1' else ''}" for n, ms in steps.items()) + "."]
+    return "\n".join(out) + "\n"
+
+
+# -- bench_runtime.json -----------------------------------------------------------------------------------------
+
+RUNTIME_CLIENTS = {"vanilla_petals": "vanilla petals 2.2 client",
+                   "chainswarm_http": "`/v1/completions` (streamed, through the orchestrator)",
+                   "chainswarm_direct": "`DirectSwarmModel` (lease, client drives the chain)"}
+
+
+def runtime_table() -> str:
+    d = load("bench_runtime.json")
+    out = [_row(["split", "client", "TTFT (ms)", "× vanilla", "per token (ms)", "× vanilla"]), _row(["---"] * 6)]
+    for split in d["splits"]:
+        for key, label in RUNTIME_CLIENTS.items():
+            r = split["results"][key]
+            out.append(_row([f"{split['servers']} servers", label, f"{r['ttft_ms']:.0f}", f"{r['ttft_ratio']:.2f}×",
+                             f"{r['per_token_ms']:.1f}", f"{r['per_token_ratio']:.2f}×"]))
+    return "\n".join(out) + "\n"
+
+
+# -- bench_soak.json --------------------------------------------------------------------------------------------
+
+def _seconds(x: float) -> str:
+    return f"{x:.2g}" if x < 10 else f"{x:.1f}"
+
+
+def soak_table() -> str:
+    d = load("bench_soak.json")
+    rate = d["planned_rate"]
+    out = [_row(["phase", "requests", "answered", "refused (429)", "failed", "lost", "P50 / P99 response (s)"]),
+           _row(["---"] * 7)]
+    for phase in d["phases"]:
+        s = d["summary"][phase["name"]]
+        if phase["kind"] == "burst":
+            label = f"{phase['name'].replace('-', ' ')} ({phase['value']} at once)"
+        else:
+            label = f"{phase['name']} ({phase['value'] / rate:.1f}× ν)".replace(".0×", "×")
+        out.append(_row([label, f"{s['requests']:,}", f"{s['answered']:,}", f"{s['refused']:,}", s["failed"], s["lost"],
+                         f"{_seconds(s['p50_s'])} / {_seconds(s['p99_s'])}"]))
+    t = d["summary"]["total"]
+    out.append(_row(["**total**", f"**{t['requests']:,}**", f"**{t['answered']:,}**", f"{t['refused']:,}", t["failed"],
+                     f"**{t['lost']}**", ""]))
+    return "\n".join(out) + "\n"
+
+
+# -- headline -----------------------------------------------------------------------------------------------------
+
+def headline() -> list[tuple[str, str, str, str]]:
+    """(what, value, JSON file(s) separated by spaces, docs page) of each headline result; the README's table states these values."""
+    batching = load("bench_batching.json")["results"]
+    multi = _by_sessions(batching["chainswarm_multi"])
+    relay = load("live_table1.json")["runs"]["relay"]
+    petals, auto = relay["petals"]["stats"]["response"], relay["auto"]["stats"]["response"]
+    fig8, fig9 = load("fig8.json")["auto"], load("fig9.json")["auto"]
+    soak = load("bench_soak.json")["summary"]["total"]
+    runtime = load("bench_runtime.json")["splits"]
+    device = load("device_check_h200.json")
+    f32 = [g for g in device["goldens"] if g["dtype"] == "float32"]
+    steps = device["block_step_ms"]
+    return [
+        ("Tokens/s of the orchestrator's batched path ÷ vanilla petals, 8 sessions",
+         f"{multi[8]['throughput_ratio']:.2f}×", "bench_batching.json", "batching.md"),
+        ("Tokens/s of the orchestrator's batched path ÷ vanilla petals, 16 sessions",
+         f"{multi[16]['throughput_ratio']:.2f}×", "bench_batching.json", "batching.md"),
+        ("Per-token latency ÷ vanilla petals, 1 session",
+         f"{multi[1]['per_token_ratio']:.2f}×", "bench_batching.json", "batching.md"),
+        ("Live Table 1 replay (relay): Auto vs PETALS, mean / P95 response",
+         f"{_minus(100 * (auto['mean'] / petals['mean'] - 1))}% / {_minus(100 * (auto['p95'] / petals['p95'] - 1))}%",
+         "live_table1.json", "live-experiments.md"),
+        ("placement=auto below Proposed (c*), grid average: Fig. 8 / Fig. 9",
+         f"{100 * fig8['grid_avg_gain']:.1f}% / {100 * fig9['grid_avg_gain']:.1f}%", "fig8.json fig9.json", "planner.md"),
+        ("Soak: answered of all requests, lost",
+         f"{soak['answered']:,} of {soak['requests']:,}, {soak['lost']} lost", "bench_soak.json", "liveness.md"),
+        ("Streamed `/v1/completions` per token ÷ vanilla petals, 2 / 3 servers",
+         " / ".join(f"{s['results']['chainswarm_http']['per_token_ratio']:.2f}×" for s in runtime),
+         "bench_runtime.json", "runtime.md"),
+        ("H200: float32 max relative hidden error, every family; greedy tokens equal",
+         _sci(max(g["hidden_rel_err"] for g in f32)) + "; "
+         + ("all" if all(g["tokens_agree"] for g in device["goldens"]) else "NOT all"),
+         "device_check_h200.json", "models.md"),
+        ("H200: bf16 Llama-3-8B-shaped block, batched decode step at 1 / 8 / 32 sessions",
+         " / ".join(f"{float(steps[n]):.2f}" for n in ("1", "8", "32")) + " ms", "device_check_h200.json", "models.md"),
+    ]
+
+
+def headline_table(results_prefix: str = "results/", docs_prefix: str = "../") -> str:
+    out = [_row(["result", "measured", "data", "details"]), _row(["---"] * 4)]
+    for what, value, json_name, page in headline():
+        data = ", ".join(f"[{name}]({results_prefix}{name})" for name in json_name.split())
+        out.append(_row([what, value, data, f"[{page}]({docs_prefix}{page})"]))
+    return "\n".join(out) + "\n"
+
+
+def write(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results"
+    if results.exists():
+        shutil.rmtree(results)
+    shutil.copytree(RESULTS, results)
+    # the sections are written to be assembled into REPORT.md one level up: their links name its neighbours
+    for section in (results / "sections").glob("*.md"):
+        section.write_text(re.sub(r"\]\(([^/:#)]+)\)", r"](../\1)", section.read_text()))
+    (out_dir / "data-provenance.md").write_text(DATA_README.read_text())
+    tables = out_dir / "tables"
+    tables.mkdir(exist_ok=True)
+    # tables/*.md are included into pages in docs/ (one level up from reference/): links are relative to the page
+    generated = {"batching.md": batching_table(), "device_check.md": device_check_table().replace(
+                     "](results/", "](reference/results/"),
+                 "runtime.md": runtime_table(), "soak.md": soak_table(),
+                 "headline.md": headline_table("reference/results/", "")}
+    for name, text in generated.items():
+        (tables / name).write_text(text)
+    page = ["# Results from the committed JSON", "",
+            "Generated by `scripts/docs/results.py` from `experiments/results/*.json` at every `make docs`; the",
+            "README's headline table is checked against the same values by `tests/test_docs.py`. The simulations'",
+            "full report is [REPORT.md](results/REPORT.md).", "",
+            "## Headline", "", headline_table(), "",
+            "## Batching benchmark", "", "`python -m experiments.bench.batching` "
+            "([bench_batching.json](results/bench_batching.json), [plot](results/bench_batching.png)); see "
+            "[Batched servers](../batching.md#the-benchmark).", "", batching_table(), "",
+            "## GPU check", "", device_check_table(), "",
+            "## Runtime against vanilla petals", "", "`python -m experiments.bench.runtime` "
+            "([bench_runtime.json](results/bench_runtime.json)); see [Runtime measurements](../runtime.md).", "",
+            runtime_table(), "",
+            "## Soak", "", "`python -m experiments.bench.soak` ([bench_soak.json](results/bench_soak.json), "
+            "[plot](results/bench_soak.png)); see [Liveness](../liveness.md).", "", soak_table(), "",
+            "## Report sections", "",
+            *(f"* [{p.stem}](results/sections/{p.name})" for p in sorted((RESULTS / "sections").glob("*.md"))), ""]
+    (out_dir / "results.md").write_text("\n".join(page))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "reference")
+    args = parser.parse_args(argv)
+    write(args.out_dir)
+    print(f"[docs] wrote {args.out_dir / 'results.md'}, tables/ and a copy of experiments/results")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
