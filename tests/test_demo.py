@@ -30,7 +30,7 @@ def test_demo_generates_through_the_swarm_and_exits_cleanly(tmp_path, smollm2_di
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert "completion and stream equal local transformers output: yes" in result.stdout
+    assert "completion and stream equal the output of local transformers: yes" in result.stdout
     assert "[demo] generated: The capital of France is Paris." in result.stdout
     chains = [line for line in result.stdout.splitlines() if line.startswith("[demo]   chain ")]
     assert chains and all(" -> " in line for line in chains)  # no node holds the model alone: multi-server chains

@@ -30,8 +30,9 @@ DTYPE = "float32"  # the serving dtype, end to end: servers, the orchestrator's 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="local checkpoint directory (default: SmolLM2-135M-Instruct from the model cache, "
-                        "fetched and converted on first use)")
+                        help="a known model's name (`chainswarm models --known`: smollm2-135m-instruct, "
+                        "gemma-3-270m; fetched and converted on first use) or a local checkpoint directory "
+                        "(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--tiny", action="store_true",
                         help="serve a tiny random-weight Llama instead (no registry access needed; prints noise)")
     parser.add_argument("--question", default=DEFAULT_QUESTION,
@@ -43,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ensure_model(args) -> str:
-    if args.model:
+    from swarm.model.store import KNOWN_MODELS
+
+    if args.model and args.model not in KNOWN_MODELS:
         return args.model
     if args.tiny:
         from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
@@ -55,10 +58,36 @@ def _ensure_model(args) -> str:
         return str(path)
     from swarm.model.store import DEFAULT_MODEL, ensure_model
 
+    name = args.model or DEFAULT_MODEL
     started = time.perf_counter()
-    path = ensure_model(DEFAULT_MODEL, DTYPE)
-    print(f"[demo] model {DEFAULT_MODEL} ({DTYPE}) at {path} ({time.perf_counter() - started:.1f} s)")
+    path = ensure_model(name, DTYPE)
+    print(f"[demo] model {name} ({DTYPE}) at {path} ({time.perf_counter() - started:.1f} s)")
     return str(path)
+
+
+def _reference(model_dir: str, ids, max_new_tokens: int, eos_token_id) -> tuple[list[int], str]:
+    """Greedy tokens of the model run locally, and what ran them: transformers 4.34 for the Llama-1/2-style
+    checkpoints it runs correctly, else Chainswarm's block code in one process (checked against goldens made by a
+    current transformers in `make test`: tests/test_family_goldens.py, tests/test_gemma3_real.py)."""
+    import json
+
+    import torch
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if cfg.get("model_type") == "llama" and not cfg.get("rope_scaling") and not cfg.get("rope_parameters"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, DTYPE)).eval()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                                 pad_token_id=eos_token_id)
+        return out[0, ids.shape[1]:].tolist(), "local transformers"
+    from swarm.model.local_model import LocalModel
+
+    tokens, _ = LocalModel.from_pretrained(model_dir, dtype=getattr(torch, DTYPE)).greedy(ids[0], max_new_tokens)
+    if eos_token_id in tokens:
+        tokens = tokens[:tokens.index(eos_token_id) + 1]
+    return tokens, "Chainswarm's block code run locally"
 
 
 def _prompt(args, tokenizer) -> str:
@@ -102,8 +131,7 @@ def _print_plan(status: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import httpx
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from client import SwarmClient
     from server.local_swarm import LocalSwarm, SwarmStartError
@@ -119,11 +147,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = _prompt(args, tokenizer)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, DTYPE)).eval()
-    with torch.inference_mode():
-        out = reference_model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    reference = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    tokens, reference_kind = _reference(model_dir, ids, args.max_new_tokens, tokenizer.eos_token_id)
+    reference = tokenizer.decode(tokens, skip_special_tokens=True)
 
     started = time.perf_counter()
     with LocalSwarm(model_dir) as swarm:
@@ -155,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                   f"({1000 * elapsed / max(1, result.completion_tokens):.1f} ms/token) on chain {result.chain_id}")
             streamed = "".join(client.stream(prompt, args.max_new_tokens, temperature=0))
         same = result.text == reference and streamed == reference
-        print(f"[demo] completion and stream equal local transformers output: {'yes' if same else 'NO'}")
+        print(f"[demo] completion and stream equal the output of {reference_kind}: {'yes' if same else 'NO'}")
 
         def one(i: int):
             who = "heavy" if i % 3 else "light"
