@@ -2,7 +2,7 @@
 # GPU check (run on a device machine: Python with torch + CUDA, no package registry needed).
 # 1. the family goldens through Chainswarm's block code on CUDA in float32/float16/bfloat16 (scripts/device_check.py);
 # 2. a 3-server swarm and bench_batching need the pinned stack (petals 2.2, hivemind 1.1.12, transformers 4.34)
-#    for that machine's Python: run only when a wheelhouse is carried in .whl/ (see README, "GPU").
+#    for that machine's Python: run only when a wheelhouse is carried in .whl/ (docs/models.md, "GPU check").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

@@ -2,7 +2,7 @@
 
 Every ``import`` counts — at module level, inside functions, under ``TYPE_CHECKING``: a cycle broken by a lazy
 import is still a cycle for the reader. The layers, lowest first, are :data:`LAYERS`; a module may import its
-own layer and the ones below it. The README's architecture section lists the same rooms.
+own layer and the ones below it. The documentation's architecture page (docs/architecture.md) lists the same rooms.
 """
 from __future__ import annotations
 
