@@ -12,7 +12,7 @@ def _layout(assignment: Optional[Assignment]) -> Optional[tuple]:
     if assignment is None:
         return None
     return (assignment.start, assignment.end, assignment.cache_slots, assignment.max_length,
-            assignment.prefix_cache_tokens)
+            assignment.prefix_cache_tokens, assignment.slot_size)
 
 
 def _served_in_place(new: Assignment, current: Optional[Assignment]) -> Optional[Assignment]:
@@ -21,8 +21,8 @@ def _served_in_place(new: Assignment, current: Optional[Assignment]) -> Optional
     Same blocks, session length and prefix budget, and no more KV slots than the loaded pool holds: the
     node keeps its (larger) pool, so the returned assignment carries the loaded slot count.
     """
-    if current is None or (new.start, new.end, new.max_length, new.prefix_cache_tokens) != (
-            current.start, current.end, current.max_length, current.prefix_cache_tokens):
+    if current is None or (new.start, new.end, new.max_length, new.prefix_cache_tokens, new.slot_size) != (
+            current.start, current.end, current.max_length, current.prefix_cache_tokens, current.slot_size):
         return None
     if new.cache_slots > current.cache_slots:
         return None
@@ -37,15 +37,15 @@ class AssignmentMemory:
     cache_bytes_per_token: int
 
     def cache_bytes(self, assignment: Assignment) -> int:
-        """KV cache pool for the assignment: ``cache_slots`` block-slots of ``max_length`` tokens (one slot holds
-        one session's KV for one block; petals shares the pool across the server's blocks) plus the prefix
-        budget on every block."""
+        """KV cache pool for the assignment: ``cache_slots`` block-slots of ``slot_size`` tokens (a session takes
+        its own KV need of the pool on each block; petals shares the pool across the server's blocks) plus the
+        prefix budget on every block."""
         return self.session_cache_bytes(assignment) + self.prefix_cache_bytes(assignment)
 
     def session_cache_bytes(self, assignment: Assignment) -> int:
         """The part of :meth:`cache_bytes` that petals' session pool gets (the rest is the prefix store's, kept
         apart so that cached prefixes never take a planned session slot)."""
-        return self.cache_bytes_per_token * assignment.cache_slots * assignment.max_length
+        return self.cache_bytes_per_token * assignment.cache_slots * assignment.slot_size
 
     def prefix_cache_bytes(self, assignment: Assignment) -> int:
         return self.cache_bytes_per_token * assignment.prefix_cache_tokens * assignment.num_blocks

@@ -48,6 +48,9 @@ class FakeOrchestrator:
         self.granted.append(grant.request_id)
         return grant
 
+    def session_tokens(self, request_id):
+        return self.config.expect.max_length
+
     def chain(self, chain_id):
         return SimpleNamespace(route=(("peer", 0, 4),), servers=("node",))
 

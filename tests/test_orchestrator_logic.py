@@ -54,7 +54,8 @@ def node_key(node: str) -> bytes:
     return _NODE_KEYS.setdefault(node, Identity.generate()).public
 
 
-EXPECT = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0)
+EXPECT = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0,
+                      kv_admission="slots")  # the papers' fixed-length slots (token admission: test_kv_admission)
 PREFIX = "tiny-cs"
 
 
@@ -245,7 +246,8 @@ def test_malformed_profile_records_are_skipped():
 def test_auto_replans_incrementally_when_a_chain_server_leaves():
     """--placement auto after the first plan repairs the broken chain from idle servers (planner.replan)
     instead of planning afresh: the chain's survivors keep their ranges, and fewer blocks load."""
-    expect = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=0.2, placement="auto")
+    expect = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=0.2, placement="auto",
+                          kv_admission="slots")  # max-length slots: the memory layout the chains below assume
     swarm = [profile(n, m) for n, m in [("a", 3), ("b", 3), ("c", 2.5), ("d", 2.5), ("e", 2), ("f", 2), ("g", 3),
                                         ("h", 2), ("i", 2.5)]]
     first, _ = planning.choose_plan(swarm, 12, expect, None)
@@ -269,7 +271,8 @@ def test_standby_chains_put_idle_servers_to_use_without_moving_the_plan():
     the plan's own ranges, c and tuning stay as the placement method chose them."""
     swarm = [profile(n, m) for n, m in [("a", 3), ("b", 3), ("c", 2.5), ("d", 2.5), ("e", 2), ("f", 2), ("g", 3),
                                         ("h", 2), ("i", 2.5)]]
-    plain = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=0.2, placement="auto")
+    plain = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=0.2, placement="auto",
+                         kv_admission="slots")
     base, _ = planning.choose_plan(swarm, 12, plain, None)
     spans = {s.id: s.span for s in base.servers}
     for n, more in ((1, 1), (-1, 1)):  # the six idle servers hold 15 blocks: one chain of 12

@@ -35,8 +35,10 @@ def swarm(tiny_model, tmp_path_factory):
     with LocalSwarm(tiny_model) as local:
         local.add_orchestrator(policy="swarm", quantum=400.0, expected_rate=8.0, max_length=MAX_LENGTH,
                                expected_input_tokens=128, expected_output_tokens=16, refresh_s=0.5,
-                               api_keys=KEYS, request_timeout_s=8.0, prefix_cache_tokens=PREFIX_TOKENS)
-        # declared compute and RTT: the plan (big alone, left+big, left+right) must not depend on machine load
+                               api_keys=KEYS, request_timeout_s=8.0, prefix_cache_tokens=PREFIX_TOKENS,
+                               kv_admission="slots")
+        # declared compute and RTT (and max-length KV slots): the plan (big alone, left+big, left+right) must not
+        # depend on machine load
         declared = {"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002}
         nodes = {name: local.add_node(node_id=name, memory_gb=mb, wait=False, profile_cache_dir=cache,
                                       update_period=4.0, declared_profile=declared)
@@ -223,7 +225,7 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
     from swarm.control.orchestrator import Orchestrator, OrchestratorConfig
 
     expect = planning.Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0,
-                                   prefix_cache_tokens=256)
+                                   prefix_cache_tokens=256, kv_admission="slots")  # the chain layout it was written for
     dht, prefix = MemoryDHT(), "tiny-cs"
 
     def profile(node, mb, **kw):

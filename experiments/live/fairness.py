@@ -75,6 +75,7 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
                                expected_input_tokens=st["input_tokens"], expected_output_tokens=st["output_tokens"],
                                refresh_s=1.0, quantum=200.0, use_server_to_server=False, queue_timeout_s=1800.0,
                                batch_sessions=0,  # one petals session per request, as the committed runs measured
+                               kv_admission="slots",  # fixed-length KV slots, as the committed runs measured
                                prefix_cache_tokens=st.get("prefix_cache_tokens", 0),
                                chain_quantum=st.get("chain_quantum"))
         # compute measured once on a quiet node and declared for all (as in live_table1); RTTs measured

@@ -122,6 +122,7 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
             use_server_to_server=push, request_timeout_s=60.0, queue_timeout_s=1800.0,
             router="ws-rr" if method == "bprr" else "jffc",
             batch_sessions=0,  # one petals session per request (relay or push), as the committed runs measured
+            kv_admission="slots",  # the papers' fixed-length KV slots, as the committed runs measured
             replan_tolerance=0.0)  # nodes join one by one: end on the planner's plan for all of them
         lc.start_nodes(swarm, config.servers, {h: memory[h] / 2**30 for h in config.servers}, gpus, log,
                        profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)

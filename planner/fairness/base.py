@@ -145,6 +145,7 @@ class CentralQueueScheduler(DispatchRounds):
             state = ChainState(spec=spec, order=order)
             if old is not None:
                 state.active, state.running, state.healthy = old.active, old.running, old.healthy
+                state.held_tokens = old.held_tokens
             new[spec.chain_id] = state
         self._chains = new
         if self.quanta is not None:
@@ -399,6 +400,8 @@ class CentralQueueScheduler(DispatchRounds):
         if chain is not None and req.request_id in chain.running:
             chain.running.discard(req.request_id)
             chain.active -= 1
+            chain.held_tokens -= req.kv_tokens
+        req.kv_tokens = 0
 
     def _record_service(self, now: float, client: Hashable, amount: float, client_view: float = 0.0) -> None:
         self._service[client] = self._service.get(client, 0.0) + amount
@@ -416,6 +419,8 @@ class CentralQueueScheduler(DispatchRounds):
         r.grant_time = now
         chain.active += 1
         chain.running.add(r.request_id)
+        r.kv_tokens = chain.spec.kv_need(r.input_tokens, r.max_new_tokens)
+        chain.held_tokens += r.kv_tokens
         extend = r.input_tokens - matched
         self._settle(r, chain.spec.chain_id, matched, best_match, now)
         r.provisional = 0.0

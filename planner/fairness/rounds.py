@@ -58,13 +58,13 @@ class DispatchRounds:
         return [c.spec.chain_id for c in sorted(chains, key=lambda c: key(self, req, c, matches, None, c.free))]
 
     def work_conserving(self) -> bool:
-        """P3: no healthy chain has a free slot while a queued request fits it."""
+        """P3: no healthy chain has a free slot (and the KV room) a queued request fits."""
         for chain in self._chains.values():
             if chain.free <= 0:
                 continue
             for q in self._queues.values():
                 for r in q.values():
-                    if chain.spec.fits(r.input_tokens, r.max_new_tokens):
+                    if chain.admits(r):
                         return False
         return True
 
@@ -82,7 +82,7 @@ class DispatchRounds:
                 if self.window_per_client is not None and taken >= self.window_per_client:
                     break
                 taken += 1
-                if any(c.spec.fits(r.input_tokens, r.max_new_tokens) for c in free):
+                if any(c.admits(r) for c in free):
                     out.append(r)
         out.sort(key=lambda r: r.seq)
         return out
@@ -100,9 +100,7 @@ class DispatchRounds:
         if max_grants is not None:
             slots = min(slots, max_grants)
         if only_request is not None:
-            candidates = [only_request] if any(
-                c.spec.fits(only_request.input_tokens, only_request.max_new_tokens) for c in free
-            ) else []
+            candidates = [only_request] if any(c.admits(only_request) for c in free) else []
         else:
             candidates = self._window(free)
         if not candidates:
@@ -110,11 +108,7 @@ class DispatchRounds:
         matches: dict[Hashable, dict[Hashable, int]] = {}
         best: dict[Hashable, int] = {}
         for r in candidates:
-            row = {
-                c.spec.chain_id: self._match(r, c.spec.chain_id)
-                for c in free
-                if c.spec.fits(r.input_tokens, r.max_new_tokens)
-            }
+            row = {c.spec.chain_id: self._match(r, c.spec.chain_id) for c in free if c.admits(r)}
             matches[r.request_id] = row
             best[r.request_id] = max(row.values()) if row else 0
         self._begin_round(matches)

@@ -97,15 +97,19 @@ class ChainSelector:
     def _greedy(self, sched, picked, free, matches, key: Callable, placed: Callable | None = None) -> Assignment:
         """Each request in pick order to the fitting free chain of smallest ``key(r, chain, avail, free_left)``."""
         left = {c.spec.chain_id: c.free for c in free}
+        tokens = {c.spec.chain_id: c.free_tokens for c in free}  # KV room left this round (None: no budget)
         by_id = {c.spec.chain_id: c for c in free}
         out = []
         for r in picked:
             avail = self.avail(sched, r)
-            options = [by_id[k] for k, n in left.items() if n > 0 and k in matches[r.request_id]]
+            options = [by_id[k] for k, n in left.items()
+                       if n > 0 and k in matches[r.request_id] and by_id[k].admits(r, tokens[k])]
             if not options:
                 continue
             chain = min(options, key=lambda c: key(r, c, avail, left[c.spec.chain_id]))
             left[chain.spec.chain_id] -= 1
+            if tokens[chain.spec.chain_id] is not None:
+                tokens[chain.spec.chain_id] -= chain.spec.kv_need(r.input_tokens, r.max_new_tokens)
             if placed is not None:
                 placed(r, chain)
             out.append((r, chain))
@@ -153,9 +157,9 @@ class _CostMatching(ChainSelector):
         return (self.pair_cost(sched, r, chain, matches) + quantum_penalty(chain, avail), *jffc_key(chain, free_left))
 
     def assign(self, sched, picked, free, matches):
-        if len(picked) > 1 and self.joint:
+        if len(picked) > 1 and self.joint and all(c.spec.kv_tokens is None for c in free):
             return self._matching(sched, picked, free, matches)
-        return super().assign(sched, picked, free, matches)
+        return super().assign(sched, picked, free, matches)  # KV budgets: greedy, which tracks the tokens
 
     def _matching(self, sched, picked, free, matches):
         from scipy.optimize import linear_sum_assignment  # lazy: only joint rounds need it

@@ -92,6 +92,13 @@ class ChainSpec:
     chain selector and by prefix matching); ``max_length`` bounds prompt plus
     max_new_tokens.  Chains are ranked for JFFC by ``decode_time`` and then by
     their position in the list given to ``set_chains`` (GCA order, fastest first).
+
+    ``kv_tokens`` (optional) is the chain's KV budget in tokens per block (the
+    planner's c_k slots of its expected session length): a request then takes
+    :meth:`kv_need` of it — its prompt plus its output cap, in whole pages —
+    and the chain admits it while the running requests' needs leave room
+    (``capacity`` still bounds how many run).  Without it every request takes
+    one of ``capacity`` slots (the papers' fixed-length sessions).
     """
 
     chain_id: ChainId
@@ -103,8 +110,14 @@ class ChainSpec:
     reference_output_tokens: int = 128
     max_length: int | None = None
     servers: tuple = ()
+    kv_tokens: int | None = None
+    kv_page: int = 16
 
     def __post_init__(self) -> None:
+        if self.kv_tokens is not None and self.kv_tokens < 0:
+            raise ValueError(f"chain {self.chain_id!r}: kv_tokens must be >= 0")
+        if self.kv_page < 1:
+            raise ValueError(f"chain {self.chain_id!r}: kv_page must be >= 1")
         if self.capacity < 0:
             raise ValueError(f"chain {self.chain_id!r}: capacity must be >= 0")
         decode = self.decode_time
@@ -121,10 +134,21 @@ class ChainSpec:
         object.__setattr__(self, "servers", tuple(self.servers))
 
     def fits(self, input_tokens: int, max_new_tokens: int | None) -> bool:
-        """True when the prompt plus its output cap fit the chain's max length."""
-        if self.max_length is None:
-            return True
-        return input_tokens + (max_new_tokens or 0) <= self.max_length
+        """True when the prompt plus its output cap fit the chain's max length (and,
+        with a KV budget, the whole budget): the chain could ever run it."""
+        if self.max_length is not None and input_tokens + (max_new_tokens or 0) > self.max_length:
+            return False
+        return self.kv_tokens is None or self.kv_need(input_tokens, max_new_tokens) <= self.kv_tokens
+
+    def kv_need(self, input_tokens: int, max_new_tokens: int | None) -> int:
+        """KV tokens per block a request takes on this chain: prompt plus output cap
+        (no cap: the rest of ``max_length``), rounded up to whole pages; 0 without
+        a KV budget."""
+        if self.kv_tokens is None:
+            return 0
+        tokens = input_tokens + (max_new_tokens if max_new_tokens is not None
+                                 else max(0, (self.max_length or input_tokens) - input_tokens))
+        return -(-max(1, tokens) // self.kv_page) * self.kv_page
 
 
 @dataclass
@@ -150,6 +174,7 @@ class RequestState:
     output_tokens: int = 0
     grant_time: float | None = None
     recompute_free: bool = False  # re-queued after a chain failure: input not charged again (§15 Q16)
+    kv_tokens: int = 0  # KV tokens per block held on its chain while running (ChainSpec.kv_need)
     charged_extend: float = 0.0  # extend cost charged to the deficit (after settlement/reconciliation)
     provisional: float = 0.0  # policy charge applied at pick time, settled after chain choice
 
@@ -182,12 +207,27 @@ class ChainState:
     active: int = 0
     healthy: bool = True
     running: set = field(default_factory=set)
+    held_tokens: int = 0  # KV tokens per block its running requests hold (with a KV budget)
 
     @property
     def free(self) -> int:
         if not self.healthy:
             return 0
         return max(0, self.spec.capacity - self.active)
+
+    @property
+    def free_tokens(self) -> int | None:
+        """KV tokens per block left (None: no KV budget)."""
+        if self.spec.kv_tokens is None:
+            return None
+        return max(0, self.spec.kv_tokens - self.held_tokens)
+
+    def admits(self, r: "RequestState", tokens_left: int | None = None) -> bool:
+        """A free slot, and room for ``r``'s KV need (in ``tokens_left``, else what is free now)."""
+        if self.free <= 0 or not self.spec.fits(r.input_tokens, r.max_new_tokens):
+            return False
+        left = self.free_tokens if tokens_left is None else tokens_left
+        return left is None or self.spec.kv_need(r.input_tokens, r.max_new_tokens) <= left
 
 
 INF = math.inf

@@ -88,10 +88,12 @@ class Failover:
                         routes.append(tuple(clip_route(c.route, start, end)))
                 if not routes:
                     raise NoRouteError(f"no ready chain covers blocks [{start}, {end}) without {sorted(bad)}")
-                slots = {node: a.cache_slots for node, a in self.view.assignments.items()}
+                slots = self.kv_pools()  # KV tokens per server (a session takes its need on each block)
                 for route in routes:
                     spans = [(nodes.get(p, p), a, b) for p, a, b in route]
-                    if request_id is None or self.occupancy.can_take(blocks_of(spans), slots):
+                    weight = 1 if request_id is None else self.occupancy.weight(request_id)
+                    taken = {node: weight * blocks for node, blocks in blocks_of(spans).items()}
+                    if request_id is None or self.occupancy.can_take(taken, slots):
                         if request_id is not None:
                             self.occupancy.move(request_id, start, end, spans)
                             self._refit()
@@ -103,7 +105,7 @@ class Failover:
                     full = sorted({f"{n} {used.get(n, 0)}/{slots[n]}" for r in routes for p, _, _ in r
                                    if (n := nodes.get(p, p)) in slots})
                     raise NoRouteError(f"no free KV slot on a chain covering blocks [{start}, {end}) within "
-                                       f"{wait_s:.0f} s (block-slots used/held: {', '.join(full)}; "
+                                       f"{wait_s:.0f} s (KV token-blocks used/held: {', '.join(full)}; "
                                        f"{self._rerouting} reroutes waiting)")
                 self._slot_freed.clear()
                 if not waiting:

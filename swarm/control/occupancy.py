@@ -3,8 +3,9 @@
 The fairness scheduler counts sessions per chain, and chain ids change with every plan: after a join, a leave or
 a failure the new chains look empty while the old plan's sessions still hold KV memory on their servers, and a
 rerouted session holds memory on servers of a chain that never granted it. :class:`Occupancy` (the mechanism)
-keeps what each running session holds — ``{node: blocks}``, a session of ``max_length`` tokens using one
-block-slot per block it is served on, the unit of the servers' ``cache_slots`` (Σ_k c_k·m_kj) — whatever its plan.
+keeps what each running session holds — ``{node: blocks}`` times its ``weight``, the KV tokens it reserves on
+each block it is served on (its own need with token admission; ``max_length`` with fixed-length slots), in the
+unit of the servers' pools (cache_slots × slot tokens, Σ_k c_k·m_kj slots) — whatever its plan.
 :func:`fit_capacities` (the policy) then gives the scheduler chain capacities c'_k ≤ c_k such that on every server j
 
     Σ_{k ∋ j} c'_k · m_kj  +  U_j  ≤  slots_j,
@@ -22,11 +23,15 @@ class Occupancy:
     def __init__(self):
         self._held: dict[str, list[tuple[str, int, int]]] = {}  # request id -> [(node, start, end)]
         self._chain: dict[str, str] = {}  # request id -> the chain the scheduler counts it on
+        self._weight: dict[str, int] = {}  # request id -> block-slots per block (its KV need in slots)
 
-    def hold(self, request_id: str, chain_id: str, servers: Sequence[str], spans: Sequence[tuple[int, int]]) -> None:
-        """A granted session on ``chain_id``: it holds ``end - start`` block-slots on each of its servers."""
+    def hold(self, request_id: str, chain_id: str, servers: Sequence[str], spans: Sequence[tuple[int, int]],
+             weight: int = 1) -> None:
+        """A granted session on ``chain_id``: it holds ``weight × (end - start)`` on each of its servers
+        (``weight``: the KV tokens it reserves per block; 1 counts block-slots)."""
         self._held[request_id] = [(node, a, b) for node, (a, b) in zip(servers, spans)]
         self._chain[request_id] = chain_id
+        self._weight[request_id] = max(1, int(weight))
 
     def move(self, request_id: str, start: int, end: int, spans: Iterable[tuple[str, int, int]]) -> None:
         """A reroute of blocks [start, end): the session gives up what it held there and holds ``spans``
@@ -43,18 +48,25 @@ class Occupancy:
     def release(self, request_id: str) -> bool:
         """The session ended; True when it was known."""
         self._chain.pop(request_id, None)
+        self._weight.pop(request_id, None)
         return self._held.pop(request_id, None) is not None
 
     def holds(self, request_id: str) -> dict[str, int]:
         """{node: block-slots} the session holds."""
-        return blocks_of(self._held.get(request_id, ()))
+        weight = self._weight.get(request_id, 1)
+        return {node: weight * blocks for node, blocks in blocks_of(self._held.get(request_id, ())).items()}
+
+    def weight(self, request_id: str) -> int:
+        """What the session takes per block (1 for an unknown one)."""
+        return self._weight.get(request_id, 1)
 
     def per_server(self) -> dict[str, int]:
         """Block-slots held on each server by every running session."""
         out: dict[str, int] = {}
-        for held in self._held.values():
+        for request_id, held in self._held.items():
+            weight = self._weight.get(request_id, 1)
             for node, a, b in held:
-                out[node] = out.get(node, 0) + b - a
+                out[node] = out.get(node, 0) + weight * (b - a)
         return out
 
     def uncounted(self, chains: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
@@ -64,8 +76,9 @@ class Occupancy:
         out: dict[str, int] = {}
         for request_id in self._held:
             counted = chains.get(self._chain.get(request_id, ""), {})
+            weight = self._weight.get(request_id, 1)
             for node, blocks in self.holds(request_id).items():
-                extra = blocks - counted.get(node, 0)
+                extra = blocks - weight * counted.get(node, 0)
                 if extra > 0:
                     out[node] = out.get(node, 0) + extra
         return out

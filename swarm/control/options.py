@@ -23,6 +23,7 @@ from planner.plan import PLACEMENTS
 
 POLICIES = ("dlpm", "vtc", "fcfs", "lpm", "swarm", "bfio", "lcf")
 TUNINGS = ("lower-bound", "surrogate", "upper-bound")
+KV_ADMISSIONS = ("tokens", "slots")
 ROUTER_NAMES = ("jffc", "ws-rr")  # the table of implementations is swarm.control.routers.ROUTERS
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -57,7 +58,12 @@ class OrchestratorOptions:
         None, help="planning mean prompt length (default: 2048, at most half the session length)")
     expected_output_tokens: float | None = option(
         None, help="planning mean generated tokens (default: 28, at most an eighth of the session length)")
-    max_length: int | None = option(None, help="max tokens per session (KV slot size)")
+    max_length: int | None = option(None, help="the longest session allowed, prompt + output tokens (default: the "
+                                    "model's context, at most 2,048); with --kv-admission slots also the KV slot size")
+    kv_admission: str = option(
+        "tokens", choices=KV_ADMISSIONS, help="tokens (default): a session reserves its own KV need (prompt + "
+        "max_tokens, in 16-token pages) and a chain admits it while its token budget (c_k slots of the expected "
+        "session length) has room; slots: every session reserves a max-length slot (the papers' fixed-length case)")
     placement: str = option("gbp-cr", choices=PLACEMENTS, help="block placement (default gbp-cr)")
     router: str = option("jffc", choices=ROUTER_NAMES,
                          help="jffc (default): GCA chains, the fairness queue and JFFC; ws-rr: BPRR's per-request "

@@ -94,6 +94,7 @@ class Orchestrator(Failover, LeaseOps):
         self.probe = DhtPing(dht)
         self._probing: set[str] = set()
         self.occupancy = Occupancy()  # KV block-slots each running session holds, whatever its plan
+        self._needs: dict[str, int] = {}  # request id -> KV tokens per block it reserves (expect.kv_need)
         self.running: dict[str, Any] = {}  # request id -> its session's control (proxied sessions; peer_failed)
         self._ready: list[RoutableChain] = []
         self._slot_freed = asyncio.Event()
@@ -257,7 +258,8 @@ class Orchestrator(Failover, LeaseOps):
         view.plan_inputs = planning.swarm_document(list(live.values()), self.config.num_blocks, self.config.expect)
         view.assignments = planning.assignments_for(new_plan, plan_id, self.config.expect.max_length,
                                                     self.config.expect.prefix_cache_tokens,
-                                                    slots=self.router.kv_slots(new_plan, list(live.values())))
+                                                    slots=self.router.kv_slots(new_plan, list(live.values())),
+                                                    slot_tokens=self.config.expect.slot_tokens)
         self._published_at = 0.0
         self.replans += 1
         self._event("plan", plan_id=plan_id, kept_ranges=kept, c=new_plan.c, servers=sorted(live),
@@ -293,10 +295,12 @@ class Orchestrator(Failover, LeaseOps):
         sessions it does not count (earlier plans', rerouted ones') are placed (:mod:`swarm.control.occupancy`)."""
         ready = self._ready
         if self.router.counts_chains and ready:
-            slots = {node: a.cache_slots for node, a in self.view.assignments.items()}
+            pools = self.kv_pools()  # KV tokens per server; a chain's session slot is slot_tokens on each block
+            slot = self.config.expect.slot_tokens
             blocks = {c.chain_id: blocks_of((n, a, b) for n, (a, b) in zip(c.servers, c.spans)) for c in ready}
-            capacity = fit_capacities([(c.chain_id, c.capacity, blocks[c.chain_id]) for c in ready], slots,
-                                      self.occupancy.uncounted(blocks))
+            capacity = fit_capacities(
+                [(c.chain_id, c.capacity, {n: m * slot for n, m in blocks[c.chain_id].items()}) for c in ready],
+                pools, self.occupancy.uncounted(blocks))
             ready = [c if capacity[c.chain_id] == c.capacity else replace(c, capacity=capacity[c.chain_id])
                      for c in ready]
         for request_id, exc in self.router.update(ready, self.suspects).items():
@@ -320,7 +324,8 @@ class Orchestrator(Failover, LeaseOps):
                 self.prefix.dispatched(grant.chain_id, page_hashes, now)
                 chain = self.router.chain(grant.chain_id)
                 if chain is not None:
-                    self.occupancy.hold(grant.request_id, grant.chain_id, chain.servers, chain.spans)
+                    self.occupancy.hold(grant.request_id, grant.chain_id, chain.servers, chain.spans,
+                                        self.session_tokens(grant.request_id))
                 future.set_result(grant)
             else:  # the waiter is gone (timed out / disconnected): give the slot back
                 self.router.cancel(grant.request_id, now)
@@ -339,10 +344,25 @@ class Orchestrator(Failover, LeaseOps):
         return 0.0
 
     def _fits(self, input_tokens: int, max_new_tokens: int) -> None:
-        limit = self.config.expect.max_length
+        expect = self.config.expect
+        limit = expect.max_length
         if input_tokens + max_new_tokens > limit:
             raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the "
                              f"swarm's maximum session length of {limit} tokens")
+        need = expect.kv_need(input_tokens, max_new_tokens)
+        largest = max((c.capacity * expect.slot_tokens for c in self.view.chains), default=None)
+        if expect.kv_admission == "tokens" and largest is not None and need > largest:
+            raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) needs {need} KV "
+                             f"tokens per block, more than any chain of the current plan holds ({largest})")
+
+    def kv_pools(self) -> dict[str, int]:
+        """KV tokens each assigned server's session pool holds (its cache_slots × slot size, per block)."""
+        return {node: a.cache_slots * a.slot_size for node, a in self.view.assignments.items()}
+
+    def session_tokens(self, request_id: str) -> int:
+        """KV tokens per block the session ``request_id`` reserves on its servers (its own need with token
+        admission, ``max_length`` with slots)."""
+        return self._needs.get(request_id, self.config.expect.max_length)
 
     async def acquire(self, client_id: str, input_tokens: int, max_new_tokens: int, *,
                       timeout: float | None = None, page_hashes=()) -> Grant:
@@ -358,6 +378,7 @@ class Orchestrator(Failover, LeaseOps):
             self._refused(client_id, "queue full")
             raise QueueFull(f"{bound}; retry later", self.retry_after_s(waiting))
         request_id = uuid.uuid4().hex
+        self._needs[request_id] = self.config.expect.kv_need(input_tokens, max_new_tokens)
         future = self._loop.create_future()
         page_hashes = tuple(page_hashes)
         self.router.submit(request_id, client_id, input_tokens, max_new_tokens, page_hashes, time.monotonic())
@@ -405,6 +426,7 @@ class Orchestrator(Failover, LeaseOps):
         self._ended(request_id)
 
     def _ended(self, request_id: str) -> None:
+        self._needs.pop(request_id, None)
         if self.occupancy.release(request_id):
             self._refit()  # its slots are free, on whichever servers it held them
         else:

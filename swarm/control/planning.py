@@ -30,6 +30,7 @@ from swarm.control.options import OrchestratorOptions
 from swarm.trust.records import SERVING, Assignment, ServerProfile
 
 BYTES_PER_GB = 10**9
+KV_PAGE = 16  # tokens: the unit a session's KV reservation is rounded up to (token admission)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Expectations:
     replan_tolerance: float = OrchestratorOptions.replan_tolerance  # keep ranges unless a fresh plan is better
     prefix_cache_tokens: int = OrchestratorOptions.prefix_cache_tokens  # prefix store per served block, tokens
     standby_chains: int = OrchestratorOptions.standby_chains  # extra chains on idle servers (-1: all they form)
+    kv_admission: str = OrchestratorOptions.kv_admission  # "tokens": sessions reserve their own need; "slots"
 
     def __post_init__(self) -> None:
         if self.max_length < 2 or self.input_tokens < 1 or self.output_tokens < 1:
@@ -60,6 +62,23 @@ class Expectations:
             raise ValueError("the expected arrival rate must be > 0")
         if self.prefix_cache_tokens < 0:
             raise ValueError("prefix_cache_tokens must be >= 0")
+        if self.kv_admission not in ("tokens", "slots"):
+            raise ValueError(f"kv_admission must be tokens or slots, got {self.kv_admission!r}")
+
+    @property
+    def slot_tokens(self) -> int:
+        """Tokens one planned KV slot holds: the expected session l̄_I + l̄_O in whole pages (token admission; a
+        session then takes its own need of its chain's c_k·slot_tokens budget), or ``max_length`` (slots)."""
+        if self.kv_admission == "slots":
+            return self.max_length
+        expected = -(-int(math.ceil(self.input_tokens + self.output_tokens)) // KV_PAGE) * KV_PAGE
+        return min(self.max_length, max(KV_PAGE, expected))
+
+    def kv_need(self, input_tokens: int, max_new_tokens: int) -> int:
+        """KV tokens a session of this prompt and output cap reserves on every block it runs on."""
+        if self.kv_admission == "slots":
+            return self.max_length
+        return min(self.max_length, -(-max(1, input_tokens + max_new_tokens) // KV_PAGE) * KV_PAGE)
 
 
 def expectations(options: OrchestratorOptions, model_config) -> Expectations:
@@ -74,6 +93,7 @@ def expectations(options: OrchestratorOptions, model_config) -> Expectations:
         arrival_rate=options.expected_rate, target_load=options.target_load, placement=options.placement,
         tuning=options.tuning, c=options.c, replan_tolerance=options.replan_tolerance,
         prefix_cache_tokens=options.prefix_cache_tokens, standby_chains=options.standby_chains,
+        kv_admission=options.kv_admission,
     )
 
 
@@ -86,7 +106,7 @@ def planner_inputs(
     # The prefix store takes prefix_cache_tokens of KV on every block a server holds: charging it to the block
     # size makes the planner count session slots only in the memory that is left, so sessions keep them.
     block_bytes = max(p.block_bytes + p.cache_bytes_per_token * expect.prefix_cache_tokens for p in profiles)
-    slot_bytes = max(p.cache_bytes_per_token for p in profiles) * expect.max_length
+    slot_bytes = max(p.cache_bytes_per_token for p in profiles) * expect.slot_tokens
     model = ModelSpec(num_blocks, block_bytes / BYTES_PER_GB, slot_bytes / BYTES_PER_GB)
     servers = []
     for p in sorted(profiles, key=lambda p: p.node_id):
@@ -197,22 +217,23 @@ def memory_slots(p: Plan, model: ModelSpec, servers: Sequence[Server]) -> dict[s
 
 
 def assignments_for(p: Plan, plan_id: str, max_length: int, prefix_cache_tokens: int = 0,
-                    slots: Mapping[str, int] | None = None) -> dict[str, Assignment]:
+                    slots: Mapping[str, int] | None = None, slot_tokens: int = 0) -> dict[str, Assignment]:
     """One Assignment per server of the plan (servers without blocks get an empty range).
 
     ``cache_slots`` is the planner's block-slot count Σ_k c_k·m_ij: petals keeps one KV pool per server,
-    shared by its blocks, so exactly that many slots of ``max_length`` tokens serve every chain through it.
+    shared by its blocks, so exactly that many slots of ``slot_tokens`` tokens (0: ``max_length``) serve every
+    chain through it; ``max_length`` is the longest session allowed.
     ``prefix_cache_tokens`` (per block) is the prefix store's budget, already reserved by :func:`planner_inputs`.
     ``slots`` overrides the block-slots per server (see :func:`memory_slots`).
     """
     result = {}
     for sp in p.servers:
         if sp.span is None:
-            result[sp.id] = Assignment(plan_id, 0, 0, 0, max_length)
+            result[sp.id] = Assignment(plan_id, 0, 0, 0, max_length, slot_tokens=slot_tokens)
         else:
             result[sp.id] = Assignment(plan_id, sp.span[0], sp.span[1],
                                        sp.slots_allocated if slots is None else slots.get(sp.id, sp.slots_allocated),
-                                       max_length, prefix_cache_tokens)
+                                       max_length, prefix_cache_tokens, slot_tokens=slot_tokens)
     return result
 
 

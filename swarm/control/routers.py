@@ -121,12 +121,22 @@ class JffcRouter(Router):
     def update(self, ready, suspects):
         expect, profiles = self.config.expect, self.view.profiles
         self.scheduler.set_chains([
-            ChainSpec(chain_id=c.chain_id, capacity=c.capacity, mean_service_time=c.service_time,
+            ChainSpec(chain_id=c.chain_id, capacity=self._sessions(c.capacity), mean_service_time=c.service_time,
                       prefill_time=planning.chain_prefill_s(c, profiles), max_length=expect.max_length,
-                      servers=c.servers, reference_output_tokens=max(1, round(expect.output_tokens)))
+                      servers=c.servers, reference_output_tokens=max(1, round(expect.output_tokens)),
+                      kv_tokens=c.capacity * expect.slot_tokens if expect.kv_admission == "tokens" else None,
+                      kv_page=planning.KV_PAGE)
             for c in ready
         ])
         return {}
+
+    def _sessions(self, capacity: int) -> int:
+        """Sessions a chain may run at once: its c_k slots, or with token admission as many as its KV budget
+        (c_k · slot_tokens) holds in one-page sessions (the budget is the real bound)."""
+        expect = self.config.expect
+        if expect.kv_admission != "tokens":
+            return capacity
+        return capacity * max(1, expect.slot_tokens // planning.KV_PAGE)
 
     def submit(self, request_id, client_id, input_tokens, max_new_tokens, page_hashes, now):
         self.scheduler.submit(request_id, client_id, input_tokens, now, max_new_tokens=max_new_tokens,

@@ -188,7 +188,7 @@ class CompletionRunner:
     async def _session(self, grant, client, input_ids, params, page_hashes, is_disconnected):
         orchestrator, engine = self.orchestrator, self.engine
         chain = orchestrator.chain(grant.chain_id)
-        lease = Lease(grant.request_id, grant.chain_id, chain.route, orchestrator.config.expect.max_length,
+        lease = Lease(grant.request_id, grant.chain_id, chain.route, orchestrator.session_tokens(grant.request_id),
                       ticket=orchestrator.ticket(grant.request_id, grant.chain_id, chain.route, page_hashes or ()))
         loop = asyncio.get_running_loop()
         control = SessionControl()

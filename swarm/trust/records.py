@@ -136,9 +136,10 @@ def check_batch_steps(values) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class Assignment:
     """The orchestrator's instruction to one server: load blocks ``[start, end)`` with a KV pool of
-    ``cache_slots`` block-slots of ``max_length`` tokens — the planner's Σ_k c_k·m_ij, where a session of
-    chain k holds one slot on each of the m_ij blocks it runs on this server — plus
-    ``prefix_cache_tokens`` on every block for prompt-prefix reuse. ``start == end``: hold no blocks."""
+    ``cache_slots`` block-slots of ``slot_tokens`` tokens (0: ``max_length``, the fixed-length case) — the
+    planner's Σ_k c_k·m_ij, where a session of chain k holds one slot on each of the m_ij blocks it runs on this
+    server — plus ``prefix_cache_tokens`` on every block for prompt-prefix reuse; sessions up to ``max_length``
+    tokens are allowed. ``start == end``: hold no blocks."""
 
     plan_id: str
     start: int
@@ -146,10 +147,16 @@ class Assignment:
     cache_slots: int
     max_length: int
     prefix_cache_tokens: int = 0  # KV token budget per block reserved for prompt-prefix reuse
+    slot_tokens: int = 0  # tokens per KV slot (0: max_length)
 
     def __post_init__(self) -> None:
-        if not (0 <= self.start <= self.end) or self.cache_slots < 0 or self.max_length <= 0:
+        if not (0 <= self.start <= self.end) or self.cache_slots < 0 or self.max_length <= 0 or self.slot_tokens < 0:
             raise RecordError(f"invalid assignment {self}")
+
+    @property
+    def slot_size(self) -> int:
+        """Tokens one KV slot holds."""
+        return self.slot_tokens or self.max_length
         if self.prefix_cache_tokens < 0:
             raise RecordError("prefix_cache_tokens must be non-negative")
 
