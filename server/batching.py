@@ -43,7 +43,7 @@ from swarm.model.families import install_server_hooks
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_BATCH = 16  # the orchestrator batches up to --batch-sessions 16 sessions of a chain per step
 STAT_NAMES = ("steps", "batched_steps", "batched_tasks", "largest_batch")
 
 

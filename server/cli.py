@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest wait for open sessions before moving to new blocks")
     parser.add_argument("--cache-dir", metavar="DIR", help="where measured compute times are cached "
                         "(default ~/.cache/chainswarm)")
-    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
-                        help="decode steps of up to N sessions run as one forward pass (default 8; 1 = petals')")
+    parser.add_argument("--max-batch", type=int, default=16, metavar="N",
+                        help="decode steps of up to N sessions run as one forward pass (default 16, the "
+                        "orchestrator's --batch-sessions; 1 = petals')")
     parser.add_argument("--emulate-compute", metavar="PREFILL_MS,DECODE_MS",
                         help="experiments: emulate an accelerator that spends PREFILL_MS per block per prompt token "
                         "and DECODE_MS per block per decoded token (added to every inference step; reported in "

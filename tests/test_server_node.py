@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from server import profiling
+from server.batching import DEFAULT_MAX_BATCH
 from swarm.trust import records
 from swarm.trust.records import Assignment, OrchestratorInfo
 from swarm.trust.validation import swarm_validators
@@ -200,7 +201,7 @@ def test_nodes_publish_their_profiles(swarm, orchestrator_dht):
         assert peer.info["profile"] == profile.to_dict() | {"state": records.WAITING}
         # the batching pool's decode step at 1, 2, 4, 8, 16 sessions: one session is the profile's decode time
         steps = profile.batch_step_s
-        assert profile.max_batch == 8 and len(steps) == 5 and steps[0] == pytest.approx(profile.decode_s)
+        assert profile.max_batch == DEFAULT_MAX_BATCH == 16 and len(steps) == 5 and steps[0] == pytest.approx(profile.decode_s)
         assert list(steps) == sorted(steps) and steps[-1] <= 16 * steps[0] + 1e-12
     # both nodes share one cache entry for this model on this device (plus the block size and batch curve)
     keys = sorted(json.loads((swarm.profile_dir / profiling.CACHE_FILE).read_text()))

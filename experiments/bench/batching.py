@@ -254,6 +254,84 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
     return results
 
 
+HTTP_NODE_GB = 0.3  # the layout users start with: two 0.3 GB servers (SmolLM2 float32: 15 + 15 blocks)
+
+
+def run_http(url: str, sessions: int, tokens: int) -> dict:
+    """``sessions`` concurrent ``POST /v1/completions`` (greedy, ``max_tokens=tokens``) through the orchestrator:
+    aggregate tokens/s over the wall time, and the texts."""
+    import httpx
+
+    barrier = threading.Barrier(sessions + 1)
+    texts: list = [None] * sessions
+    counts = [0] * sessions
+    errors: list = []
+
+    def one(i: int) -> None:
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0, "stop": None}
+        barrier.wait()
+        try:
+            response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": f"bench{i % 4}"},
+                                  timeout=600)
+            response.raise_for_status()
+            doc = response.json()
+            texts[i], counts[i] = doc["choices"][0]["text"], doc["usage"]["completion_tokens"]
+        except Exception as exc:  # noqa: BLE001 - reported in the results
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return {"sessions": sessions, "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
+            "texts": texts, "errors": errors}
+
+
+def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress) -> dict:
+    """The product's path with default options: an orchestrator (``chainswarm orchestrator`` defaults: token KV
+    admission, continuous batching) and two nodes of :data:`HTTP_NODE_GB` with default options; ``counts``
+    concurrent ``/v1/completions``, best of ``repeats`` per point; answers compared with local greedy."""
+    from transformers import AutoTokenizer
+
+    from experiments.live.demo import _reference
+    from server.local_swarm import LocalSwarm
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    expected = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out, _ = _reference(model_dir, ids, tokens, tokenizer.eos_token_id)
+        expected[prompt] = tokenizer.decode(out, skip_special_tokens=True)
+    with LocalSwarm(model_dir) as swarm:
+        swarm.add_orchestrator(torch_dtype=DTYPE)  # every planning and admission option at its default
+        nodes = [swarm.add_node(node_id=f"h{i}", memory_gb=HTTP_NODE_GB, wait=False, torch_dtype=DTYPE)
+                 for i in range(2)]
+        for node in nodes:
+            swarm.wait_profiled(node, timeout=300)
+        status = swarm.wait_chains_ready(timeout=300)
+        url = swarm.orchestrator.info["url"]
+        run_http(url, 2, 4)  # warm-up
+        rows = []
+        for n in counts:
+            progress.set_postfix_str(f"http × {n}")
+            runs = [run_http(url, n, tokens) for _ in range(repeats)]
+            best = max(runs, key=lambda r: r["tokens_per_s"])
+            best["same_text_as_local_greedy"] = all(t == expected[PROMPTS[i % len(PROMPTS)]]
+                                                    for i, t in enumerate(best["texts"]))
+            best["tokens_per_s_all"] = [r["tokens_per_s"] for r in runs]
+            rows.append(best)
+            progress.update()
+    one = next((r["tokens_per_s"] for r in rows if r["sessions"] == 1), None)
+    for row in rows:
+        row["vs_one_session"] = row["tokens_per_s"] / one if one else None
+    return {"node_memory_gb": HTTP_NODE_GB, "chains": status["chains"], "plan": {
+        k: status["plan"].get(k) for k in ("c", "tuning", "total_capacity")}, "rows": rows}
+
+
 def step_profile(model_dir: str, sizes=(1, 2, 4, 8, 16)) -> dict:
     """In-process decode step over 15 blocks: seconds per batch size (batched, sequential) and the top
     operators of one batched step of 8 sessions (torch.profiler, self CPU time)."""
@@ -264,13 +342,14 @@ def step_profile(model_dir: str, sizes=(1, 2, 4, 8, 16)) -> dict:
     from server.batching import BatchedInferenceStep
 
     backends = load_backends(model_dir, range(15))
+    hidden = next(iter(backends.values())).config.hidden_size
     times = decode_step_times(backends, sizes, context=64, repeats=10)
     step = BatchedInferenceStep(backends)
     sessions = [Session(backends) for _ in range(8)]
-    step_sessions(step, sessions, [torch.randn(1, 40, 576) for _ in sessions], batched=False)
-    step_sessions(step, sessions, [torch.randn(1, 1, 576) for _ in sessions], batched=True)
+    step_sessions(step, sessions, [torch.randn(1, 40, hidden) for _ in sessions], batched=False)
+    step_sessions(step, sessions, [torch.randn(1, 1, hidden) for _ in sessions], batched=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step_sessions(step, sessions, [torch.randn(1, 1, 576) for _ in sessions], batched=True)
+        step_sessions(step, sessions, [torch.randn(1, 1, hidden) for _ in sessions], batched=True)
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     ops = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1000,
@@ -346,6 +425,15 @@ def markdown(report: dict) -> str:
                      f"{row['ttft_ratio']:.2f} | {row['same_tokens_as_vanilla']} | "
                      f"{base['server_cpu_ms_per_token']:.1f} / {row['server_cpu_ms_per_token']:.1f} | "
                      f"{row['server_cpu_ratio']:.2f} |")
+    http = report.get("http")
+    if http:
+        lines += ["", f"HTTP API with default options (orchestrator defaults, two nodes of {http['node_memory_gb']} GB; "
+                  "aggregate tokens/s of concurrent /v1/completions):", "",
+                  "| sessions | tok/s | × one session | same text as local greedy |", "|---|---|---|---|"]
+        for row in http["rows"]:
+            ratio = row["vs_one_session"]
+            lines.append(f"| {row['sessions']} | {row['tokens_per_s']:.1f} | "
+                         f"{'' if ratio is None else f'{ratio:.2f}'} | {row['same_text_as_local_greedy']} |")
     ceiling = ceilings(report["step_profile"]["step_s"], report["servers"])
     lines += ["", "Compute-only ceiling (in-process step times, one core per server, no RPC or client cost): "
               + ", ".join(f"{n} sessions {c['ratio']:.2f}× ({c['vanilla_tokens_per_s']:.0f} → "
@@ -378,7 +466,7 @@ def main(argv=None) -> int:
 
     model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
     counts = [int(s) for s in args.sessions.split(",")]
-    progress = tqdm(total=2 * len(counts) + 1, desc="bench_batching")
+    progress = tqdm(total=3 * len(counts) + 1, desc="bench_batching")
     import torch
 
     torch.set_num_threads(args.torch_threads)
@@ -387,12 +475,14 @@ def main(argv=None) -> int:
               "servers": 2, "client": "petals generate, one thread per session",
               "repeats": args.repeats,
               "results": bench_servers(model_dir, counts, args.tokens, args.max_batch, args.repeats, progress)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report["http"] = bench_http(model_dir, counts, args.tokens, args.repeats, progress)
+    out.write_text(json.dumps(report, indent=2))  # kept even if the profile below fails
     progress.set_postfix_str("step profile")
     report["step_profile"] = step_profile(model_dir)
     progress.update()
     progress.close()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     plot(report, out.with_suffix(".png"))
     print(markdown(report))
