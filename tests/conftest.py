@@ -9,6 +9,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `chainswarm orchestrator` keeps state in the user's state directory by default: the tests' own, never the user's
+os.environ["CHAINSWARM_STATE"] = __import__("tempfile").mkdtemp(prefix="chainswarm-test-state-")
 
 
 @pytest.fixture(scope="session")

@@ -202,3 +202,69 @@ def test_cli_orchestrator_sigkilled_leaves_no_orphan_and_restarts_on_the_same_ad
         for proc in started:
             if _group_alive(proc.pid):
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_plain_restart_keeps_the_orchestrator_key_and_ephemeral_does_not(tiny_model, tmp_path):
+    """Without --state-dir the command keeps its state in the default directory (here $CHAINSWARM_STATE): a plain
+    restart comes back with the same signing key, so servers that pinned it keep obeying; --ephemeral gets a new
+    one every start."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "CHAINSWARM_STATE": str(tmp_path / "state-home"),
+           "HIVEMIND_LOGLEVEL": "INFO"}  # the key line is INFO
+
+    def key_of(*extra):
+        command = [sys.executable, "-m", "swarm.cli", "orchestrator", "--model", tiny_model, "--no-proxy",
+                   "--dht-prefix", "keep-key", "--http", "127.0.0.1:0", *extra]
+        ephemeral = "--ephemeral" in extra  # its key is read from its log (no state file to find the port in)
+        proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE if ephemeral else subprocess.DEVNULL,
+                                start_new_session=True, text=True)
+        node_file = tmp_path / "state-home" / "orchestrator" / "keep-key" / "node.json"
+        try:
+            def ready():
+                if proc.poll() is not None:
+                    raise AssertionError(f"the orchestrator exited with code {proc.returncode}")
+                port = node_file.exists() and json.loads(node_file.read_text()).get("http_port")
+                try:
+                    return port and httpx.get(f"http://127.0.0.1:{port}/v1/swarm", timeout=5).json()
+                except httpx.TransportError:
+                    return None
+
+            if ephemeral:
+                return _ephemeral_key(proc)
+            return wait_for(ready, 120, what="orchestrator ready")["orchestrator_key"]
+        finally:
+            if _group_alive(proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            wait_for(lambda: not _group_alive(proc.pid), 10, what="the orchestrator's processes gone")
+
+    first, second = key_of(), key_of()
+    assert first == second
+    assert (tmp_path / "state-home" / "orchestrator" / "keep-key" / "orchestrator.key").exists()
+    assert key_of("--ephemeral") != first
+
+
+def _ephemeral_key(proc) -> str:
+    """The key an --ephemeral orchestrator logs at start ("orchestrator key <fingerprint>: ssh-rsa ...")."""
+    import queue
+
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        if "orchestrator key" in line:
+            return line.rsplit(": ", 1)[1].strip()
+    raise AssertionError("the --ephemeral orchestrator never logged its key")

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSON file {"key": "client", ...}; keys also come from the environment variable '
                         f'{API_KEYS_ENV}="KEY=CLIENT,KEY=CLIENT" (neither shows in ps, unlike --api-key)')
     parser.add_argument("--no-proxy", action="store_true", help="leases only: do not serve /v1/completions")
+    parser.add_argument("--ephemeral", action="store_true",
+                        help="keep no state: a new signing key every start (servers that pinned the old key will "
+                        "not obey this orchestrator until they restart)")
 
 
 def _fail(message: str) -> int:
@@ -61,6 +64,18 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot read API keys: {exc}")
     options = orchestrator_options.from_arguments(args, http_host=host, http_port=int(port), api_keys=keys,
                                                   proxy=not args.no_proxy)
+    if args.ephemeral and args.state_dir:
+        return _fail("--ephemeral and --state-dir contradict each other")
+    if not args.ephemeral and not options.state_dir:  # a plain restart keeps its key, so its servers obey it
+        import dataclasses
+
+        from swarm.model.checkpoint import dht_prefix_for
+        from swarm.state.store import default_orchestrator_dir
+
+        state = default_orchestrator_dir(options.dht_prefix or dht_prefix_for(options.model_dir))
+        options = dataclasses.replace(options, state_dir=str(state))
+        print(f"chainswarm orchestrator: state in {state} (--state-dir to choose, --ephemeral for none)",
+              file=sys.stderr)
     if not 0 <= options.batch_sessions <= 1024:
         return _fail(f"--batch-sessions must be between 0 and 1024, got {options.batch_sessions}")
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -126,8 +126,10 @@ class OrchestratorOptions:
         None, cli=False, help="the proxy's petals client: None keeps petals' default (server-to-server push on); "
         "False relays every hop's activations through the orchestrator (the paper's model)")
     state_dir: str | None = option(
-        None, metavar="DIR", help="keep the orchestrator's state here and restart from it: DHT identity and port, "
-        "HTTP port, prefix namespace, API keys, plan and assignments, fairness counters (default: none kept)")
+        None, metavar="DIR", help="keep the orchestrator's state here and restart from it: signing key, DHT identity "
+        "and port, HTTP port, prefix namespace, API keys, plan and assignments, fairness counters (default for "
+        "`chainswarm orchestrator`: $CHAINSWARM_STATE, else $XDG_STATE_HOME/chainswarm, else "
+        "~/.local/state/chainswarm, then orchestrator/<dht prefix>; --ephemeral keeps nothing)")
     log_level: str = option("INFO", help="logging level of the orchestrator process")
     # -- signed control plane (swarm.trust.identity, swarm.trust.tickets) --
     identity_key: str | None = option(None, metavar="FILE", help="the orchestrator's signing key (RSA, DER; "

@@ -198,3 +198,18 @@ class StateDir:
         if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
             raise StateError(f"state file {self.file(self.API_KEYS)} is corrupt (no key -> client object)")
         return keys
+
+
+def default_state_root() -> Path:
+    """Where the ``chainswarm`` commands keep state by default (as ssh keeps host keys and etcd its data dir):
+    ``$CHAINSWARM_STATE``, else ``$XDG_STATE_HOME/chainswarm``, else ``~/.local/state/chainswarm``."""
+    if os.environ.get("CHAINSWARM_STATE"):
+        return Path(os.environ["CHAINSWARM_STATE"])
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "chainswarm"
+
+
+def default_orchestrator_dir(dht_prefix: str) -> Path:
+    """The default ``--state-dir`` of the orchestrator of swarm ``dht_prefix``."""
+    return default_state_root() / "orchestrator" / dht_prefix
+
