@@ -162,9 +162,9 @@ def test_n_choices_are_separate_sessions(client, local, swarm):
 
 
 def test_unsupported_and_unknown_fields(client, local, swarm):
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="functions"):  # the deprecated form of tools
         client.chat.completions.create(model=local.name, messages=QUESTION,
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+                                       extra_body={"functions": [{"name": "f", "parameters": {}}]})
     response = httpx.post(f"{swarm.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-test"},
                           json={"messages": QUESTION, "colour": "red"}, timeout=30)
     assert response.status_code == 422 and "colour" in response.json()["error"]["message"]

@@ -22,9 +22,15 @@ MAX_PROMPT_CHARS = 1_000_000  # bounded before any tokenization; the token limit
 # OpenAI request fields Chainswarm does not implement: accepted by the schema so that a request using one gets
 # a 400 that names it (a field OpenAI does not define at all is a 422, like any typo).
 UNSUPPORTED_COMPLETION_FIELDS = ("best_of", "echo", "suffix")
-UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format",
-                           "parallel_tool_calls", "audio", "modalities", "prediction", "service_tier", "store",
-                           "metadata", "reasoning_effort", "web_search_options")
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "service_tier",
+                           "store", "metadata", "reasoning_effort", "web_search_options")
+
+# Structured outputs and tools (swarm.api.structured): what one request may ask the grammar engine for.
+MAX_SCHEMA_CHARS = 65_536  # the compact JSON of the response schema plus every tool's definition, together
+MAX_SCHEMA_DEPTH = 32  # JSON containers (objects, arrays) nested in any one schema document
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 64  # tool calls of one assistant message in ``messages``
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class StreamOptions(_Strict):
@@ -47,6 +53,18 @@ class _Sampling(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id -> bias in [-100, 100]")
     user: Optional[str] = Field(None, max_length=256, description="client id when the orchestrator has no API keys")
+    # the sampling extensions serving tools send (vLLM's meaning)
+    ignore_eos: bool = Field(False, description="the end-of-sequence token does not end the generation (vLLM); "
+                             "max_tokens does")
+    min_tokens: int = Field(0, ge=0, description="tokens generated before the end-of-sequence token or a stop "
+                            "string may end the generation (vLLM); at most max_tokens")
+    top_k: int = Field(-1, ge=-1, description="sample from the k most likely tokens; -1 or 0: all (vLLM)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the most "
+                         "likely one (vLLM)")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description="divide positive (multiply negative) "
+                                      "logits of tokens in the prompt or the output by this; 1 = none (vLLM)")
+    response_format: Optional["ResponseFormat"] = Field(None, description="text, json_object or json_schema: "
+                                                        "the output is constrained to parse (and validate)")
 
     @field_validator("stop")
     @classmethod
@@ -88,10 +106,85 @@ class CompletionRequest(_Sampling):
     suffix: Optional[Any] = None
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=TOOL_NAME, description="the schema's name")
+    description: Optional[str] = Field(None, max_length=MAX_SCHEMA_CHARS)
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(None, alias="schema", description="a JSON schema "
+                                                           "(draft 2020-12); absent: any JSON object")
+    strict: Optional[bool] = Field(None, description="accepted; the output always follows the schema")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="with type json_schema")
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=TOOL_NAME)
+    description: Optional[str] = Field(None, max_length=MAX_SCHEMA_CHARS)
+    parameters: Optional[Union[dict[str, Any], bool]] = Field(None, description="a JSON schema of the arguments "
+                                                              "object; absent: no arguments")
+    strict: Optional[bool] = Field(None, description="accepted; the arguments always follow the schema")
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class ToolCallFunction(BaseModel):
+    """(Response objects sent back in ``messages`` carry client-side extras such as ``parsed_arguments``:
+    ignored, like the stream's ``index``.)"""
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS, description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = Field(None, description="text, or text parts; null only in "
+                                                          "an assistant message with tool_calls")
     name: Optional[str] = Field(None, max_length=64)
+    tool_calls: Optional[list[ToolCall]] = Field(None, max_length=MAX_TOOL_CALLS, description="assistant: the "
+                                                 "calls it made")
+    tool_call_id: Optional[str] = Field(None, max_length=256, description="tool: the call this result answers")
+    refusal: Optional[str] = Field(None, max_length=MAX_PROMPT_CHARS)
+    # what an assistant message object of a response carries when it is sent back (``message.model_dump()``):
+    # annotations and the client-side ``parsed`` are ignored; a non-null audio or function_call is a 400
+    annotations: Optional[list[Any]] = Field(None, max_length=64)
+    parsed: Optional[Any] = None
+    audio: Optional[Any] = None
+    function_call: Optional[Any] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
 class ChatCompletionRequest(_Sampling):
@@ -102,12 +195,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="the newer name of max_tokens")
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[Any] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[list[ToolDefinition]] = Field(None, max_length=MAX_TOOLS, description="functions the model "
+                                                  "may call")
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = Field(
+        None, description="none, auto (the default with tools), required, or a named function")
+    parallel_tool_calls: Optional[bool] = Field(None, description="more than one call per answer (default true)")
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
-    response_format: Optional[Any] = None
-    parallel_tool_calls: Optional[Any] = None
     audio: Optional[Any] = None
     modalities: Optional[Any] = None
     prediction: Optional[Any] = None
@@ -116,6 +210,10 @@ class ChatCompletionRequest(_Sampling):
     metadata: Optional[Any] = None
     reasoning_effort: Optional[Any] = None
     web_search_options: Optional[Any] = None
+
+
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()
 
 
 class CompletionChoice(BaseModel):

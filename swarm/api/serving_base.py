@@ -93,16 +93,23 @@ class OpenAIServing:
                            f"{self.max_length} tokens can be, the swarm's maximum session length")
 
     def sampling(self, body, input_ids: list[int], max_tokens: int | None,
-                 logprobs: int | None) -> list[SamplingParams]:
+                 logprobs: int | None, grammar=None) -> list[SamplingParams]:
         room = self.max_length - len(input_ids)
         if max_tokens is None:
             if room < 1:
                 raise ApiError(400, "invalid_request", f"the prompt ({len(input_ids)} tokens) leaves no room in "
                                 f"the swarm's maximum session length of {self.max_length} tokens")
             max_tokens = room
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, "invalid_request", f"min_tokens ({body.min_tokens}) is more than max_tokens "
+                           f"({max_tokens})")
+        eos = getattr(self.engine, "eos_token_id", None)
         return [SamplingParams(max_tokens, body.temperature, body.top_p,
                                None if body.seed is None else body.seed + i, body.presence_penalty,
-                               body.frequency_penalty, body.bias_pairs(), logprobs, body.stop_strings())
+                               body.frequency_penalty, body.bias_pairs(), logprobs, body.stop_strings(),
+                               ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, top_k=body.top_k,
+                               min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                               eos_token_ids=(eos,) if isinstance(eos, int) else (), grammar=grammar)
                 for i in range(body.n)]
 
     # -- the n runs ------------------------------------------------------------------------------------
@@ -134,11 +141,11 @@ class OpenAIServing:
                 task.cancel()
 
     def begin(self, body, client: str, input_ids: list[int], max_tokens: int | None, logprobs: int | None,
-              request: Request):
+              request: Request, grammar=None):
         """Start the request's ``n`` runs: its stop strings, the response's id/created/model, the items."""
         meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.model_name}
-        params = self.sampling(body, input_ids, max_tokens, logprobs)
+        params = self.sampling(body, input_ids, max_tokens, logprobs, grammar)
         return body.stop_strings(), meta, self.choices(client, input_ids, params, request)
 
     @staticmethod
@@ -167,8 +174,16 @@ class OpenAIServing:
         return done  # type: ignore[return-value]
 
     # -- text ------------------------------------------------------------------------------------------
-    def text_of(self, done: Finished, stop: tuple[str, ...]) -> str:
-        return StopMatcher(stop).final(self.engine.decode(done.token_ids))
+    def text_of(self, done: Finished, stop: tuple[str, ...], min_tokens: int = 0) -> str:
+        return StopMatcher(stop).final(self.engine.decode(done.token_ids),
+                                       self.stop_after(done.token_ids, stop, min_tokens))
+
+    def stop_after(self, token_ids: list[int], stop: tuple[str, ...], min_tokens: int) -> int:
+        """The characters no stop string may end within: the text of the first ``min_tokens`` − 1 tokens (a
+        stop string counts from the ``min_tokens``-th token on, as in vLLM)."""
+        if not stop or min_tokens <= 1:
+            return 0
+        return len(self.engine.decode(token_ids[:min_tokens - 1]))
 
     def kept_logprobs(self, done: Finished, text: str) -> list[TokenLogprob]:
         """The logprobs of the tokens that the returned text holds (a stop string's tokens are cut)."""
@@ -183,10 +198,11 @@ class OpenAIServing:
     # -- streaming -------------------------------------------------------------------------------------
     async def stream(self, items: AsyncIterator, first, n: int, stop: tuple[str, ...], prompt_tokens: int,
                      chunk: ChunkFn, head: Callable[[int], dict] | None, include_usage: bool,
-                     meta: dict) -> AsyncIterator[bytes]:
+                     meta: dict, min_tokens: int = 0) -> AsyncIterator[bytes]:
         """The SSE body: ``head(i)`` per choice (if any), text deltas, each choice's last chunk (with its
         logprobs and the ``chainswarm`` field), the usage chunk when ``include_usage``, ``[DONE]``. A refusal
-        after the first token is an ``error`` event (the status was already sent)."""
+        after the first token is an ``error`` event (the status was already sent). ``chunk`` may answer None
+        for a delta it holds back (a tool call's text); its choice's last chunk is never None."""
         produced: list[list[int]] = [[] for _ in range(n)]
         sent = [""] * n
         done: list[Finished] = []
@@ -201,7 +217,7 @@ class OpenAIServing:
                     index, value = item
                     if isinstance(value, Finished):
                         done.append(value)
-                        text = self.text_of(value, stop)
+                        text = self.text_of(value, stop, min_tokens)
                         # token events carry ids only: every kept token's logprobs travel with the last chunk
                         records = self.kept_logprobs(value, text) if value.logprobs else None
                         last = chunk(index, text[len(sent[index]):], value.finish_reason, records)
@@ -209,10 +225,13 @@ class OpenAIServing:
                     else:
                         produced[index].append(value)
                         text = self.engine.decode(produced[index])
-                        safe, _ = matcher.check(text) if stop else (text, False)
+                        after = self.stop_after(produced[index], stop, min_tokens)
+                        safe, _ = matcher.check(text, after) if stop else (text, False)
                         if safe and not safe.endswith("\ufffd") and len(safe) > len(sent[index]):
-                            yield sse(chunk(index, safe[len(sent[index]):], None, None))
+                            doc = chunk(index, safe[len(sent[index]):], None, None)
                             sent[index] = safe
+                            if doc is not None:
+                                yield sse(doc)
                     item = await items.__anext__() if len(done) < n else None
             except (ClientGone, StopAsyncIteration):
                 return

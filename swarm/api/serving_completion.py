@@ -8,6 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from swarm.api.schemas import UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
 from swarm.api.serving_base import OpenAIServing, swarm_info, usage
+from swarm.api.structured import compile_plan, plan_output
 from swarm.engine.sampling import TokenLogprob
 
 
@@ -22,8 +23,9 @@ class OpenAIServingCompletion(OpenAIServing):
                           authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
         self.check(body, UNSUPPORTED_COMPLETION_FIELDS, len(body.prompt))
         client = self.client_of(authorization, x_client_id or body.user)
+        plan = await compile_plan(plan_output(body), self.engine.tokenizer)  # response_format (vLLM's extension)
         input_ids = self.engine.encode(body.prompt)
-        stop, meta, items = self.begin(body, client, input_ids, body.max_tokens, body.logprobs, request)
+        stop, meta, items = self.begin(body, client, input_ids, body.max_tokens, body.logprobs, request, plan.grammar)
         if not body.stream:
             done = await self.collect(items, body.n)
             if done is None:
@@ -34,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 f"prefill={prefix.get('prefill', 0)};restarts={prefix.get('restarts', 0)}")
             out = []
             for index, d in enumerate(done):
-                text = self.text_of(d, stop)
+                text = self.text_of(d, stop, body.min_tokens)
                 logprobs = self.legacy_logprobs(self.kept_logprobs(d, text)) if body.logprobs is not None else None
                 out.append({"index": index, "text": text, "finish_reason": d.finish_reason, "logprobs": logprobs})
             return {**meta, "object": "text_completion", "choices": out, "usage": usage(len(input_ids), done),
@@ -46,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         include = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(self.stream(items, first, body.n, stop, len(input_ids),
                                              partial(self.chunk, body, meta), None, include,
-                                             {**meta, "object": "text_completion"}),
+                                             {**meta, "object": "text_completion"}, body.min_tokens),
                                  media_type="text/event-stream")
 
     def chunk(self, body: CompletionRequest, meta: dict, index: int, text: str, finish: str | None,

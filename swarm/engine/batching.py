@@ -27,6 +27,7 @@ import torch
 from swarm.model.kernels import linear
 from swarm.engine.multi_client import ChainBatch, ChainBatchError
 from swarm.engine.routing import RouteSpan
+from swarm.engine.sampling import TokenChooser
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,12 @@ class ChainGenerator:
         opens = {s.sid: len(s.input_ids) + s.max_new_tokens for s in admitted}
         tickets = {s.sid: s.ticket for s in admitted if s.ticket is not None}
         self._running.update((s.sid, s) for s in admitted)
-        outputs, failed = self.batch.step(inputs, opens, tickets)
+        masks = TokenChooser.prepare_async(s.processor for s in self._running.values())  # grammar masks, meanwhile
+        try:
+            outputs, failed = self.batch.step(inputs, opens, tickets)
+        finally:
+            if masks is not None:
+                masks.exception()  # wait: no chooser is used while its mask is being computed
         self.steps += 1
         self.stepped_sequences += len(inputs)
         for sid, failure in failed.items():

@@ -203,8 +203,10 @@ class CompletionRunner:
             control.progress()
             loop.call_soon_threadsafe(tokens.put_nowait, token)
             generated.append(token)
-            if matcher is not None and matcher.check(engine.decode(generated))[1]:
-                raise StopGeneration()  # a stop string is complete: the request is done
+            if matcher is not None and len(generated) >= params.min_tokens:  # min_tokens: no stop before (vLLM)
+                after = len(engine.decode(generated[:params.min_tokens - 1])) if params.min_tokens > 1 else 0
+                if matcher.check(engine.decode(generated), after)[1]:
+                    raise StopGeneration()  # a stop string is complete: the request is done
 
         def on_prefix(reused: int) -> None:  # session thread, after the probe and before the prefill
             loop.call_soon_threadsafe(orchestrator.prefilled, grant.request_id, reused, len(input_ids),

@@ -133,9 +133,11 @@ class GenerationEngine:
         restarts = 0
         prefill = len(input_ids) - reused
         chooser = None if params.plain_greedy else TokenChooser(params, self.model.config.vocab_size)
+        ignore_eos = not params.stops_at_eos  # ignore_eos: max_new_tokens ends it
 
         def ended() -> bool:  # the model emitted its end-of-sequence token
-            return bool(produced) and self.eos_token_id is not None and produced[-1] == self.eos_token_id
+            return (bool(produced) and not ignore_eos and self.eos_token_id is not None
+                    and produced[-1] == self.eos_token_id)
 
         def result(finish_reason: str) -> GenerationResult:
             return GenerationResult(produced, finish_reason, reused, prefill, restarts,
@@ -150,14 +152,14 @@ class GenerationEngine:
                 prompt = list(input_ids) + produced
                 prefill += len(prompt)
                 if chooser is not None:  # it chose one more token than the failed session delivered
-                    del chooser.generated[len(produced):], chooser.logprobs[len(produced):]
-                self._run(lease, provider, prompt, remaining, chooser, sink, None, control)
+                    chooser.truncate(len(produced))
+                self._run(lease, provider, prompt, remaining, chooser, sink, None, control, ignore_eos)
 
         try:
             try:
                 if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
-                        self._run_batched(lease, input_ids, params.max_new_tokens, chooser, sink, control)
+                        self._run_batched(lease, input_ids, params.max_new_tokens, chooser, sink, control, ignore_eos)
                     except SequenceFailed as exc:
                         self.fallbacks += 1
                         logger.warning("a batched session continues on its own: %s", exc)
@@ -169,7 +171,8 @@ class GenerationEngine:
                             provider.renew_ticket(lease)
                         resume()
                 else:
-                    self._run(lease, provider, input_ids, params.max_new_tokens, chooser, sink, plan, control)
+                    self._run(lease, provider, input_ids, params.max_new_tokens, chooser, sink, plan, control,
+                              ignore_eos)
             except PrefixSessionFailed as exc:
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
                 if not exc.missing and exc.peer_id is not None and provider is not None:
@@ -229,7 +232,8 @@ class GenerationEngine:
         return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks}
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
-                     sink: Callable[[int], None], control: SessionControl | None) -> None:
+                     sink: Callable[[int], None], control: SessionControl | None,
+                     ignore_eos: bool = False) -> None:
         """Run the session in its chain's batch (blocking). Raises :class:`SequenceFailed` to fall back."""
         generator = self._generator(tuple(lease.route))
         stopped = []
@@ -242,8 +246,8 @@ class GenerationEngine:
                 raise StopSequence() from None
 
         try:
-            future = generator.submit(input_ids, max_new_tokens, eos_token_id=self.eos_token_id, on_token=on_token,
-                                      processor=chooser, ticket=lease.ticket)
+            future = generator.submit(input_ids, max_new_tokens, eos_token_id=None if ignore_eos else self.eos_token_id,
+                                      on_token=on_token, processor=chooser, ticket=lease.ticket)
         except RuntimeError as exc:  # closed meanwhile
             raise SequenceFailed(str(exc), []) from exc
         unwatch = control.watch_peers(generator.peer_failed) if control is not None else None
@@ -263,7 +267,8 @@ class GenerationEngine:
                 unwatch()
 
     def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
-             sink: Callable[[int], None], plan: PrefixPlan | None, control: SessionControl | None = None) -> None:
+             sink: Callable[[int], None], plan: PrefixPlan | None, control: SessionControl | None = None,
+             ignore_eos: bool = False) -> None:
         from transformers import LogitsProcessorList
 
         ids = torch.tensor([input_ids], dtype=torch.long)
@@ -276,7 +281,9 @@ class GenerationEngine:
             context.prefix = plan
             self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id if self.eos_token_id is not None else 0,
+                # ignore_eos: an id no token has (None would mean the checkpoint's generation_config's)
+                eos_token_id=-1 if ignore_eos else self.eos_token_id,
+                pad_token_id=self.eos_token_id if self.eos_token_id is not None else 0,
                 streamer=_TokenSink(sink), **sampling,
             )
 

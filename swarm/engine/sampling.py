@@ -3,24 +3,39 @@
 The orchestrator runs the LM head of every proxied session itself, so everything that acts on logits is
 applied here, on the real logits:
 
-* :class:`TokenChooser` — a transformers ``LogitsProcessor`` that adds ``logit_bias``, subtracts OpenAI's
-  presence and frequency penalties (``μ[j] − c[j]·α_frequency − [c[j] > 0]·α_presence`` over the tokens
-  generated so far), then picks greedily (temperature 0) or samples with temperature and top-p from a
-  per-request ``torch.Generator`` (same seed and prompt → same text, whatever else runs concurrently). It
-  records the chosen token's log-probability and the ``top_logprobs`` alternatives from the model's own
-  distribution (log-softmax of the raw logits), then returns logits that put all mass on its choice, so
-  transformers' greedy loop emits exactly that token.
+* :class:`TokenChooser` — a transformers ``LogitsProcessor`` that adds ``logit_bias``; blocks the
+  end-of-sequence token until ``min_tokens`` tokens exist; applies vLLM's ``repetition_penalty`` (a logit
+  ``μ[j] > 0`` of a token seen in the prompt or the output is divided by it, a negative one multiplied) and
+  OpenAI's presence and frequency penalties (``μ[j] − c[j]·α_frequency − [c[j] > 0]·α_presence`` over the
+  tokens generated so far); sets every token the request's grammar (``response_format``, tool calls:
+  :mod:`swarm.engine.grammar`) forbids to −∞; then picks greedily (temperature 0) or samples with
+  temperature, ``min_p`` (tokens below ``min_p`` × the most likely one's probability dropped), ``top_k`` and
+  ``top_p`` (in that order, as vLLM) from a per-request ``torch.Generator`` (same seed and prompt → same text,
+  whatever else runs concurrently). It records the chosen token's log-probability and the ``top_logprobs``
+  alternatives from the model's own distribution (log-softmax of the raw logits), then returns logits that
+  put all mass on its choice, so transformers' greedy loop emits exactly that token.
 * :class:`StopMatcher` — ``stop`` strings matched across token boundaries on the decoded text; text that
   could still be the start of a stop string is held back, so a stop string is never part of what a client
   receives, streamed or not.
+
+``ignore_eos`` (vLLM's meaning: the end-of-sequence token does not end the generation, ``max_new_tokens``
+does) is :attr:`SamplingParams.stops_at_eos`, which the engine reads; a grammar's end still ends it.
 """
 from __future__ import annotations
 
+import logging
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
+from swarm.engine.grammar import Grammar, GrammarMatcher, fill_masks
+
+
+logger = logging.getLogger(__name__)
+_MASKS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-masks")  # TokenChooser.prepare_async
 
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this sample the argmax (the limit T -> 0), without dividing by T."""
@@ -37,12 +52,26 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k alternatives
     stop: tuple[str, ...] = ()
+    # the sampling extensions of serving tools (vLLM's meaning)
+    ignore_eos: bool = False  # the end-of-sequence token does not end the generation
+    min_tokens: int = 0  # the end-of-sequence tokens (and stop strings) cannot end it before this many tokens
+    top_k: int = -1  # -1 or 0: all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    eos_token_ids: tuple[int, ...] = ()  # the tokens min_tokens blocks
+    grammar: Grammar | None = None  # constrained decoding (swarm.engine.grammar)
 
     @property
     def plain_greedy(self) -> bool:
         """Plain argmax decoding (what transformers' greedy search does by itself)."""
         return (self.temperature < MIN_TEMPERATURE and not self.logit_bias and not self.presence_penalty
-                and not self.frequency_penalty and self.logprobs is None)
+                and not self.frequency_penalty and self.logprobs is None and self.grammar is None
+                and not self.min_tokens and self.repetition_penalty == 1.0)
+
+    @property
+    def stops_at_eos(self) -> bool:
+        """The end-of-sequence token ends the generation (unless ``ignore_eos``; a grammar's end always does)."""
+        return not self.ignore_eos or self.grammar is not None
 
 
 @dataclass
@@ -60,6 +89,7 @@ class TokenChooser:
         self.params = params
         self.generated: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.grammar = GrammarMatcher(params.grammar) if params.grammar is not None else None
         self.generator = torch.Generator()
         self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         self._bias = None
@@ -75,14 +105,35 @@ class TokenChooser:
         p = self.params
         if self._bias is not None:
             logits[: self._bias.numel()] += self._bias[: logits.numel()]
+        if len(self.generated) < p.min_tokens and p.eos_token_ids:
+            logits[[t for t in p.eos_token_ids if 0 <= t < logits.numel()]] = -math.inf
+        if p.repetition_penalty != 1.0:
+            seen = torch.cat([input_ids[0].reshape(-1).to(torch.long), torch.tensor(self.generated, dtype=torch.long)])
+            seen = seen[(seen >= 0) & (seen < logits.numel())].unique()
+            values = logits[seen]
+            logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if self.generated and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.tensor(self.generated).unique(return_counts=True)
             logits[ids] -= counts.float() * p.frequency_penalty + p.presence_penalty
-        if p.temperature < MIN_TEMPERATURE:  # also 1e-300: logits / T would overflow; the limit is greedy
+        allowed = None
+        if self.grammar is not None:
+            if self.grammar.error:
+                raise RuntimeError(f"constrained decoding failed: {self.grammar.error}")
+            allowed = self.grammar.allowed(logits.numel())
+            logits = torch.where(allowed, logits, -math.inf)
+        if not torch.isfinite(logits).any():  # nothing left: the grammar ends here, min_tokens or not
+            fallback = raw.masked_fill(~allowed, -math.inf) if allowed is not None else raw
+            choice = int(torch.argmax(fallback))
+        elif p.temperature < MIN_TEMPERATURE:  # also 1e-300: logits / T would overflow; the limit is greedy
             choice = int(torch.argmax(logits))
         else:
             probs = torch.softmax(logits / p.temperature, dim=-1)
+            if p.min_p > 0.0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            if 0 < p.top_k < probs.numel():
+                probs = probs.masked_fill(probs < probs.topk(p.top_k).values[-1], 0.0)
             if p.top_p < 1.0:
+                probs = probs / probs.sum()
                 ordered, order = probs.sort(descending=True)
                 keep = ordered.cumsum(-1) - ordered < p.top_p  # the smallest set whose mass reaches top_p
                 probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
@@ -98,9 +149,35 @@ class TokenChooser:
                 top = [(int(i), float(v)) for i, v in zip(ids, values)]
             self.logprobs.append(TokenLogprob(choice, float(logp[choice]), top))
         self.generated.append(choice)
+        if self.grammar is not None:
+            self.grammar.consume(choice)
         forced = torch.full_like(scores, -math.inf)
         forced[:, choice] = 0.0
         return forced
+
+    def truncate(self, tokens: int) -> None:
+        """Forget every choice after the first ``tokens`` (a session that restarts re-chooses them)."""
+        extra = len(self.generated) - tokens
+        if extra > 0:
+            del self.generated[tokens:], self.logprobs[tokens:]
+            if self.grammar is not None:
+                self.grammar.rollback(extra)
+
+    @staticmethod
+    def prepare(processors: Iterable) -> None:
+        """Compute the grammar masks of a batched step's constrained choosers at once, in parallel. Never
+        raises: a chooser whose mask is not ready computes it itself (and fails on its own)."""
+        try:
+            fill_masks([p.grammar for p in processors if isinstance(p, TokenChooser) and p.grammar is not None])
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not compute a step's grammar masks together: %r", exc)
+
+    @staticmethod
+    def prepare_async(processors: Iterable) -> Future | None:
+        """:meth:`prepare` in the background (None: no chooser has a grammar): the batched path runs it while
+        the step's messages travel through the chain. Wait for it (``.exception()``) before choosing."""
+        constrained = [p for p in processors if isinstance(p, TokenChooser) and p.grammar is not None]
+        return _MASKS.submit(TokenChooser.prepare, constrained) if constrained else None
 
 
 class StopMatcher:
@@ -109,10 +186,11 @@ class StopMatcher:
     def __init__(self, stop: tuple[str, ...]):
         self.stop = tuple(s for s in stop if s)
 
-    def check(self, text: str) -> tuple[str, bool]:
+    def check(self, text: str, after: int = 0) -> tuple[str, bool]:
         """``(text that may be sent, stopped)``: cut before the first stop string; without one, hold back a
-        tail that is a prefix of some stop string (it may complete with the next token)."""
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        tail that is a prefix of some stop string (it may complete with the next token). Only a stop string
+        that ends past character ``after`` counts (``min_tokens``: the text of the first tokens cannot stop)."""
+        hits = self._hits(text, after)
         if hits:
             return text[:min(hits)], True
         hold = 0
@@ -123,7 +201,10 @@ class StopMatcher:
                     break
         return text[:len(text) - hold], False
 
-    def final(self, text: str) -> str:
+    def final(self, text: str, after: int = 0) -> str:
         """The text of a finished generation: cut before the first stop string, nothing held back."""
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        hits = self._hits(text, after)
         return text[:min(hits)] if hits else text
+
+    def _hits(self, text: str, after: int) -> list[int]:
+        return [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in self.stop) if i >= 0]

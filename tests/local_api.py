@@ -1,0 +1,132 @@
+"""The OpenAI-compatible handlers over a local model, in-process: no DHT, no servers, no orchestrator.
+
+:class:`LocalRunner` has :class:`swarm.engine.completion.CompletionRunner`'s contract (``run`` yields token ids,
+then a ``Finished``) but computes every token in local transformers, choosing it with the engine's own
+:class:`~swarm.engine.sampling.TokenChooser` — the same grammar masks, sampling and stop handling as the
+swarm's batched path, for fast tests of the API surface (structured outputs, tools) on the real SmolLM2.
+:func:`serve` runs the routes on a loopback port (uvicorn in a thread) for the official ``openai`` client.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from swarm.api.errors import ApiError
+from swarm.api.openai_routes import add_openai_routes
+from swarm.engine.completion import Finished
+from swarm.engine.sampling import StopMatcher, TokenChooser
+
+
+class LocalEngine:
+    def __init__(self, model_dir):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        self.eos_token_id = self.tokenizer.eos_token_id
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class LocalRunner:
+    def __init__(self, engine: LocalEngine):
+        self.engine = engine
+        self.lock = threading.Lock()
+
+    def _generate(self, input_ids, params, emit):
+        engine = self.engine
+        chooser = TokenChooser(params, engine.model.config.vocab_size)
+        produced, past, feed = [], None, list(input_ids)
+        matcher = StopMatcher(params.stop) if params.stop else None
+        finish = "length"
+        with self.lock, torch.inference_mode():
+            for _ in range(params.max_new_tokens):
+                TokenChooser.prepare([chooser])  # the batched path's mask hook
+                out = engine.model(torch.tensor([feed]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                forced = chooser(torch.tensor([list(input_ids) + produced]), out.logits[:, -1].float())
+                token = int(forced[0].argmax())
+                produced.append(token)
+                emit(token)
+                feed = [token]
+                if params.stops_at_eos and token == engine.eos_token_id:
+                    finish = "stop"
+                    break
+                if matcher is not None and len(produced) >= params.min_tokens:
+                    after = len(engine.decode(produced[:params.min_tokens - 1])) if params.min_tokens > 1 else 0
+                    if matcher.check(engine.decode(produced), after)[1]:
+                        finish = "stop"
+                        break
+        return Finished(produced, finish, "local", ["local"], [], 0.0, 0.0, {}, logprobs=chooser.logprobs)
+
+    async def run(self, client, input_ids, params, is_disconnected):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        task = loop.run_in_executor(None, self._generate, input_ids, params,
+                                    lambda t: loop.call_soon_threadsafe(queue.put_nowait, t))
+        while not task.done() or not queue.empty():
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield getter.result()
+            else:
+                getter.cancel()
+        yield task.result()
+
+
+def make_app(model_dir, max_length: int = 2048, model_name: str = "smollm2") -> FastAPI:
+    engine = LocalEngine(model_dir)
+    app = FastAPI(title="local")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        headers = {} if exc.retry_after_s is None else {"Retry-After": str(math.ceil(exc.retry_after_s))}
+        return JSONResponse({"error": {"type": exc.kind, "message": exc.message}}, status_code=exc.status,
+                            headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                 for e in exc.errors()]
+        return JSONResponse({"error": {"type": "invalid_request", "message": "; ".join(parts)}}, status_code=422)
+
+    add_openai_routes(app, runner=LocalRunner(engine), engine=engine, model_name=model_name,
+                      max_length=max_length, client_of=lambda authorization, fallback: fallback or "local")
+    app.state.engine = engine
+    return app
+
+
+@contextmanager
+def serve(app: FastAPI):
+    """The app on a loopback port for the length of the block; yields its base URL."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the local API did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

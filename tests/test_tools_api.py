@@ -1,0 +1,130 @@
+"""Structured outputs and tool calls through a live swarm, with the official ``openai`` client.
+
+One orchestrator and two nodes serving SmolLM2-135M-Instruct (as tests/test_openai_api.py); the sessions run
+on the batched path (swarm.engine.batching.ChainGenerator), whose step computes the grammar masks of all its
+constrained sessions together while the step travels through the chain. The constrained answers are the
+ones the same handlers give over the local model in-process (tests/local_api.py: same grammar, same greedy
+choice) — the batched path masks exactly as the reference does.
+"""
+import concurrent.futures as cf
+import json
+from pathlib import Path
+
+import jsonschema_rs
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from server.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.swarm
+
+MAX_LENGTH = 512
+DECLARED = {"prefill_s": 2e-4, "decode_s": 2e-3, "rtt_s": 0.002}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int = Field(ge=0, le=100_000_000)
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm2_dir):
+    with LocalSwarm(smollm2_dir) as swarm:
+        swarm.add_orchestrator(expected_rate=0.5, max_length=MAX_LENGTH, expected_input_tokens=160,
+                               expected_output_tokens=32, refresh_s=0.5, max_queue_per_client=16)
+        nodes = [swarm.add_node(node_id=f"n{i}", memory_gb=0.24, wait=False, declared_profile=DECLARED)
+                 for i in range(2)]
+        for node in nodes:
+            swarm.wait_profiled(node, timeout=180)
+        swarm.wait_chains_ready(timeout=240)
+        swarm.url = swarm.orchestrator.info["url"]
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    """The same handlers over the local model in-process (the ground truth of constrained greedy decoding)."""
+    from local_api import make_app, serve
+
+    with serve(make_app(smollm2_dir, max_length=MAX_LENGTH, model_name=Path(smollm2_dir).name)) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0, timeout=300)
+        api.model = Path(smollm2_dir).name
+        yield api
+
+
+@pytest.fixture
+def client(swarm, smollm2_dir):
+    api = openai.OpenAI(base_url=f"{swarm.url}/v1", api_key="none", max_retries=0, timeout=300)
+    api.model = Path(smollm2_dir).name
+    return api
+
+
+def test_parse_with_a_pydantic_model_matches_the_reference(client, reference):
+    messages = [{"role": "user", "content": "Describe Paris."}]
+    options = dict(model=client.model, messages=messages, response_format=City, temperature=0, max_tokens=80)
+    reply = client.chat.completions.parse(**options)
+    expected = reference.chat.completions.parse(**options)
+    assert isinstance(reply.choices[0].message.parsed, City)
+    assert reply.choices[0].message.content == expected.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_round_trip(client, reference, stream):
+    def ask(api, messages, **extra):
+        if not stream:
+            return api.chat.completions.create(model=api.model, messages=messages, tools=[WEATHER], temperature=0,
+                                               max_tokens=64, **extra).choices[0]
+        with api.chat.completions.stream(model=api.model, messages=messages, tools=[WEATHER], temperature=0,
+                                         max_tokens=64, **extra) as events:
+            return events.get_final_completion().choices[0]
+
+    call = ask(client, ASK, tool_choice="required", parallel_tool_calls=False)
+    assert call.finish_reason == "tool_calls"
+    [tool_call] = call.message.tool_calls
+    assert tool_call.function.name == "get_weather"
+    arguments = json.loads(tool_call.function.arguments)
+    assert jsonschema_rs.validator_for(WEATHER["function"]["parameters"]).is_valid(arguments)
+    assert tool_call.function.arguments == ask(reference, ASK, tool_choice="required",
+                                               parallel_tool_calls=False).message.tool_calls[0].function.arguments
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": tool_call.id, "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": tool_call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": tool_call.id, "content": "Sunny, 21 degrees celsius."}]
+    answer = ask(client, history, tool_choice="none")
+    assert answer.message.content and not answer.message.tool_calls
+    assert answer.message.content == ask(reference, history, tool_choice="none").message.content
+
+
+def test_constrained_and_free_sessions_share_batched_steps(client, swarm):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40},
+                                               "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    validator = jsonschema_rs.validator_for(schema)
+    questions = ["Name a colour.", "Name a fruit.", "Name a planet.", "Name an animal."]
+
+    def constrained(i):
+        return client.chat.completions.create(
+            model=client.model, messages=[{"role": "user", "content": questions[i % 4]}], temperature=0.8, seed=i,
+            max_tokens=64,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+
+    def free(i):
+        return client.completions.create(model=client.model, prompt="The three primary colours are", max_tokens=16,
+                                         extra_body={"ignore_eos": True, "min_p": 0.05, "top_k": 40})
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(constrained, range(6)))
+        frees = list(pool.map(free, range(3)))
+    for reply in answers:
+        if reply.choices[0].finish_reason == "stop":
+            assert validator.is_valid(json.loads(reply.choices[0].message.content)), reply.choices[0].message.content
+    assert sum(r.choices[0].finish_reason == "stop" for r in answers) >= 4
+    assert all(r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length" for r in frees)
