@@ -177,16 +177,7 @@ def test_cli_orchestrator_sigkilled_leaves_no_orphan_and_restarts_on_the_same_ad
                                 start_new_session=True)
         started.append(proc)
 
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"the orchestrator exited with code {proc.returncode}")
-            port = node_file.exists() and json.loads(node_file.read_text()).get("http_port")
-            try:
-                return port and httpx.get(f"http://127.0.0.1:{port}/v1/swarm", timeout=5).json()
-            except httpx.TransportError:
-                return None
-
-        status = wait_for(ready, 120, what="orchestrator ready")
+        status = wait_for(lambda: _cli_status(proc, node_file), 120, what="orchestrator ready")
         return proc, status["initial_peers"]
 
     try:
@@ -227,18 +218,9 @@ def test_a_plain_restart_keeps_the_orchestrator_key_and_ephemeral_does_not(tiny_
                                 start_new_session=True, text=True)
         node_file = tmp_path / "state-home" / "orchestrator" / "keep-key" / "node.json"
         try:
-            def ready():
-                if proc.poll() is not None:
-                    raise AssertionError(f"the orchestrator exited with code {proc.returncode}")
-                port = node_file.exists() and json.loads(node_file.read_text()).get("http_port")
-                try:
-                    return port and httpx.get(f"http://127.0.0.1:{port}/v1/swarm", timeout=5).json()
-                except httpx.TransportError:
-                    return None
-
             if ephemeral:
                 return _ephemeral_key(proc)
-            return wait_for(ready, 120, what="orchestrator ready")["orchestrator_key"]
+            return wait_for(lambda: _cli_status(proc, node_file), 120, what="orchestrator ready")["orchestrator_key"]
         finally:
             if _group_alive(proc.pid):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -249,6 +231,17 @@ def test_a_plain_restart_keeps_the_orchestrator_key_and_ephemeral_does_not(tiny_
     assert first == second
     assert (tmp_path / "state-home" / "orchestrator" / "keep-key" / "orchestrator.key").exists()
     assert key_of("--ephemeral") != first
+
+
+def _cli_status(proc, node_file):
+    """GET /v1/swarm of a `chainswarm orchestrator` process once its state file names its HTTP port (None before)."""
+    if proc.poll() is not None:
+        raise AssertionError(f"the orchestrator exited with code {proc.returncode}")
+    port = node_file.exists() and json.loads(node_file.read_text()).get("http_port")
+    try:
+        return port and httpx.get(f"http://127.0.0.1:{port}/v1/swarm", timeout=5).json()
+    except httpx.TransportError:
+        return None
 
 
 def _ephemeral_key(proc) -> str:

@@ -98,6 +98,13 @@ def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.append(repr(exc))
 
+    start, wall = _together(sessions, one, barrier)
+    return dict(_stats([st.times for st in stamps], start, wall), errors=errors, outputs=outputs)
+
+
+def _together(sessions: int, one, barrier: threading.Barrier) -> tuple[float, float]:
+    """Run ``one(i)`` for every session in its own thread, released together by ``barrier`` (``sessions + 1``
+    parties, the last one ours); returns when the clock started and how long they all took."""
     threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
     for t in threads:
         t.start()
@@ -105,8 +112,7 @@ def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool
     start = time.perf_counter()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
-    return dict(_stats([st.times for st in stamps], start, wall), errors=errors, outputs=outputs)
+    return start, time.perf_counter() - start
 
 
 def _stats(times: list[list[float]], start: float, wall: float) -> dict:
@@ -279,14 +285,7 @@ def run_http(url: str, sessions: int, tokens: int) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    _, wall = _together(sessions, one, barrier)
     return {"sessions": sessions, "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
             "texts": texts, "errors": errors}
 
