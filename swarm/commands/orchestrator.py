@@ -64,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot read API keys: {exc}")
     options = orchestrator_options.from_arguments(args, http_host=host, http_port=int(port), api_keys=keys,
                                                   proxy=not args.no_proxy)
+    if not 0 <= options.batch_sessions <= 1024:
+        return _fail(f"--batch-sessions must be between 0 and 1024, got {options.batch_sessions}")
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        build_config(options)  # validate the planning settings before starting anything
+    except ValueError as exc:
+        return _fail(str(exc))
     if args.ephemeral and args.state_dir:
         return _fail("--ephemeral and --state-dir contradict each other")
     if not args.ephemeral and not options.state_dir:  # a plain restart keeps its key, so its servers obey it
@@ -74,15 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
         state = default_orchestrator_dir(options.dht_prefix or dht_prefix_for(options.model_dir))
         options = dataclasses.replace(options, state_dir=str(state))
-        print(f"chainswarm orchestrator: state in {state} (--state-dir to choose, --ephemeral for none)",
-              file=sys.stderr)
-    if not 0 <= options.batch_sessions <= 1024:
-        return _fail(f"--batch-sessions must be between 0 and 1024, got {options.batch_sessions}")
-    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        build_config(options)  # validate the planning settings before starting anything
-    except ValueError as exc:
-        return _fail(str(exc))
+        logging.getLogger(__name__).info("state in %s (--state-dir to choose, --ephemeral for none)", state)
     from swarm.state.store import StateError
 
     try:
