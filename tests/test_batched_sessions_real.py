@@ -37,7 +37,9 @@ def swarm(smollm2_dir):
                                 torch_dtype="float32") for i in range(4)]
         for node in nodes:
             local.wait_profiled(node, timeout=180)
-        local.add_orchestrator(policy="fcfs", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=32,
+        # max-length KV slots: the chain layout and capacities this test's swarm is sized for (token admission:
+        # tests/test_kv_admission.py, test_family_swarm.py, bench_batching's HTTP rows)
+        local.add_orchestrator(kv_admission="slots", policy="fcfs", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=32,
                                expected_output_tokens=24, refresh_s=0.5, request_timeout_s=20.0,
                                torch_dtype="float32", replan_tolerance=100.0)
         local.status = local.wait_chains_ready(timeout=240)

@@ -47,7 +47,9 @@ def swarm(smollm2_dir):
     from server.local_swarm import LocalSwarm
 
     with LocalSwarm(smollm2_dir) as swarm:
-        swarm.add_orchestrator(expected_rate=0.5, max_length=384, expected_input_tokens=64, expected_output_tokens=16,
+        # max-length KV slots: the chain layout and capacities this test's swarm is sized for (token admission:
+        # tests/test_kv_admission.py, test_family_swarm.py, bench_batching's HTTP rows)
+        swarm.add_orchestrator(kv_admission="slots", expected_rate=0.5, max_length=384, expected_input_tokens=64, expected_output_tokens=16,
                                refresh_s=0.5, api_keys=KEYS, max_queue_per_client=2,
                                quantum=64.0)  # DLPM alternates between backlogged clients within seconds
         nodes = [swarm.add_node(node_id=name, memory_gb=0.24, wait=False, declared_profile=DECLARED,

@@ -187,7 +187,7 @@ def test_occupancy_survives_a_replan_and_no_server_is_overcommitted():
         orch, dht = await serving_orchestrator(replan_tolerance=0.0)
 
         def check():
-            slots = {n: a.cache_slots for n, a in orch.view.assignments.items()}
+            slots = orch.kv_pools()  # KV token-blocks each server holds (cache_slots × its slot size)
             for node, used in orch.occupancy.per_server().items():
                 assert used <= slots.get(node, 0) or node not in {n for c in orch._ready for n in c.servers}, \
                     (node, used, slots)
@@ -211,9 +211,8 @@ def test_occupancy_survives_a_replan_and_no_server_is_overcommitted():
             except Exception:
                 break
             check()
-        busy = orch.occupancy.per_server()
-        assert all(busy.get(n, 0) <= orch.view.assignments[n].cache_slots for n in old_servers
-                   if n in orch.view.assignments)
+        busy, pools = orch.occupancy.per_server(), orch.kv_pools()
+        assert all(busy.get(n, 0) <= pools[n] for n in old_servers if n in orch.view.assignments)
         for g in old:  # the old sessions end: their servers take new sessions again
             orch.finish(g.request_id, 10)
         more = await orch.acquire("late", 10, 10, timeout=1)

@@ -38,7 +38,9 @@ PROMPT = ("You are a careful assistant. Answer briefly and cite the document. Th
 def swarm(tiny_model, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("profiles"))
     with LocalSwarm(tiny_model) as local:
-        local.add_orchestrator(policy="swarm", expected_rate=4.0, max_length=MAX_LENGTH, expected_input_tokens=128,
+        # max-length KV slots: the chain layout and capacities this test's swarm is sized for (token admission:
+        # tests/test_kv_admission.py, test_family_swarm.py, bench_batching's HTTP rows)
+        local.add_orchestrator(kv_admission="slots", policy="swarm", expected_rate=4.0, max_length=MAX_LENGTH, expected_input_tokens=128,
                                expected_output_tokens=16, refresh_s=0.5, request_timeout_s=8.0,
                                prefix_cache_tokens=128)
         declared = {"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002}

@@ -69,7 +69,9 @@ def swarm(smollm2_dir, tmp_path_factory):
         # With the default 5% a failure under load may pick a fresh placement whose reloads drain the survivors,
         # and while they drain no chain covers the failed server's blocks (see the issue notes: make-before-break
         # re-planning is open work).
-        local.add_orchestrator(policy="swarm", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=64,
+        # max-length KV slots: the chain layout and capacities this test's swarm is sized for (token admission:
+        # tests/test_kv_admission.py, test_family_swarm.py, bench_batching's HTTP rows)
+        local.add_orchestrator(kv_admission="slots", policy="swarm", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=64,
                                expected_output_tokens=16, refresh_s=0.5, request_timeout_s=20.0,
                                prefix_cache_tokens=MAX_LENGTH, torch_dtype="float32", replan_tolerance=100.0)
         local.status = local.wait_chains_ready(timeout=240)

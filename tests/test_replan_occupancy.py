@@ -127,7 +127,9 @@ def swarm(smollm2_dir):
                                 torch_dtype="float32", num_handlers=2, update_period=1.0) for i in range(2)]
         for node in first:
             local.wait_profiled(node, timeout=120)
-        local.add_orchestrator(policy="fcfs", expected_rate=2.0, max_length=MAX_LENGTH, expected_input_tokens=8,
+        # max-length KV slots: the chain layout and capacities this test's swarm is sized for (token admission:
+        # tests/test_kv_admission.py, test_family_swarm.py, bench_batching's HTTP rows)
+        local.add_orchestrator(kv_admission="slots", policy="fcfs", expected_rate=2.0, max_length=MAX_LENGTH, expected_input_tokens=8,
                                expected_output_tokens=TOKENS, refresh_s=0.5, request_timeout_s=8.0,
                                torch_dtype="float32", replan_tolerance=0.0, settle_s=1.0)
         local.url = local.orchestrator.info["url"]

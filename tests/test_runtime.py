@@ -29,7 +29,9 @@ LEASE_TTL = 3.0  # short: a lease held by a vanished client frees its slot withi
 def swarm(tiny_model, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("profiles"))
     with LocalSwarm(tiny_model) as local:
-        local.add_orchestrator(policy="dlpm", quantum=200.0, expected_rate=4.0, max_length=MAX_LENGTH,
+        # max-length KV slots: the chain layout and capacities this test's swarm is sized for (token admission:
+        # tests/test_kv_admission.py, test_family_swarm.py, bench_batching's HTTP rows)
+        local.add_orchestrator(kv_admission="slots", policy="dlpm", quantum=200.0, expected_rate=4.0, max_length=MAX_LENGTH,
                                expected_input_tokens=128, expected_output_tokens=28, refresh_s=0.5,
                                api_keys=KEYS, request_timeout_s=8.0, lease_ttl_s=LEASE_TTL)
         # Declared compute times and RTT (identical on every node) make the plan independent of how loaded

@@ -31,7 +31,9 @@ def wan_swarm(tiny_model, tmp_path_factory):
         [[0, RTT_A, RTT_B], [RTT_A, 0, RTT_AB], [RTT_B, RTT_AB, 0]], ["client", "a", "b"])
     cache = str(tmp_path_factory.mktemp("profiles"))
     with LocalSwarm(tiny_model, wan=config) as local:
-        local.add_orchestrator(policy="fcfs", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=32,
+        # max-length KV slots: the chain layout and capacities this test's swarm is sized for (token admission:
+        # tests/test_kv_admission.py, test_family_swarm.py, bench_batching's HTTP rows)
+        local.add_orchestrator(kv_admission="slots", policy="fcfs", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=32,
                                expected_output_tokens=16, refresh_s=0.5, use_server_to_server=False)
         nodes = [local.add_node(node_id=name, memory_gb=0.0012, wait=False, profile_cache_dir=cache, rtt_period=5.0)
                  for name in ("a", "b")]
