@@ -13,7 +13,7 @@ Plain Python (no torch, no transformers): the planner's per-block memory and the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3")
@@ -109,10 +109,7 @@ def _rope(params: Mapping[str, Any], theta: float, max_positions: int) -> RopeSp
         raise UnsupportedModel(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
     theta = float(params.get("rope_theta", theta))
     factor = float(params.get("factor", 1.0) or 1.0)
-    if kind == "dynamic":
-        original = int(params.get("original_max_position_embeddings") or max_positions)
-    else:
-        original = int(params.get("original_max_position_embeddings") or max_positions)
+    original = int(params.get("original_max_position_embeddings") or max_positions)
     return RopeSpec(theta=theta, kind=kind, factor=factor, original_max=original,
                     low_freq_factor=float(params.get("low_freq_factor", 1.0)),
                     high_freq_factor=float(params.get("high_freq_factor", 4.0)))
@@ -273,6 +270,3 @@ def arch_from_config(cfg: Mapping[str, Any]) -> ArchSpec:
     except KeyError as exc:
         raise UnsupportedModel(f"config.json lacks {exc.args[0]!r}") from None
 
-
-def with_layers(spec: ArchSpec, layers: tuple[LayerSpec, ...]) -> ArchSpec:
-    return replace(spec, layers=layers, num_layers=len(layers))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.model.arch import ArchSpec, LayerSpec
-from swarm.model.kernels import linear, module_linear
+from swarm.model.kernels import module_linear
 from swarm.model.rope import Rotary
 
 
@@ -248,7 +248,3 @@ class DecoderBlock(nn.Module):
         out = self.step(hidden.reshape(b * t, h), [segment])
         return out.view(b, t, h), (keys, values)
 
-
-def linear_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The LM head (``hidden @ weightᵀ``) through the same kernel choice as the blocks."""
-    return linear(hidden, weight)

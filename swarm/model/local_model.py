@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from swarm.model.arch import ArchSpec, arch_from_config
-from swarm.model.block import DecoderBlock, RMSNorm, linear_head
+from swarm.model.block import DecoderBlock, RMSNorm
+from swarm.model.kernels import linear
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -73,7 +74,7 @@ class LocalModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear_head(self.norm(hidden), weight)
+        logits = linear(self.norm(hidden), weight)  # the blocks' kernel choice
         cap = self.spec.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
