@@ -88,7 +88,8 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
                 for client_config in (engine.model.config, engine.manager.config):
                     client_config.use_server_to_server = options.use_server_to_server
         app = create_app(orchestrator, engine, initial_peers=initial_peers, model_name=Path(options.model_dir).name,
-                         api_keys=options.api_keys, stall_timeout_s=options.stall_timeout_s)
+                         api_keys=options.api_keys, stall_timeout_s=options.stall_timeout_s,
+                         route_wait_s=options.route_wait_s)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from swarm.control.orchestrator import QueueTimeout
 from swarm.engine.completion import ClientGone, CompletionFailed, CompletionRunner, Finished
 from swarm.engine.generation import GenerationResult
 from swarm.engine.sampling import SamplingParams
@@ -34,6 +35,7 @@ class FakeOrchestrator:
         self.granted, self.finished, self.aborted, self.cancelled = [], [], [], 0
         self.step_s = 0.0
         self.running = {}  # request id -> session control (the orchestrator's registry)
+        self.resumed, self.resume_fails = [], False
 
     def prompt_hashes(self, ids):
         return []
@@ -47,6 +49,14 @@ class FakeOrchestrator:
         grant = FakeGrant(f"r{len(self.granted)}", f"chain{len(self.granted)}")
         self.granted.append(grant.request_id)
         return grant
+
+    async def resume(self, request_id, client, input_tokens, max_new_tokens, *, timeout, page_hashes=()):
+        """The real one requeues the running request in its place; the fake grants it again at once (or never:
+        ``resume_fails``)."""
+        self.resumed.append((request_id, input_tokens, max_new_tokens))
+        if self.resume_fails:
+            raise QueueTimeout(f"no chain with room for the rest of the session within {timeout:.0f} s", 1.0)
+        return FakeGrant(request_id, f"chain-resumed{len(self.resumed)}")
 
     def session_tokens(self, request_id):
         return self.config.expect.max_length
@@ -84,15 +94,17 @@ class FakeEngine:
         self.sessions = list(sessions)
         self.executor = ThreadPoolExecutor(4)
         self.release = threading.Event()  # set at teardown so stuck threads end
+        self.priors = []  # the tokens each session was told earlier sessions had delivered
 
     def generate(self, lease, provider, input_ids, params, on_token, *, page_hashes=None, on_prefix=None,
-                 control=None):
+                 control=None, prior=None):
         kind, _, n = self.sessions.pop(0).partition(":")
-        produced = []
-        for _ in range(int(n or 0)):
+        self.priors.append(list(prior.tokens) if prior is not None else None)
+        produced = list(prior.tokens) if prior is not None else []
+        for i in range(int(n or 0)):
             time.sleep(0.02)
-            on_token(7)
-            produced.append(7)
+            on_token(7 + len(produced))
+            produced.append(7 + len(produced))
         if kind in ("stuck", "tokens-then-stuck"):
             self.release.wait(30)
             raise SessionAborted("released at teardown")
@@ -134,30 +146,44 @@ def run():
         engine.executor.shutdown(wait=True)
 
 
-def test_a_session_that_never_returns_is_aborted_its_slot_returned_and_the_request_retried(run):
+def test_a_session_that_never_returns_is_aborted_and_resumed_in_its_place(run):
     orchestrator = FakeOrchestrator()
     out = run(orchestrator, FakeEngine("stuck", "tokens:3"), stall_timeout_s=0.3)
     items = out["items"]
-    assert items[:3] == [7, 7, 7] and isinstance(items[-1], Finished) and items[-1].attempts == 2
-    # the stuck session's slot went back (abort) and the retry finished normally
-    assert orchestrator.aborted == ["r0"] and orchestrator.finished == ["r1"]
+    assert items[:3] == [7, 8, 9] and isinstance(items[-1], Finished) and items[-1].attempts == 2
+    # the stuck session's request went back to its place in the queue (resume, not a new request) and finished
+    assert orchestrator.granted == ["r0"] and orchestrator.resumed == [("r0", 3, 8)]
+    assert orchestrator.finished == ["r0"] and not orchestrator.aborted
     assert out["aborted"]["stalled"] == 1
     assert out["elapsed"] < 5  # bounded by the stall limit + release wait, not by the stuck call
 
 
-def test_every_attempt_stuck_ends_in_a_clear_failure_with_all_slots_returned(run):
+def test_every_attempt_stuck_ends_in_a_clear_failure_with_its_slot_returned(run):
     orchestrator = FakeOrchestrator()
     out = run(orchestrator, FakeEngine("stuck", "stuck", "stuck"), stall_timeout_s=0.2)
     assert isinstance(out["error"], CompletionFailed) and "3 attempt" in str(out["error"])
-    assert orchestrator.aborted == ["r0", "r1", "r2"] and not orchestrator.finished
+    assert orchestrator.aborted == ["r0"] and len(orchestrator.resumed) == 2 and not orchestrator.finished
     assert out["aborted"]["stalled"] == 3
 
 
-def test_a_session_that_stalls_after_tokens_is_not_retried(run):
+def test_a_session_that_stalls_after_tokens_goes_on_from_them(run):
+    engine = FakeEngine("tokens-then-stuck:2", "tokens-then-stuck:1", "tokens:3")
     orchestrator = FakeOrchestrator()
-    out = run(orchestrator, FakeEngine("tokens-then-stuck:2", "tokens:3"), stall_timeout_s=0.3)
-    assert isinstance(out["error"], CompletionFailed) and "after 2 tokens" in str(out["error"])
-    assert orchestrator.granted == ["r0"] and orchestrator.aborted == ["r0"]
+    out = run(orchestrator, engine, stall_timeout_s=0.3)
+    items = out["items"]
+    # every token once, in order, over three sessions; the last one's result holds them all
+    assert items[:-1] == [7, 8, 9, 10, 11, 12] and items[-1].token_ids == [7, 8, 9, 10, 11, 12]
+    assert items[-1].attempts == 3 and engine.priors == [None, [7, 8], [7, 8, 9]]
+    # continuations: prompt (3) + tokens so far, the rest of the 8-token budget
+    assert orchestrator.resumed == [("r0", 5, 6), ("r0", 6, 5)] and orchestrator.finished == ["r0"]
+
+
+def test_no_chain_for_the_rest_within_the_route_wait_is_a_clear_503(run):
+    orchestrator = FakeOrchestrator()
+    orchestrator.resume_fails = True
+    out = run(orchestrator, FakeEngine("tokens-then-stuck:2"), stall_timeout_s=0.3, route_wait_s=7)
+    assert isinstance(out["error"], QueueTimeout) and "rest of the session within 7 s" in str(out["error"])
+    assert orchestrator.resumed == [("r0", 5, 6)]
 
 
 def test_the_default_stall_limit_follows_the_planned_step_time_within_bounds():

@@ -145,6 +145,33 @@ def test_jffc_fills_the_fastest_chain_first_then_queues():
     run(scenario())
 
 
+def test_a_failed_session_resumes_in_its_place_ahead_of_newer_requests_and_times_out_cleanly():
+    async def scenario():
+        orch, dht = await serving_orchestrator("fcfs")
+        total = sum(c.capacity for c in orch.view.chains)
+        grants = [await orch.acquire("alice", 10, 10, timeout=1) for _ in range(total)]
+        newer = asyncio.ensure_future(orch.acquire("alice", 10, 10, timeout=5))  # queued behind a full swarm
+        await asyncio.sleep(0.05)
+        failed = grants[0]  # its server died after 4 tokens: the continuation is prompt + 4, 6 tokens left
+        orch.tokens(failed.request_id, 4)
+        resumed = await orch.resume(failed.request_id, "alice", 14, 6, timeout=1)
+        # its own slot is free again and it keeps its place: it starts before the newer request, same id
+        assert resumed.request_id == failed.request_id and not newer.done()
+        assert orch.session_tokens(failed.request_id) == orch.config.expect.kv_need(14, 6)
+        orch.finish(resumed.request_id, 6)
+        assert (await newer).request_id != failed.request_id
+        # every server failed: no chain within the bound, a clear QueueTimeout, and the request leaves
+        for p in list(orch.view.profiles.values()):
+            orch.report_failure(p.peer_id)
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueTimeout, match="rest of the session within 0 s"):
+            await orch.resume(grants[1].request_id, "alice", 14, 6, timeout=0.2)
+        assert grants[1].request_id not in orch.router.scheduler._requests
+        await orch.stop()
+
+    run(scenario())
+
+
 def test_dlpm_keeps_serving_a_light_client_behind_a_flood():
     async def scenario():
         orch, dht = await serving_orchestrator("dlpm", [profile("solo", 3)], quantum=100.0)

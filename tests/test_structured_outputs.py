@@ -129,6 +129,15 @@ def test_restart_rollback_and_speculative_drafts(tokenizer):
     assert chooser.grammar.consumed == 1 and chooser.generated == ids[:1]
     rest, ended = decode_with(chooser, tokenizer, 50, seed=2)
     assert ended and json.loads(tokenizer.decode(ids[:1] + rest))["a"] is not None
+    # a continuation on another chain (swarm.engine.completion): a new chooser replayed to the delivered tokens
+    # goes on inside the grammar, with the same state and the same seeded choices for the same failure point
+    replayed = [TokenChooser(SamplingParams(20, temperature=0.8, seed=3, grammar=grammar), VOCAB) for _ in "ab"]
+    for other in replayed:
+        other.replay(ids[:2], chooser.logprobs[:2])
+        assert other.grammar.consumed == 2 and other.generated == ids[:2]
+    tails = [decode_with(other, tokenizer, 50, seed=5) for other in replayed]
+    assert tails[0] == tails[1] and tails[0][1]
+    assert json.loads(tokenizer.decode(ids[:2] + tails[0][0]))["a"] is not None
     fresh = GrammarMatcher(grammar)
     good, bad = tokenizer('{"a": 12}').input_ids, tokenizer('{"b": 1}').input_ids
     assert fresh.accepted_prefix(good) == len(good) and fresh.accepted_prefix(bad) < len(bad)

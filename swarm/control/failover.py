@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 
+from planner.fairness.types import Grant
 from swarm.control.leases import LeaseRecord
 from swarm.control.occupancy import blocks_of
 from swarm.engine.routing import NoRouteError, RouteSpan, clip_route
@@ -62,6 +63,28 @@ class Failover:
 
     def _node_of(self, peer_id: str) -> str | None:
         return next((n for n, p in self.view.profiles.items() if p.peer_id == peer_id), None)
+
+    async def resume(self, request_id: str, client_id: str, input_tokens: int, max_new_tokens: int, *,
+                     timeout: float, page_hashes=()) -> Grant:
+        """The session ``request_id`` failed on its chain (a server died, its route could not be mended, or it
+        stalled): its continuation — ``input_tokens`` = prompt + tokens delivered so far, ``max_new_tokens``
+        left — goes back to the head of its client's queue in its original place (the router's ``requeue``;
+        the tokens already generated stay charged), its KV reservation moves with it, and it waits up to
+        ``timeout`` for a chain with room (:class:`QueueTimeout` after that: "no chain ... within N s").
+        Accepted work is not counted against the queue bounds again."""
+        now = time.monotonic()
+        self.occupancy.release(request_id)
+        if not self.router.requeue(request_id, input_tokens, max_new_tokens, now):
+            self._ended(request_id)  # this router cannot keep its place: a new request at the back
+            return await self.acquire(client_id, input_tokens, max_new_tokens, timeout=timeout,
+                                      page_hashes=page_hashes)
+        self._needs[request_id] = self.config.expect.kv_need(input_tokens, max_new_tokens)
+        future = self._loop.create_future()
+        self._waiters[request_id] = (future, tuple(page_hashes))
+        self._event("session_requeued", request=request_id, client=client_id, tokens=input_tokens)
+        self._refit()  # its old reservation is free (and dispatch: it may start at once)
+        return await self._await_grant(request_id, client_id, future, timeout,
+                                       "no chain with room for the rest of the session")
 
     async def reroute(self, chain_id: str, start: int, end: int, failed_peers, *, request_id: str | None = None,
                       claimant: str | None = None, wait_s: float = 20.0) -> tuple[RouteSpan, ...]:

@@ -107,6 +107,10 @@ class OrchestratorOptions:
         None, flag="--stall-timeout", metavar="S",
         help="abort a session that makes no progress (no server step, no token) for S seconds, return its slot and "
         "retry it if it produced nothing (default: 4x the planned time of the step in progress, between 30 and 60 s)")
+    route_wait_s: float = option(120.0, flag="--route-wait", metavar="S",
+                                 help="a session whose server failed waits up to S seconds in its place in the "
+                                 "queue for a chain with room for the rest of its answer, then fails with a 503 "
+                                 "(default 120: outlasts a re-plan and a block load)")
     torch_dtype: str = option("float32", choices=DTYPES,
                               help="the swarm's serving dtype: the orchestrator's embeddings and LM head run in it and "
                               "only servers that compute in it are planned (default float32; mixing dtypes changes "

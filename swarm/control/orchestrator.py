@@ -330,6 +330,24 @@ class Orchestrator(Failover, LeaseOps):
             else:  # the waiter is gone (timed out / disconnected): give the slot back
                 self.router.cancel(grant.request_id, now)
 
+    async def _await_grant(self, request_id: str, client_id: str, future: asyncio.Future, timeout: float,
+                           what: str = "no chain slot") -> Grant:
+        """Wait up to ``timeout`` for the queued request's grant; after that it leaves the queue
+        (:class:`QueueTimeout`, "``what`` within ... s")."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            self._waiters.pop(request_id, None)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.finish(future.result().request_id, 0)  # granted just as we gave up
+            else:
+                self.abort(request_id)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            self._refused(client_id, "queue timeout")
+            raise QueueTimeout(f"{what} within {timeout:.0f} s",
+                               self.retry_after_s(sum(self._queued.values()))) from None
+
     def chain(self, chain_id: str) -> RoutableChain:
         found = self.router.chain(chain_id)
         if found is None:
@@ -386,18 +404,7 @@ class Orchestrator(Failover, LeaseOps):
         self._queued[client_id] = mine + 1
         self._dispatch()
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout or self.config.queue_timeout_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-            self._waiters.pop(request_id, None)
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self.finish(future.result().request_id, 0)  # granted just as we gave up
-            else:
-                self.abort(request_id)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            self._refused(client_id, "queue timeout")
-            raise QueueTimeout(f"no chain slot within {timeout or self.config.queue_timeout_s:.0f} s",
-                               self.retry_after_s(sum(self._queued.values()))) from None
+            return await self._await_grant(request_id, client_id, future, timeout or self.config.queue_timeout_s)
         finally:
             left = self._queued.get(client_id, 1) - 1
             if left > 0:

@@ -63,6 +63,11 @@ class Router:
         """The requests that start now, with their chain."""
         raise NotImplementedError
 
+    def requeue(self, request_id: str, input_tokens: int, max_new_tokens: int, now: float) -> bool:
+        """A running request's session failed: queue its continuation (``input_tokens`` = prompt + tokens so
+        far, ``max_new_tokens`` left) in its old place. False: this router cannot (the caller submits anew)."""
+        return False
+
     def cancel(self, request_id: str, now: float) -> None:
         """Take a waiting or running request out (its slots are free again); unknown ids are ignored."""
         raise NotImplementedError
@@ -144,6 +149,16 @@ class JffcRouter(Router):
 
     def dispatch(self, now):
         return self.scheduler.dispatch(now)
+
+    def requeue(self, request_id, input_tokens, max_new_tokens, now):
+        """The scheduler's ``on_failure(requeue=True)``: the head of its client's queue with its original seq,
+        the tokens already generated stay charged and the recomputation is not charged again."""
+        try:
+            self.scheduler.on_failure(request_id, now, requeue=True, input_tokens=input_tokens,
+                                      max_new_tokens=max_new_tokens)
+        except FairnessError:
+            return False
+        return True
 
     def cancel(self, request_id, now):
         with contextlib.suppress(FairnessError):

@@ -13,8 +13,12 @@ generated token ids as they appear, then one :class:`Finished`. It owns the sess
   planned time of the step in progress (:func:`swarm.control.planning.planned_step_s`), clamped to
   [``stall_floor_s``, ``stall_cap_s``] — seconds, never minutes. A stuck petals call never holds a slot: if
   the session thread does not let go within ``release_wait_s`` the slot is returned anyway.
-* **Retry.** A session that failed or stalled before producing a token is queued again (up to
-  ``max_attempts`` sessions); one that already streamed tokens ends with :class:`CompletionFailed` (503).
+* **Continuation.** A session that failed or stalled — before or after streaming tokens — goes back to its
+  place at the head of its client's queue (:meth:`Orchestrator.resume`, the tokens already generated stay
+  charged) and waits up to ``route_wait_s`` for a chain with room; the next session runs on the prompt plus the
+  tokens delivered so far, its sampler replayed to that point, so the client's answer goes on where it stopped
+  (greedy: the same text as without the failure). ``max_attempts`` sessions in a row that deliver no token, or
+  no chain within ``route_wait_s``, end the request with :class:`CompletionFailed` / ``QueueTimeout`` (503).
 
 Every abort is counted by reason in ``SwarmMetrics.aborted``.
 """
@@ -27,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from swarm.engine.generation import GenerationEngine, StopGeneration
+from planner.fairness.types import Grant
+from swarm.engine.generation import GenerationEngine, Progress, StopGeneration
 from swarm.engine.routing import Lease, NoRouteError, SessionControl, splice
 from swarm.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
 
@@ -86,11 +91,11 @@ class _LoopProvider:
 
 
 class _Stopped(Exception):
-    """The runner stopped a session; ``release()`` returns its slot (called once its outcome is counted)."""
+    """The runner stopped a session (``reason``: ``stalled`` or ``client_gone``); its request still runs."""
 
-    def __init__(self, reason: str, release: Callable[[], None]):
+    def __init__(self, reason: str):
         super().__init__(reason)
-        self.reason, self.release = reason, release
+        self.reason = reason
 
 
 @dataclass
@@ -104,7 +109,10 @@ class CompletionRunner:
     # a rerouted session waits there for a session to end (10 s was measured to be too short on 2 CPU cores).
     stall_floor_s: float = 30.0
     stall_cap_s: float = 60.0
-    max_attempts: int = 3
+    max_attempts: int = 3  # sessions in a row that may fail without delivering a token
+    # How long a session whose server failed waits in its place in the queue for a chain with room for the
+    # rest (the orchestrator's QueueTimeout after that): it outlasts a re-plan and a block load on 2 CPU cores.
+    route_wait_s: float = 120.0
     poll_s: float = 0.5
     release_wait_s: float = 8.0  # how long a stopped session may take to release its servers
 
@@ -117,15 +125,23 @@ class CompletionRunner:
     async def run(self, client: str, input_ids: list[int], params: SamplingParams,
                   is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[int | Finished]:
         """Yield generated token ids, then a :class:`Finished`. Raises ``ValueError`` (too long for the swarm),
-        the orchestrator's ``NoChainsError``/``QueueTimeout``, :class:`ClientGone` or :class:`CompletionFailed`."""
+        the orchestrator's ``NoChainsError``/``QueueFull``/``QueueTimeout``, :class:`ClientGone` or
+        :class:`CompletionFailed`."""
         page_hashes = self.orchestrator.prompt_hashes(input_ids)
         submitted = time.monotonic()
         last_token: float | None = None
-        for attempt in range(1, self.max_attempts + 1):
-            grant = await self._admit(client, input_ids, params, page_hashes, is_disconnected)
+        prior = Progress([])  # the tokens delivered so far, over every session of this request
+        grant, stale, attempt = None, 0, 0
+        while True:
+            attempt += 1
+            grant = await (self._wait(self.orchestrator.acquire(
+                client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes), client, is_disconnected)
+                if grant is None else self._continue(grant, client, input_ids, params, prior, is_disconnected))
             started = time.monotonic()
             produced: list[int] = []
-            session = self._session(grant, client, input_ids, params, page_hashes, is_disconnected)
+            control = SessionControl()
+            session = self._session(grant, client, input_ids, params, page_hashes, is_disconnected, control,
+                                    prior if prior.tokens else None)
             try:
                 async with contextlib.aclosing(session):
                     async for item in session:
@@ -152,24 +168,38 @@ class CompletionRunner:
             except _Stopped as stop:
                 if stop.reason == "client_gone":
                     self.metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
-                    stop.release()
+                    self.orchestrator.abort(grant.request_id)
                     raise ClientGone("the client disconnected during generation") from None
-                stop.release()
                 failure: BaseException = stop
-            except Exception as exc:  # the session failed on the swarm (its slot is already back)
+            except Exception as exc:  # the session failed on the swarm
                 self.metrics.aborted.labels("failed").inc()
                 failure = exc
-            if produced or attempt == self.max_attempts:
+            chooser = control.chooser
+            logprobs = chooser.logprobs[len(prior.tokens):len(prior.tokens) + len(produced)] if chooser else []
+            prior = Progress(prior.tokens + produced, prior.logprobs + list(logprobs))
+            stale = 0 if produced else stale + 1
+            detail = "no progress" if isinstance(failure, _Stopped) else repr(failure)
+            if stale >= self.max_attempts:
+                self.orchestrator.abort(grant.request_id)
                 self.metrics.observe(client, "error", started - submitted, time.monotonic() - started)
-                detail = "no progress" if isinstance(failure, _Stopped) else repr(failure)
-                raise CompletionFailed(f"the session failed on the swarm after {len(produced)} tokens and "
-                                       f"{attempt} attempt(s): {detail}")
-            logger.warning("retrying request of %s (attempt %d) after %r", client, attempt + 1, failure)
+                raise CompletionFailed(f"the session failed on the swarm after {len(prior.tokens)} tokens and "
+                                       f"{attempt} attempt(s), the last {stale} without a token: {detail}")
+            logger.warning("request of %s goes on from %d tokens (attempt %d) after %s", client,
+                           len(prior.tokens), attempt + 1, detail)
 
-    async def _admit(self, client, input_ids, params, page_hashes, is_disconnected):
+    async def _continue(self, grant, client, input_ids, params, prior: Progress, is_disconnected):
+        """The session of ``grant`` failed after delivering ``prior``: its continuation waits in its old place
+        in the queue (:meth:`Orchestrator.resume`) for up to ``route_wait_s``."""
+        tokens = list(input_ids) + prior.tokens
+        waiting = self.orchestrator.resume(
+            grant.request_id, client, len(tokens), params.max_new_tokens - len(prior.tokens),
+            timeout=self.route_wait_s,
+            page_hashes=() if prior.tokens else self.orchestrator.prompt_hashes(input_ids))
+        return await self._wait(waiting, client, is_disconnected)
+
+    async def _wait(self, waiting: Awaitable[Grant], client: str, is_disconnected) -> Grant:
         """Wait for a chain slot; a client that disconnects while queued leaves the queue at once."""
-        waiting = asyncio.ensure_future(self.orchestrator.acquire(
-            client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes))
+        waiting = asyncio.ensure_future(waiting)
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=self.poll_s)
@@ -185,18 +215,21 @@ class CompletionRunner:
             if not waiting.done():
                 waiting.cancel()
 
-    async def _session(self, grant, client, input_ids, params, page_hashes, is_disconnected):
+    async def _session(self, grant, client, input_ids, params, page_hashes, is_disconnected,
+                       control: SessionControl, prior: Progress | None):
+        """Run the granted session; yields its new tokens, then :class:`Finished` (with every token of the
+        request). On a failure it raises (:class:`_Stopped` for a stall or a client that left) and leaves the
+        request running in the orchestrator: the caller resumes or aborts it."""
         orchestrator, engine = self.orchestrator, self.engine
         chain = orchestrator.chain(grant.chain_id)
         lease = Lease(grant.request_id, grant.chain_id, chain.route, orchestrator.session_tokens(grant.request_id),
                       ticket=orchestrator.ticket(grant.request_id, grant.chain_id, chain.route, page_hashes or ()))
         loop = asyncio.get_running_loop()
-        control = SessionControl()
         tokens: asyncio.Queue = asyncio.Queue()
         prefix: dict[str, Any] = {"expected": grant.matched_tokens}
 
         matcher = StopMatcher(params.stop) if params.stop else None
-        generated: list[int] = []
+        generated: list[int] = list(prior.tokens) if prior is not None else []  # for the stop strings
 
         def on_token(token: int) -> None:  # session thread -> event loop
             control.check()  # stopped from outside: end the session at this token
@@ -215,7 +248,7 @@ class CompletionRunner:
         def generate():
             return engine.generate(lease, _LoopProvider(orchestrator, loop), input_ids, params, on_token,
                                    page_hashes=page_hashes or None, on_prefix=on_prefix if page_hashes else None,
-                                   control=control)
+                                   control=control, prior=prior)
 
         # token callbacks are queued on the loop before the executor future resolves, so once the task is done
         # every token is already in the queue
@@ -240,22 +273,17 @@ class CompletionRunner:
                     checked = time.monotonic()
                     if await is_disconnected():
                         settled = True
-                        await self._stop(task, control, grant, "client_gone", release=False)
-                        raise _Stopped("client_gone", lambda: orchestrator.abort(grant.request_id))
+                        await self._stop(task, control, grant, "client_gone")
+                        raise _Stopped("client_gone")
                 limit = self.stall_limit(grant.chain_id, len(input_ids) if count == 0 else 1)
                 if time.monotonic() - control.last_progress > limit:
                     settled = True
                     logger.warning("session %s on chain %s made no progress for %.1f s: aborting",
                                    grant.request_id, grant.chain_id, limit)
-                    await self._stop(task, control, grant, "stalled", release=False)
-                    raise _Stopped("stalled", lambda: orchestrator.abort(grant.request_id))
-            try:
-                result = task.result()
-            except BaseException:
-                settled = True
-                orchestrator.abort(grant.request_id)
-                raise
+                    await self._stop(task, control, grant, "stalled")
+                    raise _Stopped("stalled")
             settled = True
+            result = task.result()
             orchestrator.finish(grant.request_id, len(result.token_ids))
             prefix.update(reused=result.reused_tokens, prefill=result.prefill_tokens, restarts=result.restarts)
             yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
@@ -263,10 +291,10 @@ class CompletionRunner:
         finally:
             orchestrator.running.pop(grant.request_id, None)
             if not settled:  # the consumer went away mid-stream (cancelled / closed): stop in the background
-                asyncio.ensure_future(self._stop(task, control, grant, "client_gone"))
+                asyncio.ensure_future(self._stop(task, control, grant, "client_gone", release=True))
 
     async def _stop(self, task: asyncio.Future, control: SessionControl, grant, reason: str, *,
-                    release: bool = True) -> None:
+                    release: bool = False) -> None:
         """Abort a running session and give its servers ``release_wait_s`` to be released; then its slot can be
         returned (here with ``release``) whatever the session thread is doing."""
         control.abort(reason)

@@ -51,6 +51,15 @@ class GenerationResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when requested
 
 
+@dataclass
+class Progress:
+    """What earlier sessions of a request delivered: :meth:`GenerationEngine.generate` continues from it (the
+    prompt plus these tokens, the sampler's state replayed), so the client's answer goes on where it stopped."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
 class _TokenSink:
     """A transformers streamer that forwards every newly generated token id."""
 
@@ -105,7 +114,7 @@ class GenerationEngine:
     def generate(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, *, page_hashes: list[bytes] | None = None,
                  on_prefix: Callable[[int], None] | None = None,
-                 control: SessionControl | None = None) -> GenerationResult:
+                 control: SessionControl | None = None, prior: Progress | None = None) -> GenerationResult:
         """Run one session on ``lease``'s chain (blocking). ``provider`` handles mid-session failover.
 
         With ``page_hashes`` (the prompt's full-page hashes, :mod:`swarm.trust.prefix`) the chain's servers are
@@ -113,10 +122,16 @@ class GenerationEngine:
         the prefill) and the new pages are stored after it. If a server fails during a session that reused a
         prefix, the session restarts on a route without it from the prompt plus the tokens generated so far,
         with no reuse — the answer is the one a session without reuse gives.
+
+        With ``prior`` (an earlier session of this request delivered those tokens, then failed) the session runs
+        on the prompt plus them for the tokens left, its sampler replayed to that point; the result holds all
+        the tokens (``restarts`` = 1).
         """
         if self._closed.is_set():
             raise RuntimeError("the generation engine is closed")
-        produced: list[int] = []
+        produced: list[int] = list(prior.tokens) if prior is not None else []
+        if produced:
+            page_hashes = None  # the prompt pages of a continuation are not probed: it runs without reuse
 
         def sink(token: int) -> None:
             produced.append(token)
@@ -130,9 +145,14 @@ class GenerationEngine:
         reused = plan.reused_tokens if plan is not None else 0
         if on_prefix is not None:
             on_prefix(reused)
-        restarts = 0
-        prefill = len(input_ids) - reused
+        restarts = 1 if produced else 0
+        prompt, budget = list(input_ids) + produced, params.max_new_tokens - len(produced)
+        prefill = len(prompt) - reused
         chooser = None if params.plain_greedy else TokenChooser(params, self.model.config.vocab_size)
+        if chooser is not None and produced:
+            chooser.replay(produced, prior.logprobs)
+        if control is not None:
+            control.chooser = chooser  # the runner reads a failed session's logprobs from it
         ignore_eos = not params.stops_at_eos  # ignore_eos: max_new_tokens ends it
 
         def ended() -> bool:  # the model emitted its end-of-sequence token
@@ -155,11 +175,13 @@ class GenerationEngine:
                     chooser.truncate(len(produced))
                 self._run(lease, provider, prompt, remaining, chooser, sink, None, control, ignore_eos)
 
+        if budget <= 0 or ended():  # the earlier sessions had delivered everything
+            return result("stop" if ended() else "length")
         try:
             try:
                 if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
-                        self._run_batched(lease, input_ids, params.max_new_tokens, chooser, sink, control, ignore_eos)
+                        self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos)
                     except SequenceFailed as exc:
                         self.fallbacks += 1
                         logger.warning("a batched session continues on its own: %s", exc)
@@ -171,8 +193,7 @@ class GenerationEngine:
                             provider.renew_ticket(lease)
                         resume()
                 else:
-                    self._run(lease, provider, input_ids, params.max_new_tokens, chooser, sink, plan, control,
-                              ignore_eos)
+                    self._run(lease, provider, prompt, budget, chooser, sink, plan, control, ignore_eos)
             except PrefixSessionFailed as exc:
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
                 if not exc.missing and exc.peer_id is not None and provider is not None:

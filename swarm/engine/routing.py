@@ -118,6 +118,7 @@ class SessionControl:
         self.last_progress = time.monotonic()
         self.aborted: str | None = None
         self.session: "ChainswarmInferenceSession | None" = None
+        self.chooser = None  # the session's TokenChooser (None: plain greedy), set by the engine
         self._peer_watchers: list = []  # callables told of a known failed server (a batched session's generator)
 
     def progress(self) -> None:

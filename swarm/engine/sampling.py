@@ -155,6 +155,18 @@ class TokenChooser:
         forced[:, choice] = 0.0
         return forced
 
+    def replay(self, tokens: Iterable[int], logprobs: Iterable[TokenLogprob] = ()) -> None:
+        """Continue a request whose earlier session chose ``tokens`` (with ``logprobs``): penalties, ``min_tokens``
+        and the grammar go on from them. A seeded request's random stream restarts from its seed and the number
+        of tokens already chosen, so the same seed and failure point give the same text."""
+        self.generated = list(tokens)
+        self.logprobs = list(logprobs)[:len(self.generated)]
+        if self.grammar is not None:
+            for token in self.generated:
+                self.grammar.consume(token)
+        if self.params.seed is not None:
+            self.generator.manual_seed(hash((self.params.seed, len(self.generated))) & 0x7FFF_FFFF_FFFF_FFFF)
+
     def truncate(self, tokens: int) -> None:
         """Forget every choice after the first ``tokens`` (a session that restarts re-chooses them)."""
         extra = len(self.generated) - tokens
