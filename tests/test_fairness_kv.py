@@ -64,6 +64,8 @@ def test_needs_never_exceed_a_budget_and_fitting_requests_are_never_refused(poli
             done = sorted(running)[0]
             s.on_finish(done, now, output_tokens=1)
             del running[done]
+    for g in s.dispatch(now):  # the orchestrator dispatches after every event: also after the last finish
+        running[g.request_id] = (g.chain_id, 0)
     while running:  # drain: every queued request that fits a chain is eventually started
         now += 0.1
         done = sorted(running)[0]
