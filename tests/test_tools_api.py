@@ -128,3 +128,47 @@ def test_constrained_and_free_sessions_share_batched_steps(client, swarm):
             assert validator.is_valid(json.loads(reply.choices[0].message.content)), reply.choices[0].message.content
     assert sum(r.choices[0].finish_reason == "stop" for r in answers) >= 4
     assert all(r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length" for r in frees)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_api_function_call_round_trip(client, reference, stream):
+    """``POST /v1/responses`` with the official client: a function call, then its output sent back with the
+    earlier output items; the call equals the chat API's, the answer the in-process reference's."""
+    tool = {"type": "function", **WEATHER["function"]}
+
+    def ask(api, items, **extra):
+        options = dict(model=api.model, input=items, tools=[tool], temperature=0, max_output_tokens=64, **extra)
+        if not stream:
+            return api.responses.create(**options)
+        with api.responses.stream(**options) as events:
+            kinds = [event.type for event in events]
+            final = events.get_final_response()
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        assert any(k in ("response.output_text.delta", "response.function_call_arguments.delta") for k in kinds)
+        return final
+
+    first = ask(client, "What is the weather in Paris?", tool_choice="required", parallel_tool_calls=False)
+    [call] = first.output
+    assert first.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    assert jsonschema_rs.validator_for(WEATHER["function"]["parameters"]).is_valid(json.loads(call.arguments))
+    chat = client.chat.completions.create(model=client.model, messages=ASK, tools=[WEATHER], temperature=0,
+                                          tool_choice="required", parallel_tool_calls=False, max_tokens=64)
+    assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
+    conversation = [*ASK, *(item.model_dump(exclude_none=True) for item in first.output),
+                    {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees celsius."}]
+    answer = ask(client, conversation, tool_choice="none")
+    assert answer.status == "completed" and answer.output_text and answer.output[0].type == "message"
+    assert answer.output_text == ask(reference, conversation, tool_choice="none").output_text
+    assert answer.usage.output_tokens > 0 and answer.usage.input_tokens > 0
+
+
+def test_responses_api_refuses_state_it_does_not_keep(swarm):
+    import httpx
+
+    reply = httpx.post(f"{swarm.url}/v1/responses", json={"input": "Hi", "previous_response_id": "resp_1"},
+                       timeout=30)
+    assert reply.status_code == 400 and "previous_response_id" in reply.json()["error"]["message"]
+    reply = httpx.post(f"{swarm.url}/v1/responses", json={"input": []}, timeout=30)
+    assert reply.status_code == 400 and "at least one item" in reply.json()["error"]["message"]
+    reply = httpx.post(f"{swarm.url}/v1/responses", json={"input": "Hi", "tmperature": 0}, timeout=30)
+    assert reply.status_code == 422

@@ -212,6 +212,105 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Optional[Any] = None
 
 
+# -- the Responses API (POST /v1/responses) ----------------------------------------------------------------
+UNSUPPORTED_RESPONSE_FIELDS = ("previous_response_id", "conversation", "reasoning", "include", "background",
+                               "prompt", "truncation", "service_tier", "top_logprobs", "max_tool_calls")
+
+
+class InputText(BaseModel):
+    """A text part of an input message (``input_text``; ``output_text`` when a client sends back an earlier
+    response's output, whose ``annotations`` and ``logprobs`` are ignored)."""
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["input_text", "output_text"]
+    text: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # an earlier response's items carry id and status
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[InputText]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class InputFunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: str = Field(max_length=256)
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class InputFunctionCallOutput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(max_length=256)
+    output: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: Optional[str] = Field(None, max_length=MAX_SCHEMA_CHARS)
+    parameters: Optional[Union[dict[str, Any], bool]] = None
+    strict: Optional[bool] = Field(None, description="accepted; the arguments always follow the schema")
+
+
+class FunctionToolChoice(_Strict):
+    type: Literal["function"]
+    name: str = Field(max_length=64)
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = Field(None, pattern=TOOL_NAME)
+    description: Optional[str] = Field(None, max_length=MAX_SCHEMA_CHARS)
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class TextConfig(_Strict):
+    format: Optional[TextFormat] = None
+
+
+class ResponsesRequest(_Strict):
+    """OpenAI-compatible ``POST /v1/responses``: text and function calls, no stored state (each request carries
+    its whole conversation in ``input``)."""
+
+    model: Optional[str] = Field(None, description="the served model's id (GET /v1/models); optional")
+    input: Union[str, list[Annotated[Union[InputMessage, InputFunctionCall, InputFunctionCallOutput],
+                                     Field(union_mode="left_to_right")]]] = Field(
+        description="a user message, or the conversation's items: messages, function calls and their outputs")
+    instructions: Optional[str] = Field(None, max_length=MAX_PROMPT_CHARS, description="a system message first")
+    max_output_tokens: Optional[int] = Field(None, ge=1, description="null = up to the session length")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy decoding")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = Field(False, description="stream the response's events as server-sent events")
+    tools: Optional[list[FunctionTool]] = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], FunctionToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[TextConfig] = Field(None, description="text.format: text, json_object or json_schema")
+    user: Optional[str] = Field(None, max_length=256, description="client id when the orchestrator has no API keys")
+    store: Optional[bool] = Field(None, description="accepted; nothing is stored")
+    metadata: Optional[dict[str, str]] = Field(None, description="echoed back")
+    previous_response_id: Optional[Any] = None
+    conversation: Optional[Any] = None
+    reasoning: Optional[Any] = None
+    include: Optional[Any] = None
+    background: Optional[Any] = None
+    prompt: Optional[Any] = None
+    truncation: Optional[Any] = None
+    service_tier: Optional[Any] = None
+    top_logprobs: Optional[Any] = None
+    max_tool_calls: Optional[Any] = None
+
+
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 
