@@ -158,6 +158,9 @@ def headline() -> list[tuple[str, str, str, str]]:
     petals, auto = relay["petals"]["stats"]["response"], relay["auto"]["stats"]["response"]
     fig8, fig9 = load("fig8.json")["auto"], load("fig9.json")["auto"]
     soak = load("bench_soak.json")["summary"]["total"]
+    gemma = load("bench_batching_gemma3_270m.json")
+    gemma_http = {r["sessions"]: r for r in gemma["http"]["rows"]}
+    gemma_multi = _by_sessions(gemma["results"]["chainswarm_multi"])
     runtime = load("bench_runtime.json")["splits"]
     device = load("device_check_h200.json")
     f32 = [g for g in device["goldens"] if g["dtype"] == "float32"]
@@ -174,6 +177,12 @@ def headline() -> list[tuple[str, str, str, str]]:
          f"{multi[16]['throughput_ratio']:.2f}×", "bench_batching.json", "batching.md"),
         ("Per-token latency ÷ vanilla petals, 1 session",
          f"{multi[1]['per_token_ratio']:.2f}×", "bench_batching.json", "batching.md"),
+        ("Gemma 3 270M, HTTP API with default options: aggregate tokens/s ÷ one session, 8 / 16 sessions",
+         f"{gemma_http[8]['vs_one_session']:.2f}× / {gemma_http[16]['vs_one_session']:.2f}×",
+         "bench_batching_gemma3_270m.json", "models.md"),
+        ("Gemma 3 270M, batched path ÷ petals' server path running the same block, 8 / 16 sessions",
+         f"{gemma_multi[8]['throughput_ratio']:.2f}× / {gemma_multi[16]['throughput_ratio']:.2f}×",
+         "bench_batching_gemma3_270m.json", "models.md"),
         ("Live Table 1 replay (relay): Auto vs PETALS, mean / P95 response",
          f"{_minus(100 * (auto['mean'] / petals['mean'] - 1))}% / {_minus(100 * (auto['p95'] / petals['p95'] - 1))}%",
          "live_table1.json", "live-experiments.md"),
