@@ -17,7 +17,7 @@ pytestmark = pytest.mark.swarm
 def table1(tmp_path_factory):
     out = tmp_path_factory.mktemp("live")
     code = main(["experiment", "table1", "--quick", "--out", str(out), "--methods", "petals,proposed",
-                 "--configs", "relay", "--requests", "6"])
+                 "--configs", "relay", "--requests", "4"])
     assert code == 0
     return out, json.loads((out / "live_table1_quick.json").read_text())
 
@@ -27,13 +27,13 @@ def test_table1_smoke_replays_the_trace_on_petals_and_proposed(table1):
     runs = data["runs"]["relay"]
     assert set(runs) == {"petals", "proposed"}
     for method, run in runs.items():
-        assert run["stats"]["completed"] == 6 and run["stats"]["failed"] == 0, (method, run["stats"])
+        assert run["stats"]["completed"] == 4 and run["stats"]["failed"] == 0, (method, run["stats"])
         for r in run["records"]:
             # §11.4: response = waiting + service, all non-negative, the greedy output has the trace's length
             assert r["submitted"] <= r["started"] + 1e-6 <= r["completed"] + 1e-6
             assert 1 <= r["generated"] <= r["output_tokens"]
         s = run["stats"]
-        assert s["response"]["n"] == s["service"]["n"] == 6
+        assert s["response"]["n"] == s["service"]["n"] == 4
         assert s["response"]["mean"] >= s["service"]["mean"] - 1e-6
         assert all(s["response"][k] > 0 for k in ("mean", "median", "p95", "p99"))
     # the same trace for both methods, identical generated lengths (same model, greedy)
@@ -49,7 +49,7 @@ def test_validation_smoke_compares_service_times_with_the_model(table1):
     out, _ = table1
     assert main(["experiment", "validation", "--quick", "--out", str(out)]) == 0
     data = json.loads((out / "live_validation_quick.json").read_text())
-    assert data["summary"]["n"] == 6
+    assert data["summary"]["n"] == 4
     for row in data["rows"]:
         assert row["predicted"] > 0 and row["measured"] > 0 and row["comm"] > 0 and row["comp"] > 0
         # the batch term (petals' one-at-a-time pool on the CPU part) only ever adds time
@@ -59,7 +59,7 @@ def test_validation_smoke_compares_service_times_with_the_model(table1):
 
 def test_fairness_smoke_reports_the_section_9_metrics(tmp_path):
     assert main(["experiment", "fairness", "--quick", "--out", str(tmp_path), "--policies", "dlpm",
-                 "--duration", "8"]) == 0
+                 "--duration", "6"]) == 0
     data = json.loads((tmp_path / "live_fairness_quick.json").read_text())
     m = data["runs"]["dlpm"]["metrics"]
     assert m["completed"] > 0 and m["failed"] == 0
@@ -75,7 +75,7 @@ def test_experiment_command_rejects_unknown_methods(tmp_path):
 
 def test_fairness_prefix_reuse_smoke_serves_prompt_prefixes_from_cache(tmp_path):
     assert main(["experiment", "fairness", "--quick", "--prefix-reuse", "--out", str(tmp_path), "--policies", "swarm",
-                 "--duration", "8"]) == 0
+                 "--duration", "6"]) == 0
     data = json.loads((tmp_path / "live_fairness_prefix_quick.json").read_text())
     run = data["runs"]["swarm"]
     assert data["prefix_reuse"] and run["metrics"]["completed"] > 0 and run["metrics"]["failed"] == 0

@@ -118,10 +118,12 @@ def test_greedy_completions_and_streams_equal_local_transformers(swarm, prompts,
         servers_used.update(doc["chainswarm"]["servers"])
         assert len(doc["chainswarm"]["servers"]) >= 2
     assert len(servers_used) >= 2
-    # the same prompts again, streamed: now their prompt pages are in the servers' prefix stores
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        streamed = list(pool.map(lambda p: complete(swarm.url, p, 32, stream=True), prompts))
-    for prompt, text in zip(prompts, streamed):
+    # three of them again, streamed (a short, the chat-templated and the long one): now their prompt pages are
+    # in the servers' prefix stores
+    again = [prompts[0], prompts[4], prompts[5]]
+    with cf.ThreadPoolExecutor(len(again)) as pool:
+        streamed = list(pool.map(lambda p: complete(swarm.url, p, 32, stream=True), again))
+    for prompt, text in zip(again, streamed):
         assert text == expected[prompt], prompt[:40]
 
 
