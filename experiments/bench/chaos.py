@@ -23,12 +23,10 @@ import random
 import time
 from pathlib import Path
 
+from experiments.bench.soak import CLIENTS, TOPICS, Soak, percentile
 from experiments.paths import RESULTS
 
 DTYPE = "float32"
-CLIENTS = ("alice", "bob", "carol")
-TOPICS = ("the weather", "a short poem about rivers", "the history of tea", "how bicycles work", "volcanoes",
-          "the moon", "bread baking", "chess openings")
 LENGTHS = (8, 16, 24)
 WINDOW_S = 30.0
 EVENTS = ("kill", "join", "stop", "join")
@@ -36,6 +34,11 @@ EVENTS = ("kill", "join", "stop", "join")
 
 def prompt_of(topic: str) -> str:
     return f"Tell me about {topic}."
+
+
+async def _nothing():
+    return
+    yield  # an empty async iterator (a refused stream's body is one JSON error, read below)
 
 
 def references(model_dir: str) -> dict[tuple[str, int], str]:
@@ -57,23 +60,13 @@ def references(model_dir: str) -> dict[tuple[str, int], str]:
     return out
 
 
-def percentile(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else None
-
-
-class Load:
-    """Poisson arrivals from the three clients; every request recorded with its outcome and text."""
+class Load(Soak):
+    """Poisson arrivals from the three clients (the soak's driver); every request recorded with its outcome and
+    its text."""
 
     def __init__(self, url: str, rate: float, seed: int, client_timeout: float):
-        self.url, self.rate, self.client_timeout = url, rate, client_timeout
-        self.rng = random.Random(seed)
-        self.requests: list[dict] = []
-        self.t0 = time.monotonic()
-        self._tasks: set[asyncio.Task] = set()
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
+        super().__init__(url, client_timeout=client_timeout, seed=seed)
+        self.rate = rate
 
     async def one(self, http, phase: str) -> None:
         i = len(self.requests)
@@ -90,7 +83,8 @@ class Load:
                 pieces = []
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     record["status"] = response.status_code
-                    async for line in response.aiter_lines():
+                    lines = response.aiter_lines() if response.status_code == 200 else _nothing()
+                    async for line in lines:
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         event = json.loads(line[6:])
@@ -117,14 +111,7 @@ class Load:
         record["end"] = self.now()
 
     async def run(self, http, phase: str, seconds: float) -> None:
-        end = self.now() + seconds
-        while True:
-            await asyncio.sleep(self.rng.expovariate(self.rate))
-            if self.now() >= end:
-                return
-            task = asyncio.ensure_future(self.one(http, phase))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        await self.poisson(http, phase, self.rate, seconds)
 
     async def drain(self) -> None:
         while self._tasks:

@@ -94,10 +94,10 @@ def _http_runner(http, tokens: int):
 def _budgets(model_dir: str, servers: int, max_length: int) -> list[float]:
     """Memory budgets that fit 1/servers of the model plus a few sessions each: the plan is one chain."""
     import torch
-    from petals.server.block_utils import get_block_size
 
+    from swarm.model.compat import petals  # first: it patches petals before petals is imported
+    from petals.server.block_utils import get_block_size
     from server.profiling import cache_bytes_per_token
-    from swarm.model.compat import petals
 
     config = petals.AutoDistributedConfig.from_pretrained(model_dir)
     block = get_block_size(config, "memory", dtype=getattr(torch, DTYPE))

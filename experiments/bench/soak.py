@@ -32,7 +32,7 @@ TOPICS = ("the weather", "a short poem about rivers", "the history of tea", "how
           "the moon", "bread baking", "chess openings")
 
 
-def _percentile(values, q):
+def percentile(values, q):
     if not values:
         return None
     ordered = sorted(values)
@@ -127,11 +127,11 @@ def summarize(requests: list[dict]) -> dict:
             "refused": sum(1 for r in rs if r["status"] in (429, 503)),
             "failed": sum(1 for r in rs if r["status"] not in (None, 200, 429, 503)),
             "lost": sum(1 for r in rs if r["status"] is None),
-            "p50_s": _percentile(ok, 50), "p99_s": _percentile(ok, 99),
+            "p50_s": percentile(ok, 50), "p99_s": percentile(ok, 99),
         }
     total = {k: sum(v[k] for v in out.values()) for k in ("requests", "answered", "refused", "failed", "lost")}
     ok = [r["end"] - r["start"] for r in requests if r["status"] == 200]
-    total.update(p50_s=_percentile(ok, 50), p99_s=_percentile(ok, 99))
+    total.update(p50_s=percentile(ok, 50), p99_s=percentile(ok, 99))
     out["total"] = total
     return out
 

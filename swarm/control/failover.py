@@ -21,6 +21,7 @@ import time
 from planner.fairness.types import Grant
 from swarm.control.leases import LeaseRecord
 from swarm.control.occupancy import blocks_of
+from swarm.control.planning import server_matches
 from swarm.engine.routing import NoRouteError, RouteSpan, clip_route
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,13 @@ class Failover:
         chains without it."""
         node = self._node_of(peer_id)
         if node is None or node in self.suspects:
+            return
+        assignment = self.view.assignments.get(node)
+        if assignment is not None and not server_matches(self.view.profiles.get(node), assignment):
+            # it is moving to its range of a newer plan (draining, loading): its sessions fail by design, and
+            # excluding it would shrink the plan again and move the next survivor (the chaos soak saw that cascade
+            # take the swarm below the model). A server that dies while moving is dropped when its record expires.
+            self._event("failure_while_moving", node=node, peer_id=peer_id)
             return
         self.suspects[node] = time.monotonic()
         self.claims.forget(node)
