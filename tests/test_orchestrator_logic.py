@@ -233,6 +233,29 @@ def test_failed_server_is_excluded_at_once_and_reroute_avoids_it():
     run(scenario())
 
 
+def test_failures_after_a_move_exclude_nobody_and_real_ones_still_do():
+    """A session on a chain of an older plan fails when its server moved to the new plan's range: no evidence
+    (the chaos soak saw such reports cascade into excluding healthy survivors); the same report on blocks the
+    server still has, or on a chain of the current plan, excludes it."""
+    async def scenario():
+        orch, dht = await serving_orchestrator()
+        peer = orch.view.chains[0].route[0][0]
+        node = next(n for n, p in orch.view.profiles.items() if p.peer_id == peer)
+        serving = orch.view.assignments[node]
+        # the current plan moves it to blocks [2, 4); a session of the older plan had it for [0, 2)
+        orch.view.assignments[node] = replace(serving, start=2, end=4)
+        await orch.reroute("an-older-plan/0", 0, 2, [peer])
+        assert node not in orch.suspects and orch.events[-1]["event"] == "failure_after_a_move"
+        await orch.reroute("an-older-plan/0", 2, 4, [peer])  # still loading [2, 4): its failures are expected
+        assert node not in orch.suspects and orch.events[-1]["event"] == "failure_while_moving"
+        orch.view.assignments[node] = serving  # it serves what it is assigned and still has the blocks: real
+        await orch.reroute("an-older-plan/0", 0, 2, [peer])
+        assert node in orch.suspects
+        await orch.stop()
+
+    run(scenario())
+
+
 def test_a_joining_server_that_adds_little_does_not_move_blocks():
     async def scenario():
         orch, dht = make()

@@ -69,6 +69,11 @@ class Failover:
         finally:
             self._probing.discard(peer_id)
 
+    def _moved(self, peer_id: str, start: int, end: int) -> bool:
+        """The server no longer has blocks [start, end) in the current plan (it moved, or it is not in it)."""
+        assignment = self.view.assignments.get(self._node_of(peer_id) or "")
+        return assignment is None or not (assignment.start <= start and end <= assignment.end)
+
     def _node_of(self, peer_id: str) -> str | None:
         return next((n for n, p in self.view.profiles.items() if p.peer_id == peer_id), None)
 
@@ -98,10 +103,15 @@ class Failover:
                       claimant: str | None = None, wait_s: float = 20.0) -> tuple[RouteSpan, ...]:
         """Spans for blocks [start, end) on the fastest ready chain avoiding ``failed_peers``. Without
         ``claimant`` the failures are the orchestrator's own evidence; a lease holder's (``claimant``) are claims
-        to confirm (:meth:`claim_failure`). The session ``request_id`` takes a KV block-slot on every server of
+        to confirm (:meth:`claim_failure`); a session on a chain of an older plan whose server no longer has those
+        blocks is no evidence (the server moved to the new plan's range; a dead one is dropped when its record
+        expires). The session ``request_id`` takes a KV block-slot on every server of
         its new route, waiting up to ``wait_s`` for one (:class:`NoRouteError` after that)."""
+        older = self.view.plan_id is not None and not chain_id.startswith(f"{self.view.plan_id}/")
         for peer in failed_peers:
-            if claimant is None:
+            if older and self._moved(peer, start, end):  # its sessions fail by design: not a failure
+                self._event("failure_after_a_move", chain=chain_id, peer_id=peer)
+            elif claimant is None:
                 self.report_failure(peer)
             else:
                 self.claim_failure(peer, claimant)
