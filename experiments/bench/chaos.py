@@ -148,7 +148,7 @@ class Chaos:
         end = load.now() + seconds
         i = 0
         while True:
-            await asyncio.sleep(self.rng.uniform(*gap))
+            await asyncio.sleep(min(self.rng.uniform(*gap), max(0.0, end - load.now())))
             if load.now() >= end - 10:
                 return
             event = await asyncio.to_thread(self.act, EVENTS[i % len(EVENTS)], load.now())
@@ -174,7 +174,7 @@ def summarize(requests: list[dict], events: list[dict], baseline_s: float, chaos
     churn = [r for r in requests if r["phase"] == "chaos"]
     base_rate = len(responses(base)) / baseline_s * WINDOW_S  # answered per 30 s without churn
     recovery = []
-    for event in events:
+    for event in [e for e in events if e["t"] <= chaos_end - 60]:  # later ones: the load ended before 60 s
         t, recovered = event["t"], None
         for step in range(0, 61, 5):  # the first 30 s window starting within 60 s of the event that reaches 80%
             window = [r for r in requests if r["status"] == 200 and r.get("ok")
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
                     progress.update()
                     await asyncio.gather(load.run(http, "chaos", args.chaos_s),
                                          chaos.run(load, args.chaos_s, tuple(args.gap), progress))
-                    chaos_end = load.now()
+                    chaos_end = args.baseline_s + args.chaos_s  # the load's end (the event loop may end later)
                     progress.update()
                 await load.drain()
                 return chaos_end
