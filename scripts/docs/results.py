@@ -147,6 +147,29 @@ def soak_table() -> str:
 
 # -- headline -----------------------------------------------------------------------------------------------------
 
+def chaos_table() -> str:
+    d = load("bench_chaos.json")
+    s = d["summary"]
+    fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+    out = [_row(["target (issue 29)", "measured", "met"]), _row(["---"] * 3)]
+    rows = [("nothing lost", f"{s['lost']} lost", "nothing_lost"),
+            ("nothing cut after its first token", f"{s['failed_after_first_token']} cut",
+             "nothing_cut_after_its_first_token"),
+            ("no wrong answer (local transformers' greedy text)", f"{s['wrong_answers']} wrong", "no_wrong_answer"),
+            ("every request answered", f"{s['answered']} of {s['requests']}", "every_request_answered"),
+            ("P99 response within 3× its no-churn value", f"{fmt(s['p99_churn_s'])} s vs {fmt(s['p99_no_churn_s'])} s",
+             "p99_within_3x_no_churn"),
+            ("answers in every 30 s window", f"min {min(s['answered_per_30s_churn'], default=0)} per 30 s",
+             "answers_in_every_30s_window"),
+            ("≥ 80% of the no-churn rate within 60 s of each event",
+             ", ".join(f"{e['kind']} {e['server']}: " + ("—" if e["recovered_within_s"] is None
+                                                         else f"{e['recovered_within_s']} s") for e in s["events"]),
+             "80pct_rate_within_60s_of_each_event")]
+    for what, value, key in rows:
+        out.append(_row([what, value, "yes" if s["targets"][key] else "**no**"]))
+    return "\n".join(out) + "\n"
+
+
 def headline() -> list[tuple[str, str, str, str]]:
     """(what, value, JSON file(s) separated by spaces, docs page) of each headline result; the README's table states these values."""
     bench = load("bench_batching.json")
@@ -158,6 +181,7 @@ def headline() -> list[tuple[str, str, str, str]]:
     petals, auto = relay["petals"]["stats"]["response"], relay["auto"]["stats"]["response"]
     fig8, fig9 = load("fig8.json")["auto"], load("fig9.json")["auto"]
     soak = load("bench_soak.json")["summary"]["total"]
+    chaos = load("bench_chaos.json")["summary"]
     gemma = load("bench_batching_gemma3_270m.json")
     gemma_http = {r["sessions"]: r for r in gemma["http"]["rows"]}
     gemma_multi = _by_sessions(gemma["results"]["chainswarm_multi"])
@@ -190,6 +214,10 @@ def headline() -> list[tuple[str, str, str, str]]:
          f"{100 * fig8['grid_avg_gain']:.1f}% / {100 * fig9['grid_avg_gain']:.1f}%", "fig8.json fig9.json", "planner.md"),
         ("Soak: answered of all requests, lost",
          f"{soak['answered']:,} of {soak['requests']:,}, {soak['lost']} lost", "bench_soak.json", "liveness.md"),
+        ("Chaos soak (SIGKILL, join, graceful stop every 45–90 s under load): answered right of all, lost, cut after "
+         "their first token; targets met",
+         f"{chaos['answered']:,} of {chaos['requests']:,}, {chaos['lost']} lost, {chaos['failed_after_first_token']} "
+         f"cut; {sum(chaos['targets'].values())} of {len(chaos['targets'])}", "bench_chaos.json", "liveness.md"),
         ("Streamed `/v1/completions` per token ÷ vanilla petals, 2 / 3 servers",
          " / ".join(f"{s['results']['chainswarm_http']['per_token_ratio']:.2f}×" for s in runtime),
          "bench_runtime.json", "runtime.md"),
@@ -225,7 +253,7 @@ def write(out_dir: Path) -> None:
     # tables/*.md are included into pages in docs/ (one level up from reference/): links are relative to the page
     generated = {"batching.md": batching_table(), "device_check.md": device_check_table().replace(
                      "](results/", "](reference/results/"),
-                 "runtime.md": runtime_table(), "soak.md": soak_table(),
+                 "runtime.md": runtime_table(), "soak.md": soak_table(), "chaos.md": chaos_table(),
                  "headline.md": headline_table("reference/results/", "")}
     for name, text in generated.items():
         (tables / name).write_text(text)
