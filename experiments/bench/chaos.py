@@ -36,11 +36,6 @@ def prompt_of(topic: str) -> str:
     return f"Tell me about {topic}."
 
 
-async def _nothing():
-    return
-    yield  # an empty async iterator (a refused stream's body is one JSON error, read below)
-
-
 def references(model_dir: str) -> dict[tuple[str, int], str]:
     """The greedy text of every (topic, length) the clients ask, from local transformers (the ground truth)."""
     import torch
@@ -83,21 +78,21 @@ class Load(Soak):
                 pieces = []
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     record["status"] = response.status_code
-                    lines = response.aiter_lines() if response.status_code == 200 else _nothing()
-                    async for line in lines:
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        event = json.loads(line[6:])
-                        if "error" in event:  # the stream ended with an error after its first tokens
-                            record["status"], record["error"] = 503, event["error"].get("message", "")[:300]
-                            break
-                        text = event["choices"][0]["text"]
-                        if text:
-                            record.setdefault("first_token", self.now())
-                            record["tokens_seen"] += 1
-                        pieces.append(text)
-                    if response.status_code != 200:
+                    if response.status_code != 200:  # a refusal: one JSON error, no events
                         record["error"] = (await response.aread()).decode()[:300]
+                    else:
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            event = json.loads(line[6:])
+                            if "error" in event:  # the stream ended with an error after its first tokens
+                                record["status"], record["error"] = 503, event["error"].get("message", "")[:300]
+                                break
+                            text = event["choices"][0]["text"]
+                            if text:
+                                record.setdefault("first_token", self.now())
+                                record["tokens_seen"] += 1
+                            pieces.append(text)
                 record["text"] = "".join(pieces)
             else:
                 response = await http.post("/v1/completions", json=body)

@@ -29,12 +29,9 @@ class OpenAIServingChat(OpenAIServing):
     # The route's operation (summary "Chat Completions"; its docstring would become the OpenAPI description).
     async def chat_completions(self, body: ChatCompletionRequest, request: Request,
                                authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
-        self.check(body, UNSUPPORTED_CHAT_FIELDS, sum(len(m.text()) for m in body.messages)
-                   + sum(len(c.function.arguments) for m in body.messages for c in m.tool_calls or ()))
-        self.check_messages(body)
+        self.validate(body)
         client = self.client_of(authorization, x_client_id or body.user)
-        plan = await compile_plan(plan_output(body), self.engine.tokenizer)
-        input_ids = self.engine.encode(self.render(body, plan))
+        plan, input_ids = await self.prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         stop, meta, items = self.begin(body, client, input_ids, body.max_completion_tokens or body.max_tokens,
                                        logprobs, request, plan.grammar)
@@ -61,6 +58,18 @@ class OpenAIServingChat(OpenAIServing):
                                              partial(self.chunk, body, chunk_meta, calls),
                                              partial(self.head, chunk_meta), include, chunk_meta, body.min_tokens),
                                  media_type="text/event-stream")
+
+    def validate(self, body: ChatCompletionRequest) -> None:
+        """What is refused before the client is even named: unsupported fields, the wrong model, a conversation
+        longer than a session can be, a malformed conversation."""
+        self.check(body, UNSUPPORTED_CHAT_FIELDS, sum(len(m.text()) for m in body.messages)
+                   + sum(len(c.function.arguments) for m in body.messages for c in m.tool_calls or ()))
+        self.check_messages(body)
+
+    async def prompt(self, body: ChatCompletionRequest) -> tuple[OutputPlan, list[int]]:
+        """The answer's compiled output plan and the prompt's token ids (the conversation rendered)."""
+        plan = await compile_plan(plan_output(body), self.engine.tokenizer)
+        return plan, self.engine.encode(self.render(body, plan))
 
     @staticmethod
     def check_messages(body: ChatCompletionRequest) -> None:

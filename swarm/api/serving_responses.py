@@ -37,7 +37,7 @@ from swarm.api.schemas import (
 )
 from swarm.api.serving_base import swarm_info
 from swarm.api.serving_chat import OpenAIServingChat
-from swarm.api.structured import OutputPlan, compile_plan, plan_output
+from swarm.api.structured import OutputPlan
 from swarm.api.tools import CallStream, parse_calls
 from swarm.engine.completion import ClientGone, Finished
 
@@ -106,12 +106,9 @@ class OpenAIServingResponses(OpenAIServingChat):
             raise ApiError(400, "unsupported_parameter", f"not supported by Chainswarm: {', '.join(used)} (the "
                            "swarm keeps no conversation state: send the whole conversation in input)")
         chat = chat_request(body)
-        self.check(chat, (), sum(len(m.text()) for m in chat.messages)
-                   + sum(len(c.function.arguments) for m in chat.messages for c in m.tool_calls or ()))
-        self.check_messages(chat)
+        self.validate(chat)
         client = self.client_of(authorization, x_client_id or body.user)
-        plan = await compile_plan(plan_output(chat), self.engine.tokenizer)
-        input_ids = self.engine.encode(self.render(chat, plan))
+        plan, input_ids = await self.prompt(chat)
         stop, meta, items = self.begin(chat, client, input_ids, chat.max_tokens, None, request, plan.grammar)
         if not body.stream:
             done = await self.collect(items, 1)

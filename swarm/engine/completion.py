@@ -136,7 +136,8 @@ class CompletionRunner:
             attempt += 1
             grant = await (self._wait(self.orchestrator.acquire(
                 client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes), client, is_disconnected)
-                if grant is None else self._continue(grant, client, input_ids, params, prior, is_disconnected))
+                if grant is None else self._continue(grant, client, input_ids, params, prior, page_hashes,
+                                                     is_disconnected))
             started = time.monotonic()
             produced: list[int] = []
             control = SessionControl()
@@ -187,14 +188,13 @@ class CompletionRunner:
             logger.warning("request of %s goes on from %d tokens (attempt %d) after %s", client,
                            len(prior.tokens), attempt + 1, detail)
 
-    async def _continue(self, grant, client, input_ids, params, prior: Progress, is_disconnected):
+    async def _continue(self, grant, client, input_ids, params, prior: Progress, page_hashes, is_disconnected):
         """The session of ``grant`` failed after delivering ``prior``: its continuation waits in its old place
-        in the queue (:meth:`Orchestrator.resume`) for up to ``route_wait_s``."""
-        tokens = list(input_ids) + prior.tokens
+        in the queue (:meth:`Orchestrator.resume`) for up to ``route_wait_s`` (with the prompt's page hashes only
+        when nothing was delivered: a continuation runs without prefix reuse)."""
         waiting = self.orchestrator.resume(
-            grant.request_id, client, len(tokens), params.max_new_tokens - len(prior.tokens),
-            timeout=self.route_wait_s,
-            page_hashes=() if prior.tokens else self.orchestrator.prompt_hashes(input_ids))
+            grant.request_id, client, len(input_ids) + len(prior.tokens), params.max_new_tokens - len(prior.tokens),
+            timeout=self.route_wait_s, page_hashes=() if prior.tokens else page_hashes)
         return await self._wait(waiting, client, is_disconnected)
 
     async def _wait(self, waiting: Awaitable[Grant], client: str, is_disconnected) -> Grant:
