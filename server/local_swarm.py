@@ -229,10 +229,13 @@ class LocalSwarm:
         timeout: float = 120.0,
         update_period: float = 2.0,
         wan_host: str | None = None,
+        process_main=None,
         **options: Any,
     ) -> Peer:
         """Start an orchestrated server node that profiles itself and waits for its assignment.
 
+        ``process_main`` replaces :func:`server.node.node_process_main` as the child's entry point (same
+        arguments; a picklable callable: the spot checks' hostile volunteers, ``experiments.live.adversaries``).
         ``options`` are :class:`server.node.ChainswarmServer` arguments (``check_period``,
         ``drain_timeout``, ``profile_cache_dir`` ...) or petals ``Server`` kwargs via
         :func:`server.runner.offline_server_kwargs` (``device``, ``torch_dtype``, ``port``, ...).
@@ -256,7 +259,8 @@ class LocalSwarm:
         receive, send = self._ctx.Pipe(duplex=False)
         pushes = self._ctx.Value("q", 0)
         process = self._ctx.Process(
-            target=node_process_main, args=(kwargs, os.getpid(), send, pushes), name=node_id, daemon=False
+            target=process_main or node_process_main, args=(kwargs, os.getpid(), send, pushes), name=node_id,
+            daemon=False
         )
         process.start()
         peer = Peer(node_id, process, info={"kwargs": kwargs, "report": receive, "node_id": node_id,

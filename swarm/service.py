@@ -72,7 +72,14 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     try:
         sock = _bind(options.http_host, options.http_port)
         url = f"http://{options.http_host}:{sock.getsockname()[1]}"
-        orchestrator = Orchestrator(config, dht, http_url=url, identity=identity)
+        ledger = None
+        if store is not None:  # bans outlive a restart
+            from swarm.trust.verification import CheckPolicy, Ledger
+
+            ledger = Ledger(CheckPolicy(config.spot_check_rate, config.spot_check_new_rate,
+                                        strikes_to_ban=config.spot_check_strikes),
+                            path=Path(options.state_dir) / "bans.json")
+        orchestrator = Orchestrator(config, dht, http_url=url, identity=identity, ledger=ledger)
         if store is not None:
             keeper = await _restore(store, options, orchestrator, maddrs, sock.getsockname()[1])
         await orchestrator.start()
@@ -87,6 +94,9 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             if options.use_server_to_server is not None:
                 for client_config in (engine.model.config, engine.manager.config):
                     client_config.use_server_to_server = options.use_server_to_server
+            from swarm.control.spot_checks import attach
+
+            attach(orchestrator, engine, options.model_dir)
         app = create_app(orchestrator, engine, initial_peers=initial_peers, model_name=Path(options.model_dir).name,
                          api_keys=options.api_keys, stall_timeout_s=options.stall_timeout_s,
                          route_wait_s=options.route_wait_s)
@@ -105,6 +115,8 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
                 await saver
         if orchestrator is not None:
             await orchestrator.stop()
+        if orchestrator is not None and orchestrator.checks is not None:
+            orchestrator.checks.close()
         if engine is not None:
             await asyncio.to_thread(engine.close)
         dht.shutdown()

@@ -19,6 +19,7 @@ from swarm.engine.generation import GenerationResult
 from swarm.engine.sampling import SamplingParams
 from swarm.api.metrics import SwarmMetrics
 from swarm.engine.routing import SessionAborted
+from swarm.trust.verification import CheckPolicy, Ledger
 
 
 @dataclass
@@ -31,6 +32,7 @@ class FakeGrant:
 class FakeOrchestrator:
     def __init__(self, *, grant_after: float = 0.0):
         self.config = SimpleNamespace(expect=SimpleNamespace(max_length=64))
+        self.ledger = Ledger(CheckPolicy(0.0, 0.0, 0.0))  # spot checks off (their own tests: test_verification)
         self.grant_after = grant_after
         self.granted, self.finished, self.aborted, self.cancelled = [], [], [], 0
         self.step_s = 0.0
@@ -97,7 +99,7 @@ class FakeEngine:
         self.priors = []  # the tokens each session was told earlier sessions had delivered
 
     def generate(self, lease, provider, input_ids, params, on_token, *, page_hashes=None, on_prefix=None,
-                 control=None, prior=None):
+                 control=None, prior=None, recorder=None):
         kind, _, n = self.sessions.pop(0).partition(":")
         self.priors.append(list(prior.tokens) if prior is not None else None)
         produced = list(prior.tokens) if prior is not None else []

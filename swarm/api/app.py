@@ -124,6 +124,15 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
         return {"initial_peers": initial_peers, "model": model_name,
                 **orchestrator.status(detail=auth.operator(authorization))}
 
+    @app.get("/v1/swarm/requests/{request_id}", responses={404: {}})
+    async def request_verdict(request_id: str):
+        """What the spot checks know of a finished request: ``verified`` is ``pending``, ``true`` or ``false``
+        (:mod:`swarm.trust.verification`); 404 for an id the orchestrator does not remember."""
+        verdict = orchestrator.ledger.verdict(request_id)
+        if verdict is None:
+            raise ApiError(404, "not_found", f"no finished request {request_id!r} is remembered")
+        return {"request_id": request_id, "verified": verdict}
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -80,6 +80,16 @@ class _SwarmCollector:
         yield GaugeMetricFamily("chainswarm_plan_capacity", "total chain capacity of the plan",
                                 value=plan.get("total_capacity") or 0)
         yield GaugeMetricFamily("chainswarm_replans", "plans computed since start", value=plan.get("replans") or 0)
+        checks = self.orchestrator.ledger.status()  # spot checks (swarm.trust.verification)
+        counts = CounterMetricFamily("chainswarm_spot_checks", "spot checks of the servers' arithmetic, by outcome",
+                                     labels=["outcome"])
+        for outcome in ("passed", "mismatches", "inconclusive", "skipped", "strikes"):
+            counts.add_metric([outcome], checks["counts"][outcome])
+        yield counts
+        yield GaugeMetricFamily("chainswarm_servers_banned", "servers banned by the spot checks",
+                                value=len(checks["banned"]))
+        yield GaugeMetricFamily("chainswarm_spot_check_overhead", "block-positions re-executed by checks per "
+                                "block-position served", value=checks["overhead"])
 
 
 class _BatchCollector:

@@ -334,6 +334,10 @@ class SwarmTiming(BaseModel):
     route: list[tuple[str, int, int]]
     waiting_s: float
     service_s: float
+    request_id: str = Field("", description="the swarm's id of the request: GET /v1/swarm/requests/{request_id}")
+    verified: Optional[Literal["true", "false", "pending"]] = Field(
+        None, description="spot checks: 'pending' until every server that served it has passed a check of it or "
+        "of a later session ('true'); 'false' if one was caught on it or banned before passing another check")
 
 
 class CompletionResponse(BaseModel):

@@ -56,8 +56,11 @@ def usage(prompt_tokens: int, done: list[Finished]) -> dict:
 
 def swarm_info(done: Finished) -> dict:
     """The ``chainswarm`` field: how the swarm served the request."""
-    return {"chain_id": done.chain_id, "servers": done.servers, "route": done.route,
-            "waiting_s": done.waiting_s, "service_s": done.service_s}
+    info = {"chain_id": done.chain_id, "servers": done.servers, "route": done.route,
+            "waiting_s": done.waiting_s, "service_s": done.service_s, "request_id": done.request_id}
+    if done.verified is not None:
+        info["verified"] = done.verified
+    return info
 
 
 class OpenAIServing:

@@ -140,6 +140,18 @@ class OrchestratorOptions:
                                       "created if missing; default: a new key per run). Servers pin its public "
                                       "key (shown in GET /v1/swarm as orchestrator_key)")
     ticket_ttl_s: float = option(120.0, help="lifetime of a session ticket in seconds (checked when a session opens)")
+    # -- spot checks of the servers' arithmetic (swarm.trust.verification, swarm.control.spot_checks) --
+    spot_check_rate: float = option(0.05, metavar="P",
+                                    help="fraction of a trusted server's sessions whose span another server "
+                                    "re-executes and compares (default 0.05; 0 with --spot-check-new-rate 0: off)")
+    spot_check_new_rate: float = option(0.25, metavar="P",
+                                        help="the same for a server that has not yet passed 5 checks (default 0.25)")
+    spot_check_local: bool = option(False, action="store_true",
+                                    help="where no other server holds a span, the orchestrator re-executes it "
+                                    "itself (float32, from its checkpoint folder; costs its CPU and memory). "
+                                    "It always does to settle a mismatch when no third server holds the span")
+    spot_check_strikes: int = option(2, metavar="N", help="strikes (disagreeing with two others) that ban a server's "
+                                     "node id and key for good (default 2; kept in the state directory)")
 
 
 def _argument_type(annotation: Any) -> Any:
@@ -160,14 +172,15 @@ def arguments() -> Iterator[tuple[str, dict[str, Any]]]:
             continue
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"], **meta["argparse"]}
-        if "choices" not in kwargs:
+        flag_only = "action" in kwargs  # store_true: no value, no type
+        if "choices" not in kwargs and not flag_only:
             kwargs.setdefault("metavar", flag[2:].replace("-", "_").upper())
         if f.default is MISSING and f.default_factory is MISSING:
             kwargs["required"] = True
         else:
             kwargs["default"] = f.default if f.default_factory is MISSING else f.default_factory()
         kind = _argument_type(hints[f.name])
-        if kind is not str:
+        if kind is not str and not flag_only:
             kwargs["type"] = kind
         yield flag, kwargs
 

@@ -36,7 +36,8 @@ from swarm.control import planning
 from swarm.trust import prefix as prefix_protocol, records, tickets
 from swarm.control.failures import DhtPing, FailureClaims
 from swarm.control.failover import Failover, LeaseOps
-from swarm.trust.identity import Identity, KeyPins
+from swarm.trust.identity import Identity, KeyPins, fingerprint
+from swarm.trust.verification import CheckPolicy, Ledger
 from swarm.control.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
 from swarm.control.occupancy import Occupancy, blocks_of, fit_capacities
 from swarm.control.planning import RoutableChain
@@ -73,7 +74,8 @@ class Orchestrator(Failover, LeaseOps):
     """The control plane. ``dht`` is a running hivemind.DHT (or anything with get/store)."""
 
     def __init__(self, config: OrchestratorConfig, dht, *, http_url: str | None = None,
-                 on_event: Callable[[str, dict], None] | None = None, identity: Identity | None = None):
+                 on_event: Callable[[str, dict], None] | None = None, identity: Identity | None = None,
+                 ledger: Ledger | None = None):
         self.config = config
         self.dht = dht
         # the key that signs assignments, the orchestrator record and tickets (the DHT must sign with it too:
@@ -115,6 +117,11 @@ class Orchestrator(Failover, LeaseOps):
         self._stopping = False
         self._settling: tuple[float | None, float, set[str]] = (None, 0.0, set())  # first change, last change, set
         self.started_at = time.monotonic()
+        # spot checks of the servers' arithmetic (swarm.trust.verification): the ledger of checks, strikes and
+        # bans; the checker (swarm.control.spot_checks) is attached once the generation engine runs
+        self.ledger = ledger or Ledger(CheckPolicy(config.spot_check_rate, config.spot_check_new_rate,
+                                                   strikes_to_ban=config.spot_check_strikes))
+        self.checks = None
 
     @property
     def prefix_index(self):
@@ -172,8 +179,8 @@ class Orchestrator(Failover, LeaseOps):
         for node, since in list(self.suspects.items()):
             if node not in profiles or now - since > self.config.suspect_s:
                 del self.suspects[node]  # gone for good (record expired) or back after the grace period
-        live = {node: p for node, p in profiles.items()
-                if node not in self.suspects and p.rtt_s is not None and self._same_dtype(node, p)}
+        live = {node: p for node, p in profiles.items() if node not in self.suspects and p.rtt_s is not None
+                and self._same_dtype(node, p) and not self.is_banned(node)}
         self.view.profiles = profiles
         self._membership(set(profiles))
         members = set(live)
@@ -455,6 +462,27 @@ class Orchestrator(Failover, LeaseOps):
 
     def chain_cached_tokens(self, chain: RoutableChain) -> int:
         return self.prefix.chain_cached_tokens(chain)
+
+    # -- spot checks (swarm.control.spot_checks) ---------------------------------------------------------------
+    def is_banned(self, node: str) -> bool:
+        """Banned by the spot checks: its node id, or the key it signs with (under any node id)."""
+        key = self.pins.owner(node)
+        return self.ledger.is_banned(node, fingerprint(key) if key else None)
+
+    def ready_chains(self) -> list[RoutableChain]:
+        return list(self._ready)
+
+    def spot_check_event(self, kind: str, **data) -> None:
+        """An event from the checker's thread."""
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(lambda: self._event(kind, **data))
+        else:
+            self._event(kind, **data)
+
+    def banned_now(self, node: str) -> None:
+        """A server was banned (checker thread): re-plan without it at once."""
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._refresh_now.set)
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self, detail: bool = True) -> dict[str, Any]:

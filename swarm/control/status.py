@@ -30,6 +30,7 @@ def swarm_status(orch: Any, detail: bool = True) -> dict[str, Any]:
         "plan_error": view.plan_error,
         "servers": [
             {**p.to_dict(), "suspect": node in orch.suspects, "kv_block_slots_used": kv_used.get(node, 0),
+             "banned": orch.is_banned(node),
              "assignment": None if node not in view.assignments else view.assignments[node].to_dict()}
             for node, p in sorted(view.profiles.items())
         ],
@@ -40,6 +41,7 @@ def swarm_status(orch: Any, detail: bool = True) -> dict[str, Any]:
             for c in view.chains
         ],
         "prefix": orch.prefix.status(),
+        "verification": orch.ledger.status(),  # spot checks: rates, counts, per-server passes/strikes, bans
         **orch.router.status(),  # queue and clients (and the ws-rr block)
         "leases": len(orch.leases),
         "events": list(orch.events)[-30:],

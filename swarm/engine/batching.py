@@ -56,6 +56,7 @@ class _Sequence:
     ticket: Optional[bytes]
     future: Future
     produced: list[int] = field(default_factory=list)
+    recorder: Optional[object] = None  # swarm.engine.recording.SpanRecorder
 
 
 class ChainGenerator:
@@ -99,13 +100,14 @@ class ChainGenerator:
 
     def submit(self, input_ids: Sequence[int], max_new_tokens: int, *, eos_token_id: Optional[int] = None,
                on_token: Optional[Callable[[int], None]] = None, processor: Optional[Callable] = None,
-               ticket: Optional[bytes] = None) -> Future:
+               ticket: Optional[bytes] = None, recorder=None) -> Future:
         """Queue one generation; the future's result is its generated token ids.
 
         ``on_token(token)`` is called for every token; if it raises :class:`StopSequence` the sequence is complete,
         any other exception ends the sequence with that exception. ``processor(input_ids (1, n), scores (1, V))``
         (a transformers logits processor, e.g. :class:`swarm.engine.sampling.TokenChooser`) adjusts the scores before the
-        greedy pick. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
+        greedy pick. ``recorder`` (:class:`swarm.engine.recording.SpanRecorder`) keeps its spans' hidden states for
+        a spot check. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a generation needs at least one input token and max_new_tokens >= 1")
         vocab = self.model.transformer.word_embeddings.num_embeddings
@@ -117,7 +119,7 @@ class ChainGenerator:
             if self._closed or self._broken is not None:
                 raise RuntimeError(f"the chain generator is closed{f': {self._broken}' if self._broken else ''}")
             self._waiting.append(_Sequence(f"s{next(self._ids)}", list(input_ids), int(max_new_tokens),
-                                           eos_token_id, on_token, processor, ticket, future))
+                                           eos_token_id, on_token, processor, ticket, future, recorder=recorder))
             self._cv.notify()
         return future
 
@@ -209,6 +211,7 @@ class ChainGenerator:
         opens = {s.sid: len(s.input_ids) + s.max_new_tokens for s in admitted}
         tickets = {s.sid: s.ticket for s in admitted if s.ticket is not None}
         self._running.update((s.sid, s) for s in admitted)
+        self.batch.recorders.update((s.sid, s.recorder) for s in admitted if s.recorder is not None)
         masks = TokenChooser.prepare_async(s.processor for s in self._running.values())  # grammar masks, meanwhile
         try:
             outputs, failed = self.batch.step(inputs, opens, tickets)
@@ -249,6 +252,8 @@ class ChainGenerator:
                 finished.append(sid)
                 self._running.pop(sid).future.set_result(list(seq.produced))
         self.batch.close_sessions(finished)
+        for sid in [sid for sid in self.batch.recorders if sid not in self._running]:
+            del self.batch.recorders[sid]
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:

@@ -61,6 +61,8 @@ class Finished:
     prefix: dict[str, Any] = field(default_factory=dict)
     attempts: int = 1
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    request_id: str = ""
+    verified: str | None = None  # spot checks: "pending", "true" or "false" (None: checks are off)
 
 
 class _LoopProvider:
@@ -245,10 +247,13 @@ class CompletionRunner:
             loop.call_soon_threadsafe(orchestrator.prefilled, grant.request_id, reused, len(input_ids),
                                       grant.matched_tokens)
 
+        checks = getattr(orchestrator, "checks", None)  # spot checks: is this session drawn (swarm.control.spot_checks)
+        recorder = checks.recorder(chain.route) if checks is not None else None
+
         def generate():
             return engine.generate(lease, _LoopProvider(orchestrator, loop), input_ids, params, on_token,
                                    page_hashes=page_hashes or None, on_prefix=on_prefix if page_hashes else None,
-                                   control=control, prior=prior)
+                                   control=control, prior=prior, recorder=recorder)
 
         # token callbacks are queued on the loop before the executor future resolves, so once the task is done
         # every token is already in the queue
@@ -286,8 +291,13 @@ class CompletionRunner:
             result = task.result()
             orchestrator.finish(grant.request_id, len(result.token_ids))
             prefix.update(reused=result.reused_tokens, prefill=result.prefill_tokens, restarts=result.restarts)
+            verified = None
+            if checks is not None:
+                checks.finished(grant.request_id, lease.route, list(input_ids) + result.token_ids, recorder)
+                verified = orchestrator.ledger.verdict(grant.request_id)
             yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
-                           list(chain.route), 0.0, 0.0, prefix, logprobs=result.logprobs)
+                           list(chain.route), 0.0, 0.0, prefix, logprobs=result.logprobs,
+                           request_id=grant.request_id, verified=verified)
         finally:
             orchestrator.running.pop(grant.request_id, None)
             if not settled:  # the consumer went away mid-stream (cancelled / closed): stop in the background

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from swarm.engine.batching import ChainGenerator, SequenceFailed, StopSequence
+from swarm.engine.multi_client import ChainBatch
 from swarm.trust.prefix import PAGE_TOKENS, reusable_pages
 from swarm.engine.sampling import SamplingParams, TokenChooser, TokenLogprob
 from swarm.engine.routing import (
@@ -111,10 +112,31 @@ class GenerationEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    @torch.inference_mode()
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """The chain's input for ``token_ids``: ``(t, H)`` in the serving dtype."""
+        return self.model.transformer.word_embeddings(torch.tensor([list(token_ids)]))[0]
+
+    @torch.inference_mode()
+    def run_span(self, peer: str, start: int, end: int, hidden: torch.Tensor, ticket: bytes | None = None
+                 ) -> torch.Tensor:
+        """One prefill of ``hidden`` ``(t, H)`` through blocks ``[start, end)`` of server ``peer`` (a spot check's
+        re-execution: an ordinary multi-session stream with one session, as a chain's first prefill is)."""
+        manager = self.manager
+        with ChainBatch(manager.state.p2p, [(peer, start, end)], manager.block_uids,
+                        step_timeout=self.request_timeout) as batch:
+            sid = "s0"
+            outputs, failed = batch.step({sid: hidden[None].to(self.model.dtype)}, {sid: hidden.shape[0]},
+                                         {sid: ticket} if ticket is not None else {})
+            if sid in failed:
+                raise RuntimeError(f"the server refused the span: {failed[sid]}")
+            return outputs[sid][0]
+
     def generate(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, *, page_hashes: list[bytes] | None = None,
                  on_prefix: Callable[[int], None] | None = None,
-                 control: SessionControl | None = None, prior: Progress | None = None) -> GenerationResult:
+                 control: SessionControl | None = None, prior: Progress | None = None,
+                 recorder=None) -> GenerationResult:
         """Run one session on ``lease``'s chain (blocking). ``provider`` handles mid-session failover.
 
         With ``page_hashes`` (the prompt's full-page hashes, :mod:`swarm.trust.prefix`) the chain's servers are
@@ -126,6 +148,9 @@ class GenerationEngine:
         With ``prior`` (an earlier session of this request delivered those tokens, then failed) the session runs
         on the prompt plus them for the tokens left, its sampler replayed to that point; the result holds all
         the tokens (``restarts`` = 1).
+
+        With ``recorder`` (:class:`swarm.engine.recording.SpanRecorder`) the hidden states its spans were sent and
+        returned are kept for a spot check; a failover drops the recording.
         """
         if self._closed.is_set():
             raise RuntimeError("the generation engine is closed")
@@ -168,6 +193,8 @@ class GenerationEngine:
             nonlocal prefill, restarts
             restarts = 1
             remaining = params.max_new_tokens - len(produced)
+            if recorder is not None:
+                recorder.route_changed("the session went on after a failure")
             if remaining > 0 and not ended():
                 prompt = list(input_ids) + produced
                 prefill += len(prompt)
@@ -181,7 +208,7 @@ class GenerationEngine:
             try:
                 if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
-                        self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos)
+                        self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder)
                     except SequenceFailed as exc:
                         self.fallbacks += 1
                         logger.warning("a batched session continues on its own: %s", exc)
@@ -193,7 +220,7 @@ class GenerationEngine:
                             provider.renew_ticket(lease)
                         resume()
                 else:
-                    self._run(lease, provider, prompt, budget, chooser, sink, plan, control, ignore_eos)
+                    self._run(lease, provider, prompt, budget, chooser, sink, plan, control, ignore_eos, recorder)
             except PrefixSessionFailed as exc:
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
                 if not exc.missing and exc.peer_id is not None and provider is not None:
@@ -254,7 +281,7 @@ class GenerationEngine:
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None,
-                     ignore_eos: bool = False) -> None:
+                     ignore_eos: bool = False, recorder=None) -> None:
         """Run the session in its chain's batch (blocking). Raises :class:`SequenceFailed` to fall back."""
         generator = self._generator(tuple(lease.route))
         stopped = []
@@ -268,7 +295,7 @@ class GenerationEngine:
 
         try:
             future = generator.submit(input_ids, max_new_tokens, eos_token_id=None if ignore_eos else self.eos_token_id,
-                                      on_token=on_token, processor=chooser, ticket=lease.ticket)
+                                      on_token=on_token, processor=chooser, ticket=lease.ticket, recorder=recorder)
         except RuntimeError as exc:  # closed meanwhile
             raise SequenceFailed(str(exc), []) from exc
         unwatch = control.watch_peers(generator.peer_failed) if control is not None else None
@@ -289,7 +316,7 @@ class GenerationEngine:
 
     def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
              sink: Callable[[int], None], plan: PrefixPlan | None, control: SessionControl | None = None,
-             ignore_eos: bool = False) -> None:
+             ignore_eos: bool = False, recorder=None) -> None:
         from transformers import LogitsProcessorList
 
         ids = torch.tensor([input_ids], dtype=torch.long)
@@ -299,7 +326,7 @@ class GenerationEngine:
         # petals' generate() opens the InferenceSession in a ``with`` block on this thread and closes it (and
         # every server session) here on every path: success, error, abort, failover (swarm.model.petals_sessions)
         with use_lease(lease, provider, control) as context, torch.inference_mode():
-            context.prefix = plan
+            context.prefix, context.recorder = plan, recorder
             self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                 # ignore_eos: an id no token has (None would mean the checkpoint's generation_config's)

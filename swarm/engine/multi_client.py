@@ -62,8 +62,8 @@ class SessionFailure(NamedTuple):
 class _Stream:
     """One ``rpc_multi_inference`` stream to one server span (lives on hivemind's loop)."""
 
-    def __init__(self, p2p, peer_id: str, uids: Sequence[str]):
-        self.p2p, self.peer_id, self.uid = p2p, peer_id, CHAIN_DELIMITER.join(uids)
+    def __init__(self, p2p, peer_id: str, uids: Sequence[str], span: RouteSpan):
+        self.p2p, self.peer_id, self.uid, self.span = p2p, peer_id, CHAIN_DELIMITER.join(uids), span
         self.queue: Optional[asyncio.Queue] = None
         self.replies = None
         self.first = True
@@ -107,13 +107,15 @@ class ChainBatch:
     def __init__(self, p2p, route: Sequence[RouteSpan], block_uids: Sequence[str], *, step_timeout: float = 30.0,
                  alloc_timeout: float = 5.0):
         self.route = tuple(route)
-        self.streams = [_Stream(p2p, peer, block_uids[start:end]) for peer, start, end in self.route]
+        self.streams = [_Stream(p2p, peer, block_uids[start:end], (peer, start, end)) for peer, start, end in self.route]
         self.step_timeout, self.alloc_timeout = step_timeout, alloc_timeout
         self.open_sessions: set[str] = set()
         self._closing: set[str] = set()  # closed by the caller or failed: closed on every server next message
         self._closed = False
         self._inflight = None  # the running step's future (on hivemind's loop)
         self._failed_peer: Optional[str] = None
+        # sid -> a recorder (swarm.engine.recording) of the spans a spot check will re-execute
+        self.recorders: dict = {}
 
     def step(self, inputs: Mapping[str, torch.Tensor], opens: Mapping[str, int] = (),
              tickets: Mapping[str, bytes] = ()) -> tuple[dict[str, torch.Tensor], dict[str, SessionFailure]]:
@@ -173,6 +175,11 @@ class ChainBatch:
             done = [sid for sid in order if sid not in refused]
             if len(outputs) != len(done):
                 raise ChainBatchError(stream.peer_id, f"{len(outputs)} outputs for {len(done)} steps")
+            if self.recorders:
+                for sid, output in zip(done, outputs):
+                    recorder = self.recorders.get(sid)
+                    if recorder is not None and recorder.wants(stream.span):
+                        recorder.add(stream.span, hidden[sid], output)
             hidden = dict(zip(done, outputs))
             closes = sorted(set(closes) | set(failed))  # sessions failed upstream: close them downstream too
         if failed:  # close the failed sessions on the servers before the one that failed them

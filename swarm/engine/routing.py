@@ -160,6 +160,7 @@ class LeaseContext:
     failed_peers: list[str] = field(default_factory=list)
     prefix: PrefixPlan | None = None
     control: SessionControl | None = None
+    recorder: object | None = None  # swarm.engine.recording.SpanRecorder: hidden states kept for a spot check
 
 
 _current: ContextVar[LeaseContext | None] = ContextVar("chainswarm_lease", default=None)
@@ -284,6 +285,8 @@ class ChainswarmInferenceSession(InferenceSession):
         skip = context.prefix.reused_tokens if context is not None and context.prefix is not None else 0
         if self._position > 0 or skip <= 0:
             return super().step(inputs, prompts, hypo_ids)
+        if context.recorder is not None:
+            context.recorder.skip_prefix(skip)
         if inputs.shape[1] <= skip or (prompts is not None and prompts.numel() > 0):
             raise ValueError("prefix reuse needs a first step longer than the reused prefix and no deep prompts")
         outputs = super().step(inputs[:, skip:], prompts, hypo_ids)
@@ -295,6 +298,12 @@ class ChainswarmInferenceSession(InferenceSession):
         failed = self._server_sessions[server_idx] if server_idx < len(self._server_sessions) else None
         position = failed._position if failed is not None else None
         result = super()._update_sequence(server_idx, block_idx, attempt_no)
+        context = _current.get()
+        if context is not None and context.recorder is not None:
+            if failed is not None or attempt_no > 0:
+                context.recorder.route_changed(f"failover at block {block_idx}")
+            for server_session in self._server_sessions:
+                _tap(server_session, context.recorder)
         if failed is not None and self._server_sessions[server_idx].history is not None:
             # the inherited history already holds this step's inputs; continue where the failed server was
             self._server_sessions[server_idx]._position = position
@@ -308,6 +317,23 @@ class ChainswarmInferenceSession(InferenceSession):
             _current.set(None)
             with contextlib.suppress(Exception):
                 context.provider.release(context.lease, processed_tokens=self._position)
+
+
+def _tap(server_session, recorder) -> None:
+    """Record what ``server_session`` (one server's span) is sent and returns, for a spot check."""
+    if getattr(server_session, "_chainswarm_tapped", False):
+        return
+    span = server_session.span
+    key = (span.peer_id.to_base58(), span.start, span.end)
+    step = server_session.step
+
+    def tapped(inputs, *args, **kwargs):
+        outputs = step(inputs, *args, **kwargs)
+        if recorder.wants(key):
+            recorder.add(key, inputs[:, -outputs.shape[1]:], outputs)
+        return outputs
+
+    server_session.step, server_session._chainswarm_tapped = tapped, True
 
 
 def probe_route(manager: RemoteSequenceManager, route: Sequence[RouteSpan], hashes: Sequence[bytes], *,

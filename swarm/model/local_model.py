@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,20 @@ def load_state_dict(model_dir: str | Path, prefix: str = "") -> dict[str, torch.
                 if name.startswith(prefix):
                     tensors[name[len(prefix):]] = f.get_tensor(name)
     return tensors
+
+
+def load_blocks(model_dir: str | Path, indices: Sequence[int], dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> list[DecoderBlock]:
+    """Blocks ``indices`` of a checkpoint folder, loaded strictly (the orchestrator's own spot-check opinion and
+    ``scripts/spread_check.py``)."""
+    spec = arch_from_config(read_config(model_dir))
+    blocks = []
+    for i in indices:
+        with torch.device("meta"):
+            block = DecoderBlock(spec, i)
+        block.load_state_dict(load_state_dict(model_dir, f"model.layers.{i}."), strict=True, assign=True)
+        blocks.append(block.to(device=device, dtype=dtype).eval())
+    return blocks
 
 
 class LocalModel(nn.Module):

@@ -1,0 +1,294 @@
+"""Spot checks by prefill: re-execute a sample of finished sessions' spans on other servers and ban the servers
+whose arithmetic is wrong. The policy (rates, tolerance, strikes) is :mod:`swarm.trust.verification`.
+
+How one check goes (TOPLOC's and VeriLLM's idea, "validate by re-running as prefill", on a swarm):
+
+1. **Choose, then record.** When a session starts, the orchestrator draws whether it will be checked (each
+   server of its route at that server's rate) and, if so, records the hidden states the chosen servers were
+   sent and returned (:mod:`swarm.engine.recording`). Nothing the servers see changes: the checked server is
+   never contacted again, so it cannot tell which of its sessions are checked, nor behave better on them.
+2. **Re-execute.** After the session ended, another server ``Y`` holding the same blocks runs the span as one
+   prefill from the very inputs the checked server ``X`` received (for a session that reused a prompt prefix,
+   the prefix positions' inputs are recomputed first by other servers upstream). ``Y`` gets an ordinary
+   ticket for a chain it belongs to and an ordinary prefill; it cannot tell a check from a short request.
+3. **Compare** ``X``'s outputs and ``Y``'s at sampled positions (the last one always) with the dtypes'
+   tolerance. Equal: ``X`` passes. Different: a third opinion, from a third server ``Z`` or, where none holds
+   the span, from the orchestrator computing it itself (float32, from its checkpoint folder); the server that
+   disagrees with the two others is struck (``X``, or ``Y`` if it lied on the check). Where no other server
+   holds the span, the orchestrator's own computation is the reference with ``--spot-check-local`` (else the
+   span stays unchecked: counted). All three apart: inconclusive, nobody struck.
+
+Checks run on one background thread, one at a time, from a bounded queue (the oldest job is dropped when
+it is full): they use the servers' spare capacity as ordinary short sessions do.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from swarm.engine.recording import SpanRecorder, SpanTrace
+from swarm.trust import records
+from swarm.trust.identity import fingerprint
+from swarm.trust.verification import EPSILON, Ledger, distance, tolerance
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckJob:
+    request_id: str
+    token_ids: list[int]  # prompt + generated: positions 0 … len − 2 went through the chain
+    recorder: SpanRecorder
+
+
+class Opinion:
+    """Who computed a span's outputs for a check: a server (``node``, its dtype) or the orchestrator (node None)."""
+
+    def __init__(self, node: Optional[str], dtype: str, outputs: Optional[torch.Tensor]):
+        self.node, self.dtype, self.outputs = node, dtype, outputs
+
+    def agrees(self, other: "Opinion", positions: torch.Tensor, slack: float = 0.0) -> tuple[bool, float]:
+        d = distance(self.outputs[positions], other.outputs[positions])
+        return d <= tolerance(self.dtype, other.dtype) + slack, d
+
+
+class SpotChecker:
+    """Samples sessions for checking, runs the checks, strikes and bans (see the module doc).
+
+    ``orchestrator``: its view (who holds which blocks), tickets and bans; ``run_span(peer, start, end, hidden,
+    ticket)`` runs one prefill of ``hidden`` ``(t, H)`` through a server's blocks and returns the outputs;
+    ``embed(token_ids)`` the client-side embeddings; ``local_span(start, end, hidden)`` the orchestrator's own
+    float32 computation (None: it has no checkpoint to compute from)."""
+
+    def __init__(self, orchestrator, ledger: Ledger, *, run_span: Callable, embed: Callable,
+                 local_span: Optional[Callable] = None, num_blocks: int, dtype: str = "float32",
+                 local_checker: bool = False, max_pending: int = 64, seed: Optional[int] = None):
+        self.orchestrator, self.ledger, self.policy = orchestrator, ledger, ledger.policy
+        self.run_span, self.embed, self.local_span = run_span, embed, local_span
+        self.num_blocks, self.dtype, self.local_checker = num_blocks, dtype, local_checker
+        self._rng = random.Random(seed)  # the orchestrator's secret draws (never sent anywhere)
+        self._jobs: queue.Queue = queue.Queue()
+        self.max_pending = max_pending
+        self._stopped = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._work, name="spot-checks", daemon=True)
+        self._thread.start()
+
+    # -- who is who ----------------------------------------------------------------------------------------
+    def _profiles(self) -> dict[str, records.ServerProfile]:
+        return dict(self.orchestrator.view.profiles)
+
+    def node_of(self, peer: str) -> Optional[str]:
+        return next((node for node, p in self._profiles().items() if p.peer_id == peer), None)
+
+    def _holders(self, start: int, end: int, exclude: set[str]) -> list[tuple[str, records.ServerProfile]]:
+        """Serving, unbanned servers whose loaded span covers ``[start, end)``, outside ``exclude`` (node ids)."""
+        return [(node, p) for node, p in self._profiles().items()
+                if node not in exclude and p.state == records.SERVING and p.start is not None
+                and p.start <= start and end <= p.end and not self.orchestrator.is_banned(node)
+                and node not in self.orchestrator.suspects]
+
+    # -- sessions ------------------------------------------------------------------------------------------
+    def recorder(self, route: Sequence[tuple[str, int, int]]) -> Optional[SpanRecorder]:
+        """A recorder if this session is drawn for a check (each span at its server's rate), else None."""
+        if not self.policy.enabled:
+            return None
+        rates = {}
+        for peer, start, end in route:  # spans nobody else could re-execute are not recorded
+            node = self.node_of(peer) or peer
+            if self.local_checker or self._holders(start, end, {node}):
+                rates[(peer, start, end)] = self.ledger.rate(node)
+        top = max(rates.values(), default=0.0)
+        if top <= 0 or self._rng.random() >= top:
+            return None
+        targets = [span for span, rate in rates.items() if rate >= top or self._rng.random() < rate / top]
+        self.ledger.count("recorded")
+        return SpanRecorder(route, targets)
+
+    def finished(self, request_id: str, route: Sequence[tuple[str, int, int]], token_ids: Sequence[int],
+                 recorder: Optional[SpanRecorder]) -> None:
+        """A session ended well after computing ``len(token_ids) − 1`` positions; queue its check if recorded."""
+        nodes = [self.node_of(peer) or peer for peer, _, _ in route]
+        self.ledger.served(request_id, nodes, (len(token_ids) - 1) * self.num_blocks)
+        if recorder is None:
+            return
+        if not recorder.complete(len(token_ids) - 1):
+            self.ledger.count("skipped")
+            logger.info("spot check of %s skipped: %s", request_id, recorder.reason or "incomplete recording")
+            return
+        while self._jobs.qsize() >= self.max_pending:
+            try:
+                self._jobs.get_nowait()
+                self.ledger.count("skipped")
+            except queue.Empty:
+                break
+        self._idle.clear()
+        self._jobs.put(CheckJob(request_id, list(token_ids), recorder))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until every queued check has run (tests, benchmarks)."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._jobs.put(None)
+
+    # -- the checks ----------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self._stopped.is_set():
+            job = self._jobs.get()
+            if job is None:
+                break
+            for trace in list(job.recorder.traces.values()):
+                try:
+                    self._check(job, trace)
+                except Exception as exc:  # a server failed during the check: no opinion, try a later session
+                    self.ledger.count("skipped")
+                    logger.warning("spot check of %s on %s could not run: %r", job.request_id, trace.span, exc)
+            if self._jobs.empty():
+                self._idle.set()
+
+    def _opinion(self, node: Optional[str], profile, start: int, end: int, hidden: torch.Tensor) -> Opinion:
+        if node is None:
+            return Opinion(None, "float32", self.local_span(start, end, hidden))
+        outputs = self.run_span(profile.peer_id, start, end, hidden, self._ticket(profile.peer_id, start, end))
+        return Opinion(node, profile.torch_dtype, outputs.float())
+
+    def _ticket(self, peer: str, start: int, end: int) -> bytes:
+        """An ordinary ticket: a ready chain through ``peer`` if there is one (a check looks like a session)."""
+        chain = next((c for c in self.orchestrator.ready_chains()
+                      if any(p == peer and s <= start and end <= e for p, s, e in c.route)), None)
+        route = chain.route if chain is not None else ((peer, start, end),)
+        return self.orchestrator.ticket(uuid.uuid4().hex, chain.chain_id if chain else "check", route)
+
+    def _upstream(self, token_ids: Sequence[int], start: int, exclude: set[str]) -> tuple[torch.Tensor, int]:
+        """The inputs of block ``start`` for ``token_ids`` (a reused prefix), computed by servers outside
+        ``exclude`` (or the orchestrator); returns them and the block-positions it cost."""
+        hidden = self.embed(list(token_ids)).float()
+        block, cost = 0, 0
+        while block < start:
+            holders = [(n, p) for n, p in self._holders(block, block + 1, exclude)]
+            if holders:
+                node, profile = self._rng.choice(holders)
+                end = min(profile.end, start)
+                hidden = self._opinion(node, profile, block, end, hidden).outputs
+            elif self.local_span is not None:
+                end = start
+                hidden = self.local_span(block, end, hidden)
+            else:
+                raise RuntimeError(f"nobody can compute blocks [{block}, {start}) for a reused prefix")
+            cost += hidden.shape[0] * (end - block)
+            block = end
+        return hidden, cost
+
+    def _check(self, job: CheckJob, trace: SpanTrace) -> None:
+        peer, start, end = trace.span
+        x_node = self.node_of(peer)
+        profiles = self._profiles()
+        if x_node is None or self.orchestrator.is_banned(x_node):
+            return
+        inputs, outputs = trace.tensors()
+        exclude, slack = {x_node}, 0.0
+        if trace.offset:  # the session reused a prompt prefix: its inputs are recomputed upstream
+            prefix, cost = self._upstream(job.token_ids[:trace.offset], start, exclude)
+            self.ledger.count("check_block_tokens", cost)
+            inputs = torch.cat([prefix, inputs])
+            slack = 2 * EPSILON.get(self.dtype, 0.0)  # the recomputed prefix is one more honest rounding away
+        x = Opinion(x_node, profiles[x_node].torch_dtype, outputs)
+        positions = self._positions(outputs.shape[0])
+        candidates = self._holders(start, end, exclude)
+        self._rng.shuffle(candidates)
+        self.ledger.count("checks")
+        opinions = []
+        for node, profile in candidates[:1]:
+            opinions.append(self._opinion(node, profile, start, end, inputs))
+            self.ledger.count("check_block_tokens", inputs.shape[0] * (end - start))
+        if not opinions:  # nobody else holds the span: the orchestrator's own computation is the reference
+            if self.local_span is None or not self.local_checker:
+                self.ledger.count("unchecked")
+                return
+            opinions.append(self._opinion(None, None, start, end, inputs))
+        y = opinions[0]
+        y.outputs = y.outputs[trace.offset:]
+        same, d_xy = x.agrees(y, positions, slack)
+        if same:
+            self.ledger.passed(x_node, job.request_id)
+            return
+        self.ledger.count("mismatches")
+        if y.node is None:  # the orchestrator's own arithmetic decides alone
+            return self._strike(x_node, job, f"blocks [{start}, {end}) off by {d_xy:.3g} from the orchestrator's")
+        third = [(n, p) for n, p in candidates[1:]]
+        z = (self._opinion(*third[0], start, end, inputs) if third else
+             self._opinion(None, None, start, end, inputs) if self.local_span is not None else None)
+        if z is None:
+            self.ledger.count("inconclusive")
+            self.orchestrator.spot_check_event("spot_check_inconclusive", node=x_node, request=job.request_id,
+                                               reason="no third opinion", distance=d_xy)
+            return
+        z.outputs = z.outputs[trace.offset:]
+        x_z, d_xz = x.agrees(z, positions, slack)
+        y_z, d_yz = y.agrees(z, positions, slack)
+        if y_z and not x_z:
+            self._strike(x_node, job, f"blocks [{start}, {end}) off by {d_xy:.3g} and {d_xz:.3g} from two others")
+        elif x_z and not y_z:
+            self.ledger.passed(x_node, job.request_id)
+            self._strike(y.node, job, f"its check of blocks [{start}, {end}) off by {d_xy:.3g} and {d_yz:.3g}")
+        else:
+            self.ledger.count("inconclusive")
+            self.orchestrator.spot_check_event("spot_check_inconclusive", node=x_node, request=job.request_id,
+                                               reason="the three opinions disagree", distance=d_xy)
+
+    def _positions(self, count: int) -> torch.Tensor:
+        picked = set(self._rng.sample(range(count), min(count, self.policy.positions - 1))) | {count - 1}
+        return torch.tensor(sorted(picked))
+
+    def _strike(self, node: str, job: CheckJob, reason: str) -> None:
+        key = self.orchestrator.pins.owner(node)
+        banned = self.ledger.strike(node, job.request_id, fingerprint(key) if key else None, reason)
+        self.orchestrator.spot_check_event("server_struck", node=node, request=job.request_id, reason=reason,
+                                           strikes=self.ledger.record(node).strikes)
+        if banned:
+            self.orchestrator.spot_check_event("server_banned", node=node, reason=reason)
+            self.orchestrator.banned_now(node)
+
+
+class LocalSpans:
+    """The orchestrator's own opinion: blocks of its checkpoint folder in float32 on its CPU, loaded when first
+    needed (only to settle a mismatch, or where no other server holds a span)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._blocks: dict[int, torch.nn.Module] = {}
+        self._lock = threading.Lock()
+
+    @torch.inference_mode()
+    def __call__(self, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
+        from swarm.model.local_model import load_blocks
+
+        with self._lock:
+            missing = [i for i in range(start, end) if i not in self._blocks]
+            self._blocks.update(zip(missing, load_blocks(self.model_dir, missing)))
+            hidden = hidden.float()[None]
+            for i in range(start, end):
+                hidden, _ = self._blocks[i].run(hidden)
+            return hidden[0]
+
+
+def attach(orchestrator, engine, model_dir: str, *, seed: Optional[int] = None) -> Optional[SpotChecker]:
+    """Start the spot checks of ``orchestrator``'s servers through ``engine`` (None when its policy is off)."""
+    if not orchestrator.ledger.policy.enabled:
+        return None
+    checker = SpotChecker(orchestrator, orchestrator.ledger, run_span=engine.run_span, embed=engine.embed,
+                          local_span=LocalSpans(model_dir), num_blocks=orchestrator.config.num_blocks,
+                          dtype=orchestrator.config.torch_dtype, local_checker=orchestrator.config.spot_check_local,
+                          seed=seed)
+    orchestrator.checks = checker
+    return checker

@@ -1,0 +1,234 @@
+"""Spot checks of the servers' arithmetic (swarm.trust.verification, swarm.control.spot_checks).
+
+The policy and ledger are tested directly; the mechanism with real hostile server processes
+(experiments.live.adversaries) on SmolLM2 float32: every node holds the whole model, so each is a one-server
+chain and any other node can re-execute its span. The adversaries announce themselves as the fastest servers,
+so JFFC sends them the first requests; they must be struck twice and banned, the honest ones never struck,
+and the answers after the bans equal local greedy.
+"""
+import json
+import math
+import random
+
+import httpx
+import pytest
+import torch
+
+from swarm.engine.recording import SpanRecorder
+from swarm.trust.verification import EPSILON, CheckPolicy, Ledger, distance, tolerance
+
+
+def test_tolerance_is_the_sum_of_each_dtypes_bound_and_covers_the_measured_spreads():
+    assert tolerance("float32", "bfloat16") == EPSILON["float32"] + EPSILON["bfloat16"]
+    with pytest.raises(ValueError, match="no tolerance for dtype 'int8'"):
+        tolerance("int8", "float32")
+    # the committed measurements (scripts/spread_check.py): every honest spread is within its dtype's bound
+    from experiments.paths import RESULTS
+
+    for name in ("verification_spread.json", "verification_spread_h100.json"):
+        doc = json.loads((RESULTS / name).read_text())
+        for model in doc["models"].values():
+            for row in model["spans"]:
+                dtype = row["dtype"].replace("-tf32", "")
+                if row["max"] is not None:  # Gemma 3 overflows float16 on CPU (not finite): not servable in it
+                    assert row["max"] <= EPSILON[dtype] / 1.5, (name, row)
+
+
+def test_distance_is_per_position_relative_and_nonfinite_is_infinitely_far():
+    ref = torch.randn(5, 64)
+    assert distance(ref, ref) == 0.0
+    off = ref.clone()
+    off[3] *= 1.1
+    assert distance(off, ref) == pytest.approx(0.1, rel=1e-4)
+    off[1, 0] = float("nan")
+    assert distance(off, ref) == math.inf
+    assert distance(ref[:4], ref) == math.inf
+
+
+def test_rates_follow_trust_and_strikes_ban_and_taint_the_answers_since_the_last_pass(tmp_path):
+    policy = CheckPolicy(base_rate=0.05, new_rate=0.25, flagged_rate=1.0, trusted_after=2, strikes_to_ban=2)
+    ledger = Ledger(policy, tmp_path / "bans.json")
+    assert ledger.rate("x") == 0.25
+    ledger.served("r1", ["x", "y"], 100)
+    ledger.served("r2", ["x", "y"], 100)
+    ledger.passed("x", "r1")
+    assert ledger.verdict("r1") == "pending"  # y has not vouched for it yet
+    ledger.passed("y", "r2")  # y vouches for everything it served up to r2
+    assert ledger.verdict("r1") == "true" and ledger.verdict("r2") == "pending"
+    ledger.passed("x", "r2")
+    assert ledger.verdict("r1") == ledger.verdict("r2") == "true"
+    assert ledger.rate("x") == 0.05
+    ledger.served("r3", ["x"], 100)
+    ledger.served("r4", ["x"], 100)
+    assert not ledger.strike("x", "r4", "key-x", "off by 0.3")
+    assert ledger.rate("x") == 1.0 and ledger.verdict("r4") == "false" and ledger.verdict("r3") == "pending"
+    assert ledger.strike("x", "r4", "key-x", "off by 0.3")  # the second strike bans
+    assert ledger.verdict("r3") == "false"  # served since its last passed check
+    assert ledger.verdict("r2") == "true"
+    assert ledger.is_banned("x") and ledger.is_banned("other-id", "key-x") and not ledger.is_banned("y")
+    # bans outlive the orchestrator
+    again = Ledger(policy, tmp_path / "bans.json")
+    assert again.is_banned("x") and again.is_banned("z", "key-x")
+    assert again.status()["banned"]["x"]["reason"] == "off by 0.3"
+
+
+def test_policy_bounds():
+    with pytest.raises(ValueError):
+        CheckPolicy(base_rate=1.5)
+    assert not CheckPolicy(0.0, 0.0, 0.0).enabled
+
+
+def test_a_recording_is_complete_only_when_contiguous_and_a_failover_drops_it():
+    route = [("a", 0, 2), ("b", 2, 4)]
+    rec = SpanRecorder(route, [("b", 2, 4)])
+    assert rec.wants(("b", 2, 4)) and not rec.wants(("a", 0, 2))
+    rec.add(("b", 2, 4), torch.ones(1, 5, 8), torch.ones(1, 5, 8))
+    rec.add(("b", 2, 4), torch.ones(1, 1, 8), torch.ones(1, 1, 8))
+    assert rec.complete(6) and not rec.complete(7)
+    inputs, outputs = rec.traces[("b", 2, 4)].tensors()
+    assert inputs.shape == (6, 8) and outputs.dtype == torch.float32
+    rec.route_changed("failover")
+    assert not rec.complete(6) and rec.reason == "failover"
+    bounded = SpanRecorder(route, [("a", 0, 2)], max_tokens=4)
+    bounded.add(("a", 0, 2), torch.ones(1, 5, 8), torch.ones(1, 5, 8))
+    assert not bounded.valid
+
+
+class _Orch:
+    """The orchestrator surface the checker uses (view, bans, tickets, events), over fixed profiles."""
+
+    def __init__(self, profiles, ledger):
+        from types import SimpleNamespace
+
+        self.view = SimpleNamespace(profiles=profiles)
+        self.ledger, self.suspects, self.events = ledger, {}, []
+        self.pins = SimpleNamespace(owner=lambda node: node.encode())
+
+    def is_banned(self, node):
+        return self.ledger.is_banned(node)
+
+    def ready_chains(self):
+        return []
+
+    def ticket(self, *args):
+        return b"ticket"
+
+    def spot_check_event(self, kind, **data):
+        self.events.append((kind, data))
+
+    def banned_now(self, node):
+        self.events.append(("replan", {"node": node}))
+
+
+def _profiles(nodes):
+    from swarm.trust.records import SERVING, ServerProfile
+
+    return {n: ServerProfile(node_id=n, peer_id=f"peer-{n}", memory_bytes=1, block_bytes=1, cache_bytes_per_token=1,
+                             prefill_s=1e-4, decode_s=1e-3, rtt_s=0.01, state=SERVING, start=0, end=4)
+            for n in nodes}
+
+
+@pytest.mark.parametrize("liar", ["x", "y"])
+def test_the_server_that_disagrees_with_two_others_is_struck_whoever_it_is(liar):
+    """x served the session; y checks it; z settles the mismatch. A lying checker is struck, not x."""
+    from swarm.control.spot_checks import SpotChecker
+
+    ledger = Ledger(CheckPolicy(base_rate=1.0, new_rate=1.0, strikes_to_ban=1))
+    orch = _Orch(_profiles(["x", "y", "z"]), ledger)
+    weights = torch.randn(16, 16) / 4
+
+    def honest(hidden):
+        return hidden + torch.tanh(hidden @ weights)
+
+    def run_span(peer, start, end, hidden, ticket):
+        out = honest(hidden)
+        return out * 1.2 if peer == f"peer-{liar}" else out
+
+    checker = SpotChecker(orch, ledger, run_span=run_span, embed=lambda ids: torch.randn(len(ids), 16),
+                          num_blocks=4, seed=1)
+    try:
+        for i in range(6):  # until y is the checker once (its peers are drawn at random)
+            recorder = checker.recorder([("peer-x", 0, 4)])
+            assert recorder is not None  # rate 1
+            hidden = torch.randn(7, 16)
+            recorder.add(("peer-x", 0, 4), hidden[None], run_span("peer-x", 0, 4, hidden, None)[None])
+            checker.finished(f"r{i}", [("peer-x", 0, 4)], list(range(8)), recorder)
+            assert checker.wait_idle(10)
+            if ledger.is_banned(liar):
+                break
+    finally:
+        checker.close()
+    assert ledger.is_banned(liar)
+    honest_nodes = {"x", "y", "z"} - {liar}
+    assert all(ledger.record(n).strikes == 0 for n in honest_nodes)
+    assert ("server_banned", {"node": liar, "reason": orch.events[-2][1]["reason"]}) in orch.events
+
+
+# -- the real thing ----------------------------------------------------------------------------------------
+
+MEMORY_GB = 0.7  # every node holds SmolLM2's 30 float32 blocks: one-server chains
+
+
+@pytest.mark.swarm
+def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smollm2_dir, tmp_path):
+    from experiments.live import adversaries
+    from real_model import greedy_reference
+    from server.local_swarm import LocalSwarm
+
+    reference = greedy_reference(smollm2_dir)
+    honest = {"prefill_s": 2e-4, "decode_s": 2e-3, "rtt_s": 0.002}
+    with LocalSwarm(smollm2_dir) as local:
+        # the liars announce themselves faster: JFFC gives them the first requests
+        nodes = [local.add_node(node_id=f"h{i}", memory_gb=MEMORY_GB, wait=False, declared_profile=honest,
+                                torch_dtype="float32") for i in range(2)]
+        nodes.append(local.add_node(node_id="skip", memory_gb=MEMORY_GB, wait=False, torch_dtype="float32",
+                                    declared_profile={**honest, "decode_s": 5e-4},
+                                    process_main=adversaries.main(adversaries.Adversary("skip"))))
+        nodes.append(local.add_node(node_id="noise", memory_gb=MEMORY_GB, wait=False, torch_dtype="float32",
+                                    declared_profile={**honest, "decode_s": 1e-3},
+                                    process_main=adversaries.main(adversaries.Adversary("noise", scale=0.05))))
+        for node in nodes:
+            local.wait_profiled(node, timeout=180)
+        # a high expected rate: the planner puts every node to work (no standby), four one-server chains
+        local.add_orchestrator(expected_rate=50.0, max_length=256, expected_input_tokens=32, expected_output_tokens=8,
+                               refresh_s=0.5, torch_dtype="float32", spot_check_rate=1.0, spot_check_new_rate=1.0,
+                               state_dir=str(tmp_path / "state"))
+        status = local.wait_chains_ready(timeout=240)
+        assert sorted(s for c in status["chains"] for s in c["servers"]) == ["h0", "h1", "noise", "skip"], status
+        url = local.orchestrator.info["url"]
+        rng = random.Random(0)
+        served, answers, after_bans = {}, [], 0
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for i in range(30):
+                prompt = f"Question {i}: name {rng.choice(['a colour', 'a river', 'a planet', 'a tree'])}. Answer:"
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+                assert r.status_code == 200, r.text
+                doc = r.json()
+                served[doc["chainswarm"]["request_id"]] = doc["chainswarm"]["servers"]
+                answers.append((prompt, doc["choices"][0]["text"], doc["chainswarm"]["servers"]))
+                assert doc["chainswarm"]["verified"] in ("pending", "false")
+                status = http.get("/v1/swarm").json()
+                banned = {n for n, s in status["verification"]["servers"].items() if s["banned"]}
+                if banned == {"skip", "noise"}:
+                    after_bans += 1
+                    if after_bans > 3:
+                        break
+            status = http.get("/v1/swarm").json()
+            verification = status["verification"]
+            assert set(verification["banned"]) == {"skip", "noise"}, verification
+            assert all(verification["servers"].get(n, {"strikes": 0})["strikes"] == 0 for n in ("h0", "h1"))
+            kinds = [e["event"] for e in status["events"]]
+            assert kinds.count("server_banned") == 2
+            liars = [rid for rid, servers in served.items() if set(servers) & {"skip", "noise"}]
+            assert liars
+            for rid in liars:  # every answer a liar gave is marked
+                assert http.get(f"/v1/swarm/requests/{rid}").json()["verified"] == "false"
+            assert http.get("/v1/swarm/requests/nope").status_code == 404
+            metrics = http.get("/metrics").text
+            assert "chainswarm_servers_banned 2.0" in metrics
+        for prompt, text, servers in answers:
+            if not set(servers) & {"skip", "noise"}:
+                assert text == reference(prompt, 6)
+        assert any(not set(s) & {"skip", "noise"} for _, _, s in answers)  # some ran after the bans
+        bans = json.loads((tmp_path / "state" / "bans.json").read_text())["banned"]
+        assert set(bans) == {"skip", "noise"}
