@@ -226,9 +226,31 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
             assert http.get("/v1/swarm/requests/nope").status_code == 404
             metrics = http.get("/metrics").text
             assert "chainswarm_servers_banned 2.0" in metrics
+        _dashboard_shows_the_bans(url, {"skip", "noise"})
         for prompt, text, servers in answers:
             if not set(servers) & {"skip", "noise"}:
                 assert text == reference(prompt, 6)
         assert any(not set(s) & {"skip", "noise"} for _, _, s in answers)  # some ran after the bans
         bans = json.loads((tmp_path / "state" / "bans.json").read_text())["banned"]
         assert set(bans) == {"skip", "noise"}
+
+
+def _dashboard_shows_the_bans(url: str, banned: set) -> None:
+    """As an operator sees it: headless Chromium, the block map's rows of the banned servers say so."""
+    from browser import Browser, missing
+    from helpers import wait_for
+
+    if missing() is not None:
+        return  # `make browser` installs Chromium; the API checks above stand without it
+    browser = Browser()
+    try:
+        browser.driver.get(url + "/")
+        rows = wait_for(lambda: browser.driver.execute_script(
+            "return [...document.querySelectorAll('#block-map .name')].map(n => [n.textContent, n.dataset.state])")
+            or None, 30, period=0.2, what="the block map")
+        assert {name for name, state in rows if state == "banned"} == banned, rows
+        caption = browser.driver.execute_script("return document.getElementById('blocks-caption').textContent")
+        assert f"{len(banned)} banned" in caption, caption
+        assert browser.console_errors(()) == []
+    finally:
+        browser.close()

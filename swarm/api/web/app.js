@@ -130,7 +130,10 @@ class Dashboard {
 
   renderBlocks(doc) {
     const blocks = doc.num_blocks || doc.plan?.inputs?.model?.num_blocks || 1;
-    $("blocks-caption").textContent = `${blocks} blocks; each bar is the server's planned span`;
+    const checks = doc.verification;
+    const verified = checks ? `; spot checks: ${checks.counts.passed} passed, ${checks.counts.strikes} strikes, `
+      + `${Object.keys(checks.banned).length} banned (overhead ${(100 * checks.overhead).toFixed(1)}%)` : "";
+    $("blocks-caption").textContent = `${blocks} blocks; each bar is the server's planned span${verified}`;
     const slots = new Map(); // node -> [used, total] sessions over the chains it is on
     for (const chain of doc.chains) {
       for (const node of new Set(chain.servers)) {
@@ -146,6 +149,7 @@ class Dashboard {
         : server.start !== null && server.end > server.start ? [server.start, server.end] : [null, null];
       let state = server.state === "serving" ? "serving" : "loading";
       if (server.suspect) state = "suspect";
+      if (server.banned) state = "banned";  // caught by the spot checks (its answers were wrong)
       if (!current.has(server.node_id)) state = "gone";
       return {server, start, end, state};
     });
@@ -163,7 +167,7 @@ class Dashboard {
         bar.style.width = `${(100 * (end - start)) / blocks}%`;
         track.append(bar);
       }
-      const label = state === "loading" || state === "suspect" || state === "gone"
+      const label = state === "loading" || state === "suspect" || state === "gone" || state === "banned"
         ? (state === "loading" ? server.state : state) : "serving";
       const n = start === null ? 0 : end - start;
       const [used, total] = state === "gone" ? [0, 0] : slots.get(server.node_id) || [0, 0];
