@@ -124,7 +124,7 @@ def _profiles(nodes):
     from swarm.trust.records import SERVING, ServerProfile
 
     return {n: ServerProfile(node_id=n, peer_id=f"peer-{n}", memory_bytes=1, block_bytes=1, cache_bytes_per_token=1,
-                             prefill_s=1e-4, decode_s=1e-3, rtt_s=0.01, state=SERVING, start=0, end=4)
+                             prefill_s=1e-4, decode_s=1e-3, rtt_s=0.01, state=SERVING, start=0, end=4, cache_slots=4)
             for n in nodes}
 
 
@@ -199,6 +199,11 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
         rng = random.Random(0)
         served, answers, after_bans = {}, [], 0
         with httpx.Client(base_url=url, timeout=120) as http:
+            # dual execution first: the liars get it (the fastest chains), every span is re-executed at once, the
+            # liar disagrees with two others on each attempt: the answer is withheld, never sent
+            dual = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "dual_execution": True}
+            r = http.post("/v1/completions", json=dual)
+            assert r.status_code == 503 and "dual execution" in r.json()["error"]["message"], r.text
             for i in range(30):
                 prompt = f"Question {i}: name {rng.choice(['a colour', 'a river', 'a planet', 'a tree'])}. Answer:"
                 r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
@@ -224,6 +229,11 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
             for rid in liars:  # every answer a liar gave is marked
                 assert http.get(f"/v1/swarm/requests/{rid}").json()["verified"] == "false"
             assert http.get("/v1/swarm/requests/nope").status_code == 404
+            r = http.post("/v1/completions", json=dual)  # on honest servers now: both executions agree
+            assert r.status_code == 200, r.text
+            assert r.json()["chainswarm"]["verified"] == "true"
+            assert r.json()["choices"][0]["text"] == reference(dual["prompt"], 6)
+            assert http.get("/v1/swarm").json()["verification"]["counts"]["dual_executions"] >= 2
             metrics = http.get("/metrics").text
             assert "chainswarm_servers_banned 2.0" in metrics
         _dashboard_shows_the_bans(url, {"skip", "noise"})

@@ -171,6 +171,56 @@ def chaos_table() -> str:
     return "\n".join(out) + "\n"
 
 
+# -- verification_spread*.json, bench_verification.json (spot checks) ----------------------------------------
+
+def verification_spread_table() -> str:
+    """The honest spreads behind the spot checks' tolerance: worst relative L2 per position, each dtype against
+    CPU float32, over every measured span length."""
+    cpu, gpu = load("verification_spread.json"), load("verification_spread_h100.json")
+    out = [_row(["model", "where", "span lengths (blocks)", "float32", "TF32", "float16", "bfloat16"]), _row(["---"] * 7)]
+    for doc, where in ((cpu, "CPU"), (gpu, gpu["device"].replace("NVIDIA ", ""))):
+        for model, m in doc["models"].items():
+            values: dict[str, list] = {}
+            for row in m["spans"]:
+                values.setdefault(row["dtype"], []).append(row["max"])
+            lengths = sorted({row["blocks"] for row in m["spans"]})
+
+            def cell(dtype):
+                if dtype not in values:
+                    return "–"
+                worst = values[dtype]
+                return "not finite" if None in worst else ("0" if max(worst) == 0 else _sci(max(worst)))
+            out.append(_row([model, where, f"{lengths[0]}–{lengths[-1]}", cell("float32"), cell("float32-tf32"),
+                             cell("float16"), cell("bfloat16")]))
+    return "\n".join(out) + "\n"
+
+
+def verification_table() -> str:
+    d = load("bench_verification.json")
+    honest, adv = d["honest"], d["adversaries"]
+    out = [f"`python -m experiments.bench.verification` ([bench_verification.json](results/bench_verification.json), "
+           f"[plot](results/bench_verification.png)), {d['model']} in {d['dtype']}, {d['tokens']} tokens per session, "
+           "default rates.", "",
+           _row(["adversary", "what it does", "trials", "banned", "dishonest sessions before the ban: median / P95 / max"]),
+           _row(["---"] * 5)]
+    what = {"noise": f"noise {adv['scale']:.0%} × RMS on its last block's output",
+            "weights": f"another checkpoint (weights × (1 + {adv['scale']}·N(0,1)))",
+            "skip": "skips its last block", "late": f"honest for {adv['late_after']} sessions, then noise",
+            "ordinary": "noise on decode steps only (never on a prefill)"}
+    for kind, row in adv["kinds"].items():
+        out.append(_row([f"`{kind}`", what.get(kind, ""), str(len(row["trials"])), f"{row['detected']:.0%}",
+                         f"{row['median_sessions']:g} / {row['p95_sessions']:g} / {row['max_sessions']}"]))
+    counts = honest["counts"]
+    out += ["", f"Honest part: {honest['sessions']:,} sessions on {honest['servers']} honest servers "
+            f"({' and '.join(' → '.join(c) for c in honest['chains'])}): {counts['checks']} checks, "
+            f"{counts['passed']} passed, {counts['skipped']} could not run, {counts['unchecked']} spans without a "
+            f"second holder, {sum(honest['strikes'].values())} strikes; overhead "
+            f"{honest['overhead']:.1%} of the block-positions served. Strikes on the adversary part's honest servers: "
+            f"{adv['strikes_on_honest']}. Targets: "
+            + ", ".join(f"{k.replace('_', ' ')} {'✓' if v else '✗'}" for k, v in d["targets"].items()) + "."]
+    return "\n".join(out) + "\n"
+
+
 def headline() -> list[tuple[str, str, str, str]]:
     """(what, value, JSON file(s) separated by spaces, docs page) of each headline result; the README's table states these values."""
     bench = load("bench_batching.json")
@@ -188,6 +238,8 @@ def headline() -> list[tuple[str, str, str, str]]:
     gemma_multi = _by_sessions(gemma["results"]["chainswarm_multi"])
     runtime = load("bench_runtime.json")["splits"]
     device = load("device_check_h200.json")
+    verify = load("bench_verification.json")
+    kinds = verify["adversaries"]["kinds"]
     f32 = [g for g in device["goldens"] if g["dtype"] == "float32"]
     steps = device["block_step_ms"]
     return [
@@ -222,6 +274,12 @@ def headline() -> list[tuple[str, str, str, str]]:
         ("Streamed `/v1/completions` per token ÷ vanilla petals, 2 / 3 servers",
          " / ".join(f"{s['results']['chainswarm_http']['per_token_ratio']:.2f}×" for s in runtime),
          "bench_runtime.json", "runtime.md"),
+        ("Spot checks: hostile volunteers banned (5 kinds), most dishonest sessions before a ban; overhead; false strikes",
+         f"{sum(k['detected'] * len(k['trials']) for k in kinds.values()):.0f} of "
+         f"{sum(len(k['trials']) for k in kinds.values())}; {max(k['max_sessions'] for k in kinds.values())}; "
+         f"{verify['honest']['overhead']:.1%}; "
+         f"{sum(verify['honest']['strikes'].values()) + verify['adversaries']['strikes_on_honest']}",
+         "bench_verification.json", "security.md"),
         ("H200: float32 max relative hidden error, every family; greedy tokens equal",
          _sci(max(g["hidden_rel_err"] for g in f32)) + "; "
          + ("all" if all(g["tokens_agree"] for g in device["goldens"]) else "NOT all"),
@@ -255,6 +313,8 @@ def write(out_dir: Path) -> None:
     generated = {"batching.md": batching_table(), "device_check.md": device_check_table().replace(
                      "](results/", "](reference/results/"),
                  "runtime.md": runtime_table(), "soak.md": soak_table(), "chaos.md": chaos_table(),
+                 "verification_spread.md": verification_spread_table(),
+                 "verification.md": verification_table().replace("](results/", "](reference/results/"),
                  "headline.md": headline_table("reference/results/", "")}
     for name, text in generated.items():
         (tables / name).write_text(text)
@@ -272,6 +332,8 @@ def write(out_dir: Path) -> None:
             runtime_table(), "",
             "## Soak", "", "`python -m experiments.bench.soak` ([bench_soak.json](results/bench_soak.json), "
             "[plot](results/bench_soak.png)); see [Liveness](../liveness.md).", "", soak_table(), "",
+            "## Spot checks", "", "Honest spreads (`scripts/spread_check.py`):", "", verification_spread_table(), "",
+            verification_table(), "",
             "## Report sections", "",
             *(f"* [{p.stem}](results/sections/{p.name})" for p in sorted((RESULTS / "sections").glob("*.md"))), ""]
     (out_dir / "results.md").write_text("\n".join(page))

@@ -53,6 +53,9 @@ class _Sampling(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id -> bias in [-100, 100]")
     user: Optional[str] = Field(None, max_length=256, description="client id when the orchestrator has no API keys")
+    dual_execution: bool = Field(False, description="Chainswarm: every span of the session is re-executed on "
+                                 "another server and the answer is sent only when both agree (costs the client "
+                                 "twice the tokens; a disagreement bans the liar as any spot check and reruns)")
     # the sampling extensions serving tools send (vLLM's meaning)
     ignore_eos: bool = Field(False, description="the end-of-sequence token does not end the generation (vLLM); "
                              "max_tokens does")

@@ -79,6 +79,12 @@ class OpenAIServing:
         self.client_of = client_of
         self._char_limit: int | None = None  # characters a prompt of max_length tokens can have (computed once)
 
+    @property
+    def dual_clients(self) -> set[str]:
+        """Clients whose every request runs with dual execution (``--dual-execution-clients``)."""
+        config = getattr(getattr(self.runner, "orchestrator", None), "config", None)
+        return set(getattr(config, "dual_execution_clients", None) or ())
+
     # -- admission -------------------------------------------------------------------------------------
     def check(self, body, unsupported, chars: int) -> None:
         """Refuse what cannot be served before any work (``chars``: the prompt's or the messages' length)."""
@@ -117,7 +123,7 @@ class OpenAIServing:
 
     # -- the n runs ------------------------------------------------------------------------------------
     async def choices(self, client: str, input_ids: list[int], params: list[SamplingParams],
-                      request: Request) -> AsyncIterator[tuple[int, int | Finished]]:
+                      request: Request, dual: bool = False) -> AsyncIterator[tuple[int, int | Finished]]:
         """Items of all ``n`` runs as ``(choice index, token or Finished)``; the first failure ends them all."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -129,7 +135,8 @@ class OpenAIServing:
             except Exception as exc:  # noqa: BLE001 - handed to the consumer
                 await queue.put((index, exc))
 
-        tasks = [asyncio.ensure_future(drain(i, self.runner.run(client, input_ids, p, request.is_disconnected)))
+        tasks = [asyncio.ensure_future(drain(i, self.runner.run(client, input_ids, p, request.is_disconnected,
+                                                                dual=dual)))
                  for i, p in enumerate(params)]
         try:
             finished = 0
@@ -149,7 +156,8 @@ class OpenAIServing:
         meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.model_name}
         params = self.sampling(body, input_ids, max_tokens, logprobs, grammar)
-        return body.stop_strings(), meta, self.choices(client, input_ids, params, request)
+        dual = getattr(body, "dual_execution", False) or client in self.dual_clients
+        return body.stop_strings(), meta, self.choices(client, input_ids, params, request, dual)
 
     @staticmethod
     async def first_or_refuse(items: AsyncIterator):

@@ -150,6 +150,11 @@ class OrchestratorOptions:
                                     help="where no other server holds a span, the orchestrator re-executes it "
                                     "itself (float32, from its checkpoint folder; costs its CPU and memory). "
                                     "It always does to settle a mismatch when no third server holds the span")
+    dual_execution_clients: list[str] = option(default_factory=list, nargs="*", metavar="CLIENT",
+                                               help="clients (API-key names) whose every request runs with dual "
+                                               "execution: re-executed span by span on other servers, the answer "
+                                               "only when both agree, charged twice (a request can ask for it "
+                                               "itself: dual_execution)")
     spot_check_strikes: int = option(2, metavar="N", help="strikes (disagreeing with two others) that ban a server's "
                                      "node id and key for good (default 2; kept in the state directory)")
 

@@ -90,15 +90,24 @@ class SpotChecker:
         return next((node for node, p in self._profiles().items() if p.peer_id == peer), None)
 
     def _holders(self, start: int, end: int, exclude: set[str]) -> list[tuple[str, records.ServerProfile]]:
-        """Serving, unbanned servers whose loaded span covers ``[start, end)``, outside ``exclude`` (node ids)."""
+        """Serving, unbanned servers with KV memory (a standby server has none) whose loaded span covers
+        ``[start, end)``, outside ``exclude`` (node ids)."""
         return [(node, p) for node, p in self._profiles().items()
-                if node not in exclude and p.state == records.SERVING and p.start is not None
+                if node not in exclude and p.state == records.SERVING and p.start is not None and p.cache_slots > 0
                 and p.start <= start and end <= p.end and not self.orchestrator.is_banned(node)
                 and node not in self.orchestrator.suspects]
 
     # -- sessions ------------------------------------------------------------------------------------------
-    def recorder(self, route: Sequence[tuple[str, int, int]]) -> Optional[SpanRecorder]:
-        """A recorder if this session is drawn for a check (each span at its server's rate), else None."""
+    def recorder(self, route: Sequence[tuple[str, int, int]], *, dual: bool = False) -> Optional[SpanRecorder]:
+        """A recorder if this session is drawn for a check (each span at its server's rate), else None. ``dual``
+        (dual execution): every span, whatever the rates; raises ``RuntimeError`` if one cannot be re-executed."""
+        if dual:
+            lonely = [(s, e) for p, s, e in route if not self.local_checker
+                      and not self._holders(s, e, {self.node_of(p) or p})]
+            if lonely:
+                raise RuntimeError(f"dual execution needs a second server for every span; blocks "
+                                   f"[{lonely[0][0]}, {lonely[0][1]}) have none")
+            return SpanRecorder(route, route)
         if not self.policy.enabled:
             return None
         rates = {}
@@ -132,6 +141,18 @@ class SpotChecker:
                 break
         self._idle.clear()
         self._jobs.put(CheckJob(request_id, list(token_ids), recorder))
+
+    def verify_now(self, request_id: str, route, token_ids: Sequence[int], recorder: SpanRecorder) -> bool:
+        """Dual execution (blocking): re-execute every span of the finished session now; True when every span
+        matched. A mismatch is settled (and struck) as in any check."""
+        nodes = [self.node_of(peer) or peer for peer, _, _ in route]
+        self.ledger.served(request_id, nodes, (len(token_ids) - 1) * self.num_blocks)
+        if not recorder.complete(len(token_ids) - 1):
+            return False
+        job = CheckJob(request_id, list(token_ids), recorder)
+        outcomes = [self._check(job, trace) for trace in list(recorder.traces.values())]
+        self.ledger.count("dual_executions")
+        return all(o in ("passed", "checker_struck") for o in outcomes)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until every queued check has run (tests, benchmarks)."""
@@ -189,12 +210,14 @@ class SpotChecker:
             block = end
         return hidden, cost
 
-    def _check(self, job: CheckJob, trace: SpanTrace) -> None:
+    def _check(self, job: CheckJob, trace: SpanTrace) -> str:
+        """Check one span; returns ``passed``, ``struck`` (the checked server), ``checker_struck`` (it passed:
+        the checker lied), ``inconclusive`` or ``unchecked``."""
         peer, start, end = trace.span
         x_node = self.node_of(peer)
         profiles = self._profiles()
         if x_node is None or self.orchestrator.is_banned(x_node):
-            return
+            return "unchecked"
         inputs, outputs = trace.tensors()
         exclude, slack = {x_node}, 0.0
         if trace.offset:  # the session reused a prompt prefix: its inputs are recomputed upstream
@@ -214,17 +237,18 @@ class SpotChecker:
         if not opinions:  # nobody else holds the span: the orchestrator's own computation is the reference
             if self.local_span is None or not self.local_checker:
                 self.ledger.count("unchecked")
-                return
+                return "unchecked"
             opinions.append(self._opinion(None, None, start, end, inputs))
         y = opinions[0]
         y.outputs = y.outputs[trace.offset:]
         same, d_xy = x.agrees(y, positions, slack)
         if same:
             self.ledger.passed(x_node, job.request_id)
-            return
+            return "passed"
         self.ledger.count("mismatches")
         if y.node is None:  # the orchestrator's own arithmetic decides alone
-            return self._strike(x_node, job, f"blocks [{start}, {end}) off by {d_xy:.3g} from the orchestrator's")
+            self._strike(x_node, job, f"blocks [{start}, {end}) off by {d_xy:.3g} from the orchestrator's")
+            return "struck"
         third = [(n, p) for n, p in candidates[1:]]
         z = (self._opinion(*third[0], start, end, inputs) if third else
              self._opinion(None, None, start, end, inputs) if self.local_span is not None else None)
@@ -232,19 +256,21 @@ class SpotChecker:
             self.ledger.count("inconclusive")
             self.orchestrator.spot_check_event("spot_check_inconclusive", node=x_node, request=job.request_id,
                                                reason="no third opinion", distance=d_xy)
-            return
+            return "inconclusive"
         z.outputs = z.outputs[trace.offset:]
         x_z, d_xz = x.agrees(z, positions, slack)
         y_z, d_yz = y.agrees(z, positions, slack)
         if y_z and not x_z:
             self._strike(x_node, job, f"blocks [{start}, {end}) off by {d_xy:.3g} and {d_xz:.3g} from two others")
-        elif x_z and not y_z:
+            return "struck"
+        if x_z and not y_z:
             self.ledger.passed(x_node, job.request_id)
             self._strike(y.node, job, f"its check of blocks [{start}, {end}) off by {d_xy:.3g} and {d_yz:.3g}")
-        else:
-            self.ledger.count("inconclusive")
-            self.orchestrator.spot_check_event("spot_check_inconclusive", node=x_node, request=job.request_id,
-                                               reason="the three opinions disagree", distance=d_xy)
+            return "checker_struck"
+        self.ledger.count("inconclusive")
+        self.orchestrator.spot_check_event("spot_check_inconclusive", node=x_node, request=job.request_id,
+                                           reason="the three opinions disagree", distance=d_xy)
+        return "inconclusive"
 
     def _positions(self, count: int) -> torch.Tensor:
         picked = set(self._rng.sample(range(count), min(count, self.policy.positions - 1))) | {count - 1}
@@ -282,10 +308,9 @@ class LocalSpans:
             return hidden[0]
 
 
-def attach(orchestrator, engine, model_dir: str, *, seed: Optional[int] = None) -> Optional[SpotChecker]:
-    """Start the spot checks of ``orchestrator``'s servers through ``engine`` (None when its policy is off)."""
-    if not orchestrator.ledger.policy.enabled:
-        return None
+def attach(orchestrator, engine, model_dir: str, *, seed: Optional[int] = None) -> SpotChecker:
+    """Start the spot checks of ``orchestrator``'s servers through ``engine`` (with the rates at 0 it only serves
+    dual-execution requests)."""
     checker = SpotChecker(orchestrator, orchestrator.ledger, run_span=engine.run_span, embed=engine.embed,
                           local_span=LocalSpans(model_dir), num_blocks=orchestrator.config.num_blocks,
                           dtype=orchestrator.config.torch_dtype, local_checker=orchestrator.config.spot_check_local,

@@ -92,6 +92,10 @@ class _LoopProvider:
         pass  # the runner finishes the request itself
 
 
+class _DualImpossible(CompletionFailed):
+    """Dual execution cannot run on the granted chain (no second server for one of its spans)."""
+
+
 class _Stopped(Exception):
     """The runner stopped a session (``reason``: ``stalled`` or ``client_gone``); its request still runs."""
 
@@ -125,10 +129,34 @@ class CompletionRunner:
         return min(self.stall_cap_s, max(self.stall_floor_s, self.stall_factor * planned))
 
     async def run(self, client: str, input_ids: list[int], params: SamplingParams,
-                  is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[int | Finished]:
+                  is_disconnected: Callable[[], Awaitable[bool]], *, dual: bool = False
+                  ) -> AsyncIterator[int | Finished]:
         """Yield generated token ids, then a :class:`Finished`. Raises ``ValueError`` (too long for the swarm),
         the orchestrator's ``NoChainsError``/``QueueFull``/``QueueTimeout``, :class:`ClientGone` or
-        :class:`CompletionFailed`."""
+        :class:`CompletionFailed`.
+
+        ``dual`` (dual execution): every span of the session is re-executed on another server before anything
+        is sent (:meth:`swarm.control.spot_checks.SpotChecker.verify_now`); the tokens come only when all agree.
+        A disagreement is settled and struck as any spot check, and the request runs again, up to
+        ``max_attempts`` times; then :class:`CompletionFailed`."""
+        if not dual:
+            async for item in self._run(client, input_ids, params, is_disconnected, False):
+                yield item
+            return
+        for attempt in range(1, self.max_attempts + 1):
+            items = []
+            async for item in self._run(client, input_ids, params, is_disconnected, True):
+                items.append(item)
+            if items[-1].verified == "true":
+                for item in items:
+                    yield item
+                return
+            logger.warning("dual execution of a request of %s: the servers disagreed (attempt %d)", client, attempt)
+        raise CompletionFailed(f"dual execution: the servers disagreed on all {self.max_attempts} attempts; the "
+                               "answer was withheld")
+
+    async def _run(self, client: str, input_ids: list[int], params: SamplingParams,
+                   is_disconnected: Callable[[], Awaitable[bool]], dual: bool) -> AsyncIterator[int | Finished]:
         page_hashes = self.orchestrator.prompt_hashes(input_ids)
         submitted = time.monotonic()
         last_token: float | None = None
@@ -144,7 +172,7 @@ class CompletionRunner:
             produced: list[int] = []
             control = SessionControl()
             session = self._session(grant, client, input_ids, params, page_hashes, is_disconnected, control,
-                                    prior if prior.tokens else None)
+                                    prior if prior.tokens else None, dual)
             try:
                 async with contextlib.aclosing(session):
                     async for item in session:
@@ -167,6 +195,9 @@ class CompletionRunner:
                         yield item
             except (GeneratorExit, asyncio.CancelledError):  # the consumer went away mid-stream (streamed client left)
                 self.metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
+                raise
+            except _DualImpossible:
+                self.orchestrator.abort(grant.request_id)
                 raise
             except _Stopped as stop:
                 if stop.reason == "client_gone":
@@ -218,7 +249,7 @@ class CompletionRunner:
                 waiting.cancel()
 
     async def _session(self, grant, client, input_ids, params, page_hashes, is_disconnected,
-                       control: SessionControl, prior: Progress | None):
+                       control: SessionControl, prior: Progress | None, dual: bool = False):
         """Run the granted session; yields its new tokens, then :class:`Finished` (with every token of the
         request). On a failure it raises (:class:`_Stopped` for a stall or a client that left) and leaves the
         request running in the orchestrator: the caller resumes or aborts it."""
@@ -248,7 +279,12 @@ class CompletionRunner:
                                       grant.matched_tokens)
 
         checks = getattr(orchestrator, "checks", None)  # spot checks: is this session drawn (swarm.control.spot_checks)
-        recorder = checks.recorder(chain.route) if checks is not None else None
+        if dual and checks is None:
+            raise _DualImpossible("dual execution needs the orchestrator's spot checker (a generation engine)")
+        try:
+            recorder = checks.recorder(chain.route, dual=dual) if checks is not None else None
+        except RuntimeError as exc:  # a span no other server holds
+            raise _DualImpossible(str(exc)) from None
 
         def generate():
             return engine.generate(lease, _LoopProvider(orchestrator, loop), input_ids, params, on_token,
@@ -289,11 +325,17 @@ class CompletionRunner:
                     raise _Stopped("stalled")
             settled = True
             result = task.result()
+            if dual:  # the second execution is charged to the client as the first one's tokens again
+                orchestrator.tokens(grant.request_id, len(result.token_ids))
             orchestrator.finish(grant.request_id, len(result.token_ids))
             prefix.update(reused=result.reused_tokens, prefill=result.prefill_tokens, restarts=result.restarts)
-            verified = None
-            if checks is not None:
-                checks.finished(grant.request_id, lease.route, list(input_ids) + result.token_ids, recorder)
+            verified, tokens = None, list(input_ids) + result.token_ids
+            if dual:
+                agreed = await loop.run_in_executor(engine.executor, checks.verify_now, grant.request_id,
+                                                    lease.route, tokens, recorder)
+                verified = "true" if agreed else "false"
+            elif checks is not None:
+                checks.finished(grant.request_id, lease.route, tokens, recorder)
                 verified = orchestrator.ledger.verdict(grant.request_id)
             yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
                            list(chain.route), 0.0, 0.0, prefix, logprobs=result.logprobs,
