@@ -92,8 +92,9 @@ class _LoopProvider:
         pass  # the runner finishes the request itself
 
 
-class _DualImpossible(CompletionFailed):
-    """Dual execution cannot run on the granted chain (no second server for one of its spans)."""
+class DualExecutionUnavailable(ValueError):
+    """Dual execution cannot run here (no second server holds one of the granted chain's spans): a 400, as a
+    request the swarm cannot take."""
 
 
 class _Stopped(Exception):
@@ -196,7 +197,7 @@ class CompletionRunner:
             except (GeneratorExit, asyncio.CancelledError):  # the consumer went away mid-stream (streamed client left)
                 self.metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
                 raise
-            except _DualImpossible:
+            except DualExecutionUnavailable:
                 self.orchestrator.abort(grant.request_id)
                 raise
             except _Stopped as stop:
@@ -280,11 +281,11 @@ class CompletionRunner:
 
         checks = getattr(orchestrator, "checks", None)  # spot checks: is this session drawn (swarm.control.spot_checks)
         if dual and checks is None:
-            raise _DualImpossible("dual execution needs the orchestrator's spot checker (a generation engine)")
+            raise DualExecutionUnavailable("dual execution needs the orchestrator's spot checker (a generation engine)")
         try:
             recorder = checks.recorder(chain.route, dual=dual) if checks is not None else None
         except RuntimeError as exc:  # a span no other server holds
-            raise _DualImpossible(str(exc)) from None
+            raise DualExecutionUnavailable(str(exc)) from None
 
         def generate():
             return engine.generate(lease, _LoopProvider(orchestrator, loop), input_ids, params, on_token,
