@@ -23,6 +23,7 @@ import random
 import time
 from pathlib import Path
 
+from experiments.bench.cli import add_common, model_dir as checkpoint, replotted
 from experiments.bench.soak import CLIENTS, TOPICS, Soak, percentile
 from experiments.paths import RESULTS
 
@@ -249,7 +250,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, cached)")
+    add_common(parser, RESULTS / "bench_chaos.json")
     parser.add_argument("--servers", type=int, default=5)
     parser.add_argument("--min-servers", type=int, default=3, help="never kill or stop below this many (default 3)")
     parser.add_argument("--memory-gb", type=float, default=0.2, help="memory budget per server (default 0.2)")
@@ -259,20 +260,15 @@ def main(argv=None) -> int:
     parser.add_argument("--gap", type=float, nargs=2, default=(45.0, 90.0), metavar=("MIN", "MAX"),
                         help="seconds between events (default 45 90)")
     parser.add_argument("--client-timeout", type=float, default=600.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_chaos.json")
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON at --out; run nothing")
     args = parser.parse_args(argv)
-    if args.replot:
-        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+    if replotted(args, plot):
         return 0
     import httpx
     from tqdm import tqdm
 
     from server.local_swarm import LocalSwarm
-    from swarm.model.store import DEFAULT_MODEL, ensure_model
 
-    model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
+    model_dir = checkpoint(args, DTYPE)
     expected = references(model_dir)
     wall = time.monotonic()
     with LocalSwarm(model_dir) as swarm:

@@ -26,6 +26,9 @@ import random
 import time
 from pathlib import Path
 
+from experiments.bench.cli import add_common, model_dir as checkpoint, replotted
+from experiments.paths import RESULTS
+
 DTYPE = "float32"
 CLIENTS = ("alice", "bob", "carol")
 TOPICS = ("the weather", "a short poem about rivers", "the history of tea", "how bicycles work", "volcanoes",
@@ -172,25 +175,19 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, cached)")
+    add_common(parser, RESULTS / "bench_soak.json")
     parser.add_argument("--phase-s", type=float, default=120.0, help="seconds per Poisson phase (default 120)")
     parser.add_argument("--memory-gb", type=float, default=0.2, help="memory budget per server (default 0.2)")
     parser.add_argument("--client-timeout", type=float, default=900.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="experiments/results/bench_soak.json")
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON at --out; run nothing")
     args = parser.parse_args(argv)
-    if args.replot:
-        out = Path(args.out)
-        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+    if replotted(args, plot):
         return 0
     import httpx
     from tqdm import tqdm
 
     from server.local_swarm import LocalSwarm
-    from swarm.model.store import DEFAULT_MODEL, ensure_model
 
-    model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
+    model_dir = checkpoint(args, DTYPE)
     with LocalSwarm(model_dir) as swarm:
         url = swarm.add_orchestrator(policy="dlpm", expected_rate=1.0, max_length=512, expected_input_tokens=24,
                                      expected_output_tokens=16, refresh_s=0.5, torch_dtype=DTYPE).info["url"]

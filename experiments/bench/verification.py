@@ -27,6 +27,7 @@ import random
 import time
 from pathlib import Path
 
+from experiments.bench.cli import add_common, model_dir as checkpoint, replotted
 from experiments.bench.soak import percentile
 from experiments.paths import RESULTS
 
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     from experiments.live.adversaries import KINDS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, cached)")
+    add_common(parser, RESULTS / "bench_verification.json")
     parser.add_argument("--honest", type=int, default=1000, help="honest sessions (default 1000)")
     parser.add_argument("--servers", type=int, default=4, help="honest nodes of the honest part (default 4)")
     parser.add_argument("--memory-gb", type=float, default=0.24,
@@ -199,18 +200,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-sessions", type=int, default=200, help="dishonest sessions before giving up")
     parser.add_argument("--scale", type=float, default=0.05, help="noise / weight perturbation (default 0.05)")
     parser.add_argument("--late-after", type=int, default=20, help="late: honest sessions first (default 20)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_verification.json")
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON at --out; run nothing")
     args = parser.parse_args(argv)
-    if args.replot:
-        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+    if replotted(args, plot):
         return 0
     from tqdm import tqdm
 
-    from swarm.model.store import DEFAULT_MODEL, ensure_model
-
-    model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
+    model_dir = checkpoint(args, DTYPE)
     wall = time.monotonic()
     report = {"command": "python -m experiments.bench.verification", "model": Path(model_dir).name, "dtype": DTYPE,
               "tokens": args.tokens, "rates": {"base": 0.05, "new": 0.25, "strikes_to_ban": 2}}
