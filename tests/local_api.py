@@ -72,7 +72,7 @@ class LocalRunner:
                         break
         return Finished(produced, finish, "local", ["local"], [], 0.0, 0.0, {}, logprobs=chooser.logprobs)
 
-    async def run(self, client, input_ids, params, is_disconnected):
+    async def run(self, client, input_ids, params, is_disconnected, *, dual=False):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         task = loop.run_in_executor(None, self._generate, input_ids, params,

@@ -48,7 +48,7 @@ def _stream(model, swarm):
 
     peer, start, end = swarm.route[0]
     return _Stream(model.transformer.h.sequence_manager.state.p2p, peer,
-                   model.transformer.h.sequence_manager.block_uids[start:end])
+                   model.transformer.h.sequence_manager.block_uids[start:end], (peer, start, end))
 
 
 def _exchange(stream, metadata, tensors):

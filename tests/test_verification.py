@@ -119,6 +119,12 @@ class _Orch:
     def banned_now(self, node):
         self.events.append(("replan", {"node": node}))
 
+    def hold_for_check(self, node, start, end, tokens):
+        return f"hold-{node}"
+
+    def release_check(self, hold):
+        pass
+
 
 def _profiles(nodes):
     from swarm.trust.records import SERVING, ServerProfile

@@ -80,7 +80,9 @@ class _SwarmCollector:
         yield GaugeMetricFamily("chainswarm_plan_capacity", "total chain capacity of the plan",
                                 value=plan.get("total_capacity") or 0)
         yield GaugeMetricFamily("chainswarm_replans", "plans computed since start", value=plan.get("replans") or 0)
-        checks = self.orchestrator.ledger.status()  # spot checks (swarm.trust.verification)
+        checks = status.get("verification")  # spot checks (swarm.trust.verification)
+        if checks is None:
+            return
         counts = CounterMetricFamily("chainswarm_spot_checks", "spot checks of the servers' arithmetic, by outcome",
                                      labels=["outcome"])
         for outcome in ("passed", "mismatches", "inconclusive", "skipped", "strikes"):

@@ -36,7 +36,7 @@ from swarm.control import planning
 from swarm.trust import prefix as prefix_protocol, records, tickets
 from swarm.control.failures import DhtPing, FailureClaims
 from swarm.control.failover import Failover, LeaseOps
-from swarm.trust.identity import Identity, KeyPins, fingerprint
+from swarm.trust.identity import Identity, KeyPins
 from swarm.trust.verification import CheckPolicy, Ledger
 from swarm.control.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
 from swarm.control.occupancy import Occupancy, blocks_of, fit_capacities
@@ -45,6 +45,7 @@ from swarm.control.prefix_view import PrefixView
 from swarm.control.routers import ROUTERS, NoChainsError
 from swarm.engine.routing import NoRouteError
 from swarm.control.service_history import ServiceHistory
+from swarm.control.spot_checks import SpotCheckHooks
 from swarm.control.status import swarm_status
 from swarm.control.view import OrchestratorConfig, SwarmView
 
@@ -70,7 +71,7 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
-class Orchestrator(Failover, LeaseOps):
+class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
     """The control plane. ``dht`` is a running hivemind.DHT (or anything with get/store)."""
 
     def __init__(self, config: OrchestratorConfig, dht, *, http_url: str | None = None,
@@ -462,27 +463,6 @@ class Orchestrator(Failover, LeaseOps):
 
     def chain_cached_tokens(self, chain: RoutableChain) -> int:
         return self.prefix.chain_cached_tokens(chain)
-
-    # -- spot checks (swarm.control.spot_checks) ---------------------------------------------------------------
-    def is_banned(self, node: str) -> bool:
-        """Banned by the spot checks: its node id, or the key it signs with (under any node id)."""
-        key = self.pins.owner(node)
-        return self.ledger.is_banned(node, fingerprint(key) if key else None)
-
-    def ready_chains(self) -> list[RoutableChain]:
-        return list(self._ready)
-
-    def spot_check_event(self, kind: str, **data) -> None:
-        """An event from the checker's thread."""
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(lambda: self._event(kind, **data))
-        else:
-            self._event(kind, **data)
-
-    def banned_now(self, node: str) -> None:
-        """A server was banned (checker thread): re-plan without it at once."""
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._refresh_now.set)
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self, detail: bool = True) -> dict[str, Any]:

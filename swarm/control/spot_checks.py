@@ -23,10 +23,12 @@ it is full): they use the servers' spare capacity as ordinary short sessions do.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import random
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -39,6 +41,64 @@ from swarm.trust.identity import fingerprint
 from swarm.trust.verification import EPSILON, Ledger, distance, tolerance
 
 logger = logging.getLogger(__name__)
+
+
+class SpotCheckHooks:
+    """What the orchestrator (a mixin of :class:`swarm.control.orchestrator.Orchestrator`) offers its checker."""
+
+    def is_banned(self, node: str) -> bool:
+        """Banned by the spot checks: its node id, or the key it signs with (under any node id)."""
+        key = self.pins.owner(node)
+        return self.ledger.is_banned(node, fingerprint(key) if key else None)
+
+    def ready_chains(self) -> list:
+        return list(self._ready)
+
+    def spot_check_event(self, kind: str, **data) -> None:
+        """An event from the checker's thread."""
+        self._on_loop(lambda: self._event(kind, **data))
+
+    def banned_now(self, node: str) -> None:
+        """A server was banned (checker thread): re-plan without it at once."""
+        self._on_loop(self._refresh_now.set)
+
+    def hold_for_check(self, node: str, start: int, end: int, tokens: int) -> Optional[str]:
+        """(checker thread) Hold the KV a check's prefill of ``tokens`` takes on ``node``'s blocks, if the
+        orchestrator's accounting has room for it there; None: not now. Checks use idle capacity: the chains
+        through ``node`` give up what the check holds until it is released (:mod:`swarm.control.occupancy`)."""
+        def take() -> Optional[str]:
+            need, slots = self.config.expect.kv_need(tokens, 0), self.kv_pools()
+            if node in slots and not self.occupancy.can_take({node: need * (end - start)}, slots):
+                return None
+            check_id = f"check-{uuid.uuid4().hex}"
+            self.occupancy.hold(check_id, "", [node], [(start, end)], weight=need)
+            self._refit()
+            return check_id
+        return self._on_loop(take, wait=True)
+
+    def release_check(self, check_id: str) -> None:
+        def release() -> None:
+            if self.occupancy.release(check_id):
+                self._refit()
+        self._on_loop(release)
+
+    def _on_loop(self, fn: Callable, wait: bool = False):
+        """Run ``fn`` on the orchestrator's event loop (its state lives there); ``wait``: for its result."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return fn()
+        if not wait:
+            loop.call_soon_threadsafe(fn)
+            return None
+        done = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(exc)
+        loop.call_soon_threadsafe(run)
+        return done.result(timeout=30)
 
 
 @dataclass
@@ -73,6 +133,7 @@ class SpotChecker:
         self.orchestrator, self.ledger, self.policy = orchestrator, ledger, ledger.policy
         self.run_span, self.embed, self.local_span = run_span, embed, local_span
         self.num_blocks, self.dtype, self.local_checker = num_blocks, dtype, local_checker
+        self.room_wait_s = 60.0  # how long a check waits for idle KV on its checker before giving up (skipped)
         self._rng = random.Random(seed)  # the orchestrator's secret draws (never sent anywhere)
         self._jobs: queue.Queue = queue.Queue()
         self.max_pending = max_pending
@@ -180,7 +241,15 @@ class SpotChecker:
     def _opinion(self, node: Optional[str], profile, start: int, end: int, hidden: torch.Tensor) -> Opinion:
         if node is None:
             return Opinion(None, "float32", self.local_span(start, end, hidden))
-        outputs = self.run_span(profile.peer_id, start, end, hidden, self._ticket(profile.peer_id, start, end))
+        deadline = time.monotonic() + self.room_wait_s
+        while (hold := self.orchestrator.hold_for_check(node, start, end, hidden.shape[0])) is None:
+            if time.monotonic() > deadline or self._stopped.is_set():
+                raise RuntimeError(f"{node} had no free KV for the check within {self.room_wait_s:.0f} s")
+            time.sleep(0.5)
+        try:
+            outputs = self.run_span(profile.peer_id, start, end, hidden, self._ticket(profile.peer_id, start, end))
+        finally:
+            self.orchestrator.release_check(hold)
         return Opinion(node, profile.torch_dtype, outputs.float())
 
     def _ticket(self, peer: str, start: int, end: int) -> bytes:
