@@ -19,7 +19,9 @@ How one check goes (TOPLOC's and VeriLLM's idea, "validate by re-running as pref
    span stays unchecked: counted). All three apart: inconclusive, nobody struck.
 
 Checks run on one background thread, one at a time, from a bounded queue (the oldest job is dropped when
-it is full): they use the servers' spare capacity as ordinary short sessions do.
+it is full), in idle capacity only: a check holds its prefill's KV on the checker in the orchestrator's
+occupancy (:meth:`SpotCheckHooks.hold_for_check`; the chains through it give that up while it runs) and waits up
+to ``room_wait_s`` for room, else it is skipped.
 """
 from __future__ import annotations
 
