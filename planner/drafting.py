@@ -1,0 +1,140 @@
+"""Drafts without a draft model: n-gram proposals for speculative decoding (prompt-lookup decoding, swarm-wide).
+
+A draft is up to ``k`` tokens that probably follow a sequence; the chain then verifies them in one pass and
+keeps the longest prefix the model agrees with. Two sources, tried in order:
+
+* **the request's own tokens** (prompt + output so far): the longest suffix of ``n`` tokens
+  (``max_n ≥ n ≥ min_n``) that occurred earlier in the sequence proposes what followed its latest earlier
+  occurrence — outputs that copy from their inputs (code edits, summaries, quotes) draft themselves;
+* **a bounded suffix index of recent outputs** (:class:`SuffixIndex`): every finished output of the model is
+  indexed by its n-grams, under a *scope* (a client id, or one shared scope when the operator allows it), and
+  a suffix that matches an earlier output proposes that output's continuation. Memory is bounded by the total
+  number of indexed tokens; the least recently added outputs go first.
+
+Pure Python, no I/O, no torch: the orchestrator owns the tokens and calls :meth:`Drafter.propose` per step.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+def lookup_own(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    """Up to ``k`` tokens following the latest earlier occurrence of the longest suffix n-gram of ``tokens``."""
+    if k <= 0:
+        return []
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = list(tokens[length - n:])
+        for start in range(length - n - 1, -1, -1):  # latest earlier occurrence first
+            if list(tokens[start:start + n]) == suffix:
+                follow = list(tokens[start + n:start + n + k])
+                if follow:
+                    return follow
+    return []
+
+
+class SuffixIndex:
+    """n-grams of recent outputs → where they continue, per scope, bounded by ``max_tokens`` in total.
+
+    ``add(scope, tokens)`` indexes one output (its every ``n``-gram, ``n`` = ``key_n``); ``continuation(scope,
+    context, k)`` proposes up to ``k`` tokens that followed the context's last ``key_n`` tokens in the most recent
+    output of that scope containing them. A scope never sees another scope's outputs."""
+
+    def __init__(self, max_tokens: int = 1_000_000, key_n: int = 3):
+        if max_tokens < 1 or key_n < 1:
+            raise ValueError("max_tokens and key_n must be >= 1")
+        self.max_tokens, self.key_n = max_tokens, key_n
+        self._docs: OrderedDict[int, tuple[str, tuple[int, ...]]] = OrderedDict()  # id -> (scope, tokens)
+        self._keys: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = {}  # -> [(doc id, end of n-gram)]
+        self._next_id, self.tokens = 0, 0
+
+    def add(self, scope: str, tokens: Sequence[int]) -> None:
+        tokens = tuple(int(t) for t in tokens)
+        if len(tokens) <= self.key_n or len(tokens) > self.max_tokens:
+            return
+        doc, self._next_id = self._next_id, self._next_id + 1
+        self._docs[doc] = (scope, tokens)
+        self.tokens += len(tokens)
+        for end in range(self.key_n, len(tokens)):
+            self._keys.setdefault((scope, tokens[end - self.key_n:end]), []).append((doc, end))
+        while self.tokens > self.max_tokens:
+            self._evict()
+
+    def _evict(self) -> None:
+        doc, (scope, tokens) = self._docs.popitem(last=False)
+        self.tokens -= len(tokens)
+        for end in range(self.key_n, len(tokens)):
+            key = (scope, tokens[end - self.key_n:end])
+            entries = [e for e in self._keys.get(key, ()) if e[0] != doc]
+            if entries:
+                self._keys[key] = entries
+            else:
+                self._keys.pop(key, None)
+
+    def continuation(self, scope: str, context: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or len(context) < self.key_n:
+            return []
+        entries = self._keys.get((scope, tuple(int(t) for t in context[-self.key_n:])))
+        if not entries:
+            return []
+        doc, end = entries[-1]  # the most recent output
+        return list(self._docs[doc][1][end:end + k])
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+
+@dataclass
+class Drafter:
+    """Proposes drafts for one model: the request's own tokens first, then the swarm's recent outputs in the
+    request's scope (``shared``: every client drafts from every client's outputs; else each from its own)."""
+
+    index: SuffixIndex
+    shared: bool = False
+    max_n: int = 4
+    min_n: int = 2
+
+    def scope(self, client: str) -> str:
+        return "*" if self.shared else f"client:{client}"
+
+    def propose(self, client: str, tokens: Sequence[int], k: int) -> list[int]:
+        return lookup_own(tokens, k, self.max_n, self.min_n) or self.index.continuation(self.scope(client), tokens, k)
+
+    def learn(self, client: str, output: Sequence[int], prompt_tail: Optional[Sequence[int]] = None) -> None:
+        """Index a finished output (with the prompt's last tokens before it, so its start can be matched)."""
+        self.index.add(self.scope(client), list(prompt_tail or ())[-self.index.key_n:] + list(output))
+
+
+@dataclass
+class AdaptiveK:
+    """How many tokens a session drafts next, from how many of its last drafts the chain accepted.
+
+    All accepted: one more (up to ``k_max``, the server's batch bound on a step's positions). Fewer than half:
+    the number accepted, down to 0 — a session whose drafts keep failing stops drafting, and probes with one
+    token every ``probe_every`` steps, so speculation costs it almost nothing where outputs do not repeat."""
+
+    k_max: int = 8
+    k: int = 4
+    probe_every: int = 16
+    _idle: int = 0
+
+    def next_k(self) -> int:
+        if self.k > 0:
+            return self.k
+        self._idle += 1
+        if self._idle >= self.probe_every:
+            self._idle = 0
+            return 1
+        return 0
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"accepted {accepted} of {proposed} drafted tokens")
+        if accepted == proposed:
+            self.k = min(self.k_max, max(self.k, proposed) + 1)
+        elif 2 * accepted < proposed:
+            self.k = accepted

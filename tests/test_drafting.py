@@ -1,0 +1,56 @@
+"""Drafts without a draft model (planner.drafting): prompt lookup, the swarm-wide suffix index, adaptive k."""
+import random
+
+import pytest
+
+from planner.drafting import AdaptiveK, Drafter, SuffixIndex, lookup_own
+
+
+def test_the_longest_earlier_suffix_proposes_what_followed_it():
+    code = [5, 6, 7, 8, 9, 10, 1, 2, 5, 6, 7]  # "5 6 7" occurred before, followed by "8 9 10"
+    assert lookup_own(code, 3) == [8, 9, 10]
+    assert lookup_own(code, 10) == [8, 9, 10, 1, 2, 5, 6, 7]  # up to the end of the sequence
+    assert lookup_own([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert lookup_own([1, 2, 1, 2, 3, 1, 2], 2) == [3, 1]  # the latest earlier occurrence wins
+    assert lookup_own(code, 0) == []
+
+
+def test_the_suffix_index_keeps_scopes_apart_and_its_memory_bounded():
+    index = SuffixIndex(max_tokens=100, key_n=3)
+    index.add("client:alice", [1, 2, 3, 4, 5, 6])
+    index.add("client:bob", [1, 2, 3, 9, 9, 9])
+    assert index.continuation("client:alice", [7, 1, 2, 3], 3) == [4, 5, 6]
+    assert index.continuation("client:bob", [7, 1, 2, 3], 3) == [9, 9, 9]
+    assert index.continuation("client:carol", [7, 1, 2, 3], 3) == []  # never another client's text
+    rng = random.Random(0)
+    for _ in range(50):
+        index.add("client:alice", [rng.randrange(1000) for _ in range(10)])
+    assert index.tokens <= 100
+    assert index.continuation("client:bob", [1, 2, 3], 3) == []  # the oldest outputs were evicted
+    assert sum(len(v) for v in index._keys.values()) == sum(len(t) - 3 for _, t in index._docs.values())
+
+
+def test_a_drafter_uses_the_request_first_then_its_scope():
+    drafter = Drafter(SuffixIndex(max_tokens=1000, key_n=2))
+    drafter.learn("alice", [40, 41, 42, 43], prompt_tail=[7, 8])
+    assert drafter.propose("alice", [1, 7, 8], 3) == [40, 41, 42]
+    assert drafter.propose("bob", [1, 7, 8], 3) == []
+    assert drafter.propose("alice", [3, 4, 5, 3, 4], 2) == [5, 3]  # its own tokens come first
+    shared = Drafter(SuffixIndex(max_tokens=1000, key_n=2), shared=True)
+    shared.learn("alice", [40, 41], prompt_tail=[7, 8])
+    assert shared.propose("bob", [7, 8], 2) == [40, 41]
+
+
+def test_k_grows_on_full_acceptance_and_falls_to_zero_with_probes():
+    k = AdaptiveK(k_max=6, k=2, probe_every=4)
+    k.update(2, 2)
+    assert k.next_k() == 3
+    for _ in range(10):
+        k.update(k.next_k(), k.next_k())
+    assert k.next_k() == 6
+    k.update(6, 1)
+    assert k.next_k() == 1
+    k.update(1, 0)
+    assert [k.next_k() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+    with pytest.raises(ValueError):
+        k.update(2, 3)
