@@ -1,0 +1,41 @@
+"""The acceptance rule of speculative decoding (swarm.engine.speculative): greedy equality and, for sampled
+requests, the emitted tokens' distribution (a chi-square test over many draws)."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from swarm.engine.speculative import accept_greedy, accept_sampled
+
+
+def test_greedy_accepts_while_the_draft_is_the_argmax_and_continues_with_the_models_token():
+    scores = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.0, 0.2, 0.7], [0.3, 0.3, 0.4]])
+    assert accept_greedy(scores, [1, 0, 2]) == (3, 2)  # all accepted; the bonus token from the last row
+    assert accept_greedy(scores, [1, 2, 2]) == (1, 0)  # rejected at position 1: the model's token instead
+    assert accept_greedy(scores[:1], []) == (0, 1)  # no draft: one ordinary step
+    with pytest.raises(ValueError, match="need k"):
+        accept_greedy(scores, [1])
+
+
+def test_sampled_tokens_keep_the_models_distribution():
+    """Draft a token the model finds unlikely and one it finds likely: either way the first emitted token is
+    distributed as p_0, and the second (when the first was accepted) as p_1."""
+    p0 = torch.tensor([0.1, 0.5, 0.15, 0.25])
+    p1 = torch.tensor([0.4, 0.1, 0.3, 0.2])
+    probs = torch.stack([p0, p1, p1])
+    generator = torch.Generator().manual_seed(1234)
+    draws = 20_000
+    for draft in ([0, 2], [1, 0]):
+        first, second = torch.zeros(4), torch.zeros(4)
+        for _ in range(draws):
+            accepted, nxt = accept_sampled(probs, draft, generator)
+            first[draft[0] if accepted >= 1 else nxt] += 1
+            if accepted >= 1:
+                second[draft[1] if accepted >= 2 else nxt] += 1
+        assert chisquare(first.numpy(), (p0 * draws).numpy()).pvalue > 1e-3, (draft, first)
+        assert chisquare(second.numpy(), (p1 * second.sum()).numpy()).pvalue > 1e-3, (draft, second)
+
+
+def test_sampled_acceptance_is_reproducible_from_the_requests_seed():
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
+    runs = [accept_sampled(probs, [3, 7, 9], torch.Generator().manual_seed(42)) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
