@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from swarm.model.arch import arch_from_config  # noqa: E402
 from swarm.model.block import DecoderBlock  # noqa: E402
+from swarm.model.local_model import blocks_from_state  # noqa: E402
 
 MODELS = {"smollm2-135m": "smollm2-135m-instruct-float32", "gemma3-270m": "gemma-3-270m-float32"}
 BUNDLE_BLOCKS = {"smollm2-135m": 2, "gemma3-270m": 1}  # what fits the device tool's carry limit
@@ -52,15 +53,9 @@ def summary(errors: torch.Tensor) -> dict:
 
 
 def build_blocks(cfg: dict, state: dict, indices: list[int], dtype: torch.dtype, device: str) -> list[DecoderBlock]:
-    spec = arch_from_config(cfg)
-    blocks = []
-    for i in indices:
-        with torch.device("meta"):
-            block = DecoderBlock(spec, i)
-        own = {k[len(f"model.layers.{i}."):]: v for k, v in state.items() if k.startswith(f"model.layers.{i}.")}
-        block.load_state_dict(own, strict=True, assign=True)
-        blocks.append(block.to(device=device, dtype=dtype).eval())
-    return blocks
+    """Blocks ``indices`` from a whole checkpoint's ``state`` (``model.layers.<i>.*`` names)."""
+    return [blocks_from_state(cfg, {k[len(f"model.layers.{i}."):]: v for k, v in state.items()
+                                    if k.startswith(f"model.layers.{i}.")}, i, dtype, device) for i in indices]
 
 
 @torch.inference_mode()

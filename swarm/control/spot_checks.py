@@ -188,11 +188,9 @@ class SpotChecker:
     def finished(self, request_id: str, route: Sequence[tuple[str, int, int]], token_ids: Sequence[int],
                  recorder: Optional[SpanRecorder]) -> None:
         """A session ended well after computing ``len(token_ids) − 1`` positions; queue its check if recorded."""
-        nodes = [self.node_of(peer) or peer for peer, _, _ in route]
-        self.ledger.served(request_id, nodes, (len(token_ids) - 1) * self.num_blocks)
-        if recorder is None:
-            return
-        if not recorder.complete(len(token_ids) - 1):
+        if not self._served(request_id, route, token_ids, recorder):
+            if recorder is None:  # not drawn
+                return
             self.ledger.count("skipped")
             logger.info("spot check of %s skipped: %s", request_id, recorder.reason or "incomplete recording")
             return
@@ -205,12 +203,16 @@ class SpotChecker:
         self._idle.clear()
         self._jobs.put(CheckJob(request_id, list(token_ids), recorder))
 
+    def _served(self, request_id: str, route, token_ids: Sequence[int], recorder: Optional[SpanRecorder]) -> bool:
+        """Enter the finished session in the ledger; whether ``recorder`` holds all its positions."""
+        nodes = [self.node_of(peer) or peer for peer, _, _ in route]
+        self.ledger.served(request_id, nodes, (len(token_ids) - 1) * self.num_blocks)
+        return recorder is not None and recorder.complete(len(token_ids) - 1)
+
     def verify_now(self, request_id: str, route, token_ids: Sequence[int], recorder: SpanRecorder) -> bool:
         """Dual execution (blocking): re-execute every span of the finished session now; True when every span
         matched. A mismatch is settled (and struck) as in any check."""
-        nodes = [self.node_of(peer) or peer for peer, _, _ in route]
-        self.ledger.served(request_id, nodes, (len(token_ids) - 1) * self.num_blocks)
-        if not recorder.complete(len(token_ids) - 1):
+        if not self._served(request_id, route, token_ids, recorder):
             return False
         job = CheckJob(request_id, list(token_ids), recorder)
         outcomes = [self._check(job, trace) for trace in list(recorder.traces.values())]

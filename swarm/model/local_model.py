@@ -43,14 +43,18 @@ def load_blocks(model_dir: str | Path, indices: Sequence[int], dtype: torch.dtyp
                 device: str | torch.device = "cpu") -> list[DecoderBlock]:
     """Blocks ``indices`` of a checkpoint folder, loaded strictly (the orchestrator's own spot-check opinion and
     ``scripts/spread_check.py``)."""
-    spec = arch_from_config(read_config(model_dir))
-    blocks = []
-    for i in indices:
-        with torch.device("meta"):
-            block = DecoderBlock(spec, i)
-        block.load_state_dict(load_state_dict(model_dir, f"model.layers.{i}."), strict=True, assign=True)
-        blocks.append(block.to(device=device, dtype=dtype).eval())
-    return blocks
+    cfg = read_config(model_dir)
+    return [blocks_from_state(cfg, load_state_dict(model_dir, f"model.layers.{i}."), i, dtype, device)
+            for i in indices]
+
+
+def blocks_from_state(cfg: dict, state: dict[str, torch.Tensor], index: int, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> DecoderBlock:
+    """Block ``index`` of a model config, loaded strictly from ``state`` (its own tensors: ``self_attn.*`` ...)."""
+    with torch.device("meta"):
+        block = DecoderBlock(arch_from_config(cfg), index)
+    block.load_state_dict(state, strict=True, assign=True)
+    return block.to(device=device, dtype=dtype).eval()
 
 
 class LocalModel(nn.Module):
