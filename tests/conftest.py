@@ -62,3 +62,44 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_collection_modifyitems(config, items):
     config._chainswarm_items = list(items)
+
+
+# -- a suite that always ends with its summary, and says what the machine looked like when a test failed --------
+# `make test` kills pytest after 25 minutes (Makefile). A suite that runs into that limit prints no summary, so a
+# failure on a loaded or failing machine would say nothing: past CHAINSWARM_SUITE_BUDGET_S (default 22 minutes)
+# every test not yet started fails at once with that reason, and the summary still prints.
+_SUITE_BUDGET_S = float(os.environ.get("CHAINSWARM_SUITE_BUDGET_S", 22 * 60))
+_SUITE_START = __import__("time").monotonic()
+
+
+def pytest_runtest_setup(item):
+    elapsed = __import__("time").monotonic() - _SUITE_START
+    if elapsed > _SUITE_BUDGET_S:
+        pytest.fail(f"not run: the suite is past its budget of {_SUITE_BUDGET_S:.0f} s (CHAINSWARM_SUITE_BUDGET_S) "
+                    f"after {elapsed:.0f} s", pytrace=False)
+
+
+def _machine() -> str:
+    import shutil
+    import tempfile
+
+    import psutil
+
+    disk = shutil.disk_usage(tempfile.gettempdir())
+    memory = psutil.virtual_memory()
+    me = psutil.Process()
+    children = me.children(recursive=True)
+    return (f"free disk in {tempfile.gettempdir()}: {disk.free / 2**30:.1f} GiB; available memory "
+            f"{memory.available / 2**30:.1f} GiB; load average {os.getloadavg()}; this test process has "
+            f"{len(children)} live child processes; {len(psutil.pids())} processes on the machine")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        try:
+            report.sections.append(("machine at the failure", _machine()))
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must never hide the failure itself
+            report.sections.append(("machine at the failure", f"unavailable: {exc!r}"))

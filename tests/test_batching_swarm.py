@@ -49,8 +49,11 @@ def reference(smollm2_dir):
 def swarm(smollm2_dir):
     with LocalSwarm(smollm2_dir, open_sessions=True) as local:  # a vanilla petals client drives them too
         gb = _budget_gb(smollm2_dir, 2, 12)
+        # a declared compute profile: the plan (chain capacity >= 8) must not depend on how loaded the machine
+        # was when the nodes measured themselves (a fresh profile cache on a busy machine planned 6)
         nodes = [local.add_node(node_id=f"b{i}", memory_gb=gb, wait=False, num_handlers=2, torch_dtype="float32",
-                                max_batch=8) for i in range(2)]
+                                max_batch=8, declared_profile={"prefill_s": 2e-4, "decode_s": 2e-3, "rtt_s": 0.002})
+                 for i in range(2)]
         for node in nodes:
             local.wait_profiled(node, timeout=180)
         local.add_orchestrator(expected_rate=0.2, max_length=MAX_LENGTH, expected_input_tokens=32,
