@@ -64,13 +64,26 @@ def multi_stats() -> dict:
 
 @dataclass
 class _Session:
-    """One session of a stream: its KV cache (held by ``stack``), length and position."""
+    """One session of a stream: its KV cache (held by ``stack``), length and position, and how many positions its
+    last step wrote (the most a rollback may take back)."""
 
     stack: contextlib.AsyncExitStack
     handles: tuple
     max_length: int
     position: int = 0
+    last_step: int = 0
     opened: float = field(default_factory=time.monotonic)
+
+    def rollback(self, positions: int) -> None:
+        """Forget the last ``positions`` positions (drafted tokens a verification pass rejected). Their KV stays in
+        the cache until the next step overwrites it, unseen: attention reads only ``[0, position)``. Bounded: a
+        rollback past the positions of the previous step is refused, so a client can only take back what it just
+        sent, never a loaded prefix or an earlier step's tokens."""
+        if positions > self.last_step:
+            raise ValueError(f"a rollback of {positions} positions goes past the {self.last_step} positions of "
+                             f"the session's previous step")
+        self.position -= positions
+        self.last_step -= positions
 
 
 class _Span:
@@ -138,13 +151,15 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             except Exception as exc:  # refused ticket, no KV slot, too long: this session only
                 failed[entry.sid] = _message(exc)
         steps = []
-        for (sid, tokens), tensor in zip(message.steps, tensors):
+        for (sid, tokens, rollback), tensor in zip(message.steps, tensors):
             if sid in failed:
                 continue
             try:
                 session = sessions.get(sid)
                 if session is None:
                     raise ValueError(f"session {sid!r} is not open in this stream")
+                if rollback:
+                    session.rollback(rollback)
                 hidden = deserialize_torch_tensor(tensor)
                 if tuple(hidden.shape) != (1, tokens, span.hidden_size):
                     raise ValueError(f"session {sid!r}: expected hidden states (1, {tokens}, {span.hidden_size}), "
@@ -205,6 +220,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         for sid, session, hidden in steps:
             if sid in outputs:
                 session.position += hidden.shape[1]
+                session.last_step = hidden.shape[1]
         return outputs
 
     async def _cohort(self, span: _Span, cohort: list) -> tuple[dict, dict]:

@@ -87,10 +87,12 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             saver = asyncio.create_task(keeper.run(), name="orchestrator-state")
         if options.proxy:
             from swarm.engine.generation import GenerationEngine
+            from swarm.engine.speculative import from_options as speculation
 
             engine = await asyncio.to_thread(GenerationEngine, options.model_dir, initial_peers=initial_peers,
                                              dht_prefix=config.dht_prefix, request_timeout=options.request_timeout_s,
-                                             torch_dtype=options.torch_dtype, batch_sessions=options.batch_sessions)
+                                             torch_dtype=options.torch_dtype, batch_sessions=options.batch_sessions,
+                                             speculation=speculation(options))
             if options.use_server_to_server is not None:
                 for client_config in (engine.model.config, engine.manager.config):
                     client_config.use_server_to_server = options.use_server_to_server

@@ -5,7 +5,10 @@ tests/test_real_model_swarm.py), no prefix reuse, so every completion joins its 
 (swarm/engine/batching.py): one multi-session message per server and step, one LM-head pass in the orchestrator.
 Concurrent greedy completions with different prompt lengths and start times give the tokens of the same
 model run locally in transformers; a server SIGKILLed in the middle of a batch loses no answer: its chain's
-sessions go on from their tokens as petals sessions on the surviving chain.
+sessions go on from their tokens as petals sessions on the surviving chain. Speculative decoding is on
+(``--speculative ngram``): every answer above is also verified drafts, a kill lands in the middle of
+verification steps, and a text that copies its prompt is drafted from itself and equals the one-token-per-step
+answer, logprobs included.
 """
 import concurrent.futures as cf
 import threading
@@ -41,7 +44,7 @@ def swarm(smollm2_dir):
         # tests/test_kv_admission.py, test_family_swarm.py, bench_batching's HTTP rows)
         local.add_orchestrator(kv_admission="slots", policy="fcfs", expected_rate=1.0, max_length=MAX_LENGTH, expected_input_tokens=32,
                                expected_output_tokens=24, refresh_s=0.5, request_timeout_s=20.0,
-                               torch_dtype="float32", replan_tolerance=100.0)
+                               torch_dtype="float32", replan_tolerance=100.0, speculative="ngram")
         local.status = local.wait_chains_ready(timeout=240)
         local.url = local.orchestrator.info["url"]
         yield local
@@ -77,6 +80,7 @@ def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, 
     chains = swarm.status["chains"]
     assert len(chains) >= 2 and all(len(c["servers"]) >= 2 for c in chains)
     steps, session_steps = (_metric(swarm.url, f"chainswarm_batched_{n}_total") for n in ("steps", "session_steps"))
+    accepted = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total")
 
     def one(i: int) -> str:
         time.sleep(0.15 * i)  # different start times: sessions join running batches
@@ -93,7 +97,8 @@ def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, 
     steps = _metric(swarm.url, "chainswarm_batched_steps_total") - steps
     session_steps = _metric(swarm.url, "chainswarm_batched_session_steps_total") - session_steps
     assert steps > 0 and session_steps / steps >= 2.0, (steps, session_steps)  # sessions really shared steps
-    assert session_steps >= 24 * len(PROMPTS) - len(PROMPTS)
+    accepted = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total") - accepted
+    assert session_steps + accepted == 24 * len(PROMPTS)  # a step gives one token plus the drafts it verified
     assert _metric(swarm.url, "chainswarm_batched_fallbacks_total") == 0
 
 
@@ -126,3 +131,25 @@ def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
     response = httpx.post(f"{swarm.url}/v1/completions", json={"prompt": "After the failure,", "max_tokens": 4},
                           timeout=60)
     assert response.status_code == 200 and time.monotonic() - began < 15
+
+
+def test_speculative_decoding_verifies_drafts_and_changes_no_token(swarm):
+    """A prompt whose continuation repeats it (a list it restates): drafted from the request's own tokens, verified
+    by the chain several at a time — the same greedy text and logprobs as with ``speculative: false``."""
+    prompt = ("Copy the list exactly.\nList: red apple, green pear, yellow banana, purple plum, orange peach.\n"
+              "Copy: red apple, green pear,")
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 2}
+    wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
+    answers, accepted = {}, {}
+    for speculative in (False, True):
+        before = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total")
+        response = httpx.post(f"{swarm.url}/v1/completions", json=dict(body, speculative=speculative),
+                              headers={"X-Client-Id": "spec"}, timeout=300)
+        response.raise_for_status()
+        answers[speculative] = response.json()["choices"][0]
+        accepted[speculative] = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total") - before
+    assert answers[True]["text"] == answers[False]["text"] and "yellow banana" in answers[True]["text"]
+    assert answers[True]["logprobs"]["tokens"] == answers[False]["logprobs"]["tokens"]
+    for mine, theirs in zip(answers[True]["logprobs"]["token_logprobs"], answers[False]["logprobs"]["token_logprobs"]):
+        assert abs(mine - theirs) < 1e-3
+    assert accepted[False] == 0 and accepted[True] >= 8, accepted  # the opt-out drafts nothing; copying drafts well

@@ -88,6 +88,7 @@ def test_a_bad_step_fails_its_own_session_and_the_others_go_on(swarm, model):
     ({"open": [["s", 8, None, 99.0]]}, 0, "alloc_timeout"),
     ({"step": [["s", 1]]}, 0, "1 step entries but 0 tensors"),
     ({"step": [["s", 1], ["s", 1]]}, 2, "once per message"),
+    ({"step": [["s", 1, -2]]}, 1, "rollback >= 0"),
     ({"close": ["x" * 100]}, 0, "session name"),
 ])
 def test_a_malformed_message_closes_the_stream_with_its_reason(swarm, model, metadata, tensors, reason):
@@ -122,6 +123,26 @@ def test_sessions_stepped_together_get_the_hidden_states_they_get_alone(swarm, m
         alone = run([sid])
         for mine, theirs in zip(alone, together):
             assert torch.allclose(mine[sid], theirs[sid], atol=1e-4, rtol=1e-4), (sid, (mine[sid] - theirs[sid]).abs().max())
+
+
+def test_a_rollback_forgets_the_last_positions_and_cannot_go_past_the_last_step(swarm, model):
+    """Speculative decoding's rollback through both servers: a session that steps 3 drafted positions, rolls 2
+    back and steps other tokens gets what a session that never saw the rejected ones gets; a rollback past the
+    positions of the previous step is refused and fails that session alone."""
+    from swarm.engine.multi_client import ChainBatch
+
+    manager = model.transformer.h.sequence_manager
+    hidden = model.config.hidden_size
+    torch.manual_seed(5)
+    prompt, draft, other = torch.randn(1, 4, hidden), torch.randn(1, 3, hidden), torch.randn(1, 2, hidden)
+    with ChainBatch(manager.state.p2p, swarm.route, manager.block_uids) as batch:
+        batch.step({"spec": prompt, "plain": prompt, "greedy": prompt}, {"spec": 16, "plain": 16, "greedy": 16})
+        batch.step({"spec": draft, "plain": draft[:, :1], "greedy": draft})
+        outputs, failed = batch.step({"spec": other, "plain": other, "greedy": other}, rollbacks={"spec": 2, "greedy": 4})
+        assert set(failed) == {"greedy"} and "past the 3 positions" in failed["greedy"].reason, failed
+        torch.testing.assert_close(outputs["spec"], outputs["plain"], atol=1e-4, rtol=1e-4)
+        with pytest.raises(ValueError, match="cannot roll back"):
+            batch.step({"spec": other[:, :1]}, rollbacks={"plain": 1})  # a session must step to roll back
 
 
 def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, model):

@@ -39,3 +39,41 @@ def test_sampled_acceptance_is_reproducible_from_the_requests_seed():
     probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
     runs = [accept_sampled(probs, [3, 7, 9], torch.Generator().manual_seed(42)) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_request_choosers_draft_rule_keeps_its_sampling_distribution_with_top_k_and_penalties():
+    """TokenChooser.choose with a drafted token (what the engine's verification step calls per position): with
+    temperature, top_k and a presence penalty, the emitted token is distributed as the chooser's own distribution
+    whichever token was drafted — also a token top_k cut (never accepted)."""
+    from swarm.engine.sampling import SamplingParams, TokenChooser
+
+    logits = torch.tensor([[1.0, 2.0, 0.5, 1.5, -1.0]])
+    params = SamplingParams(1, temperature=0.8, top_k=4, presence_penalty=0.7, seed=7)
+    reference = TokenChooser(params, 5)
+    reference.generated = [3]
+    expected = reference._probs(reference._adjusted(torch.tensor([[0]]), logits[0])[0])
+    expected = expected / expected.sum()
+    assert expected[4] == 0  # cut by top_k
+    draws = 6000
+    for draft in (1, 2, 4):
+        counts, accepted = torch.zeros(5), 0
+        chooser = TokenChooser(params, 5)
+        for _ in range(draws):
+            chooser.generated = [3]  # the same context every draw (choose records its choice)
+            token, ok = chooser.choose(torch.tensor([[0]]), logits, draft)
+            counts[token] += 1
+            accepted += ok
+        assert counts[4] == 0
+        keep = expected > 0
+        assert chisquare(counts[keep].numpy(), (expected[keep] * draws).numpy()).pvalue > 1e-3, (draft, counts)
+        assert abs(accepted / draws - float(expected[draft])) < 0.03
+
+
+def test_greedy_choosers_accept_exactly_the_argmax_and_record_each_token_once():
+    from swarm.engine.sampling import SamplingParams, TokenChooser
+
+    chooser = TokenChooser(SamplingParams(4, temperature=0.0, logprobs=1), 3)
+    scores = torch.tensor([[0.1, 0.9, 0.0]])
+    assert chooser.choose(torch.tensor([[0]]), scores, 1) == (1, True)
+    assert chooser.choose(torch.tensor([[0]]), scores, 2) == (1, False)
+    assert chooser.generated == [1, 1] and [lp.token_id for lp in chooser.logprobs] == [1, 1]

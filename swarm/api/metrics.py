@@ -109,6 +109,15 @@ class _BatchCollector:
         yield CounterMetricFamily("chainswarm_batched_fallbacks", "batched sessions that went on as one petals "
                                   "session each (a server failed or has no multi-session streams)",
                                   value=stats["fallbacks"])
+        speculation = getattr(self.engine, "speculation", None)
+        if speculation is not None:  # --speculative
+            spec = speculation.stats()
+            yield CounterMetricFamily("chainswarm_speculative_drafted_tokens", "tokens drafted for verification",
+                                      value=spec["proposed"])
+            yield CounterMetricFamily("chainswarm_speculative_accepted_tokens", "drafted tokens the chain's pass "
+                                      "verified (each saved one step)", value=spec["accepted"])
+            yield CounterMetricFamily("chainswarm_speculative_verifications", "decode steps that carried drafts",
+                                      value=spec["verifications"])
 
 
 class SwarmMetrics:

@@ -56,6 +56,9 @@ class _Sampling(_Strict):
     dual_execution: bool = Field(False, description="Chainswarm: every span of the session is re-executed on "
                                  "another server and the answer is sent only when both agree (costs the client "
                                  "twice the tokens; a disagreement bans the liar as any spot check and reruns)")
+    speculative: bool = Field(True, description="Chainswarm: where the orchestrator runs speculative decoding "
+                              "(--speculative), this request may draft and verify several tokens per step (the same "
+                              "greedy text, the same sampling distribution); false: one token per step")
     # the sampling extensions serving tools send (vLLM's meaning)
     ignore_eos: bool = Field(False, description="the end-of-sequence token does not end the generation (vLLM); "
                              "max_tokens does")

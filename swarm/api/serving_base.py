@@ -118,7 +118,8 @@ class OpenAIServing:
                                body.frequency_penalty, body.bias_pairs(), logprobs, body.stop_strings(),
                                ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, top_k=body.top_k,
                                min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-                               eos_token_ids=(eos,) if isinstance(eos, int) else (), grammar=grammar)
+                               eos_token_ids=(eos,) if isinstance(eos, int) else (), grammar=grammar,
+                               speculative=getattr(body, "speculative", True))
                 for i in range(body.n)]
 
     # -- the n runs ------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ TUNINGS = ("lower-bound", "surrogate", "upper-bound")
 KV_ADMISSIONS = ("tokens", "slots")
 ROUTER_NAMES = ("jffc", "ws-rr")  # the table of implementations is swarm.control.routers.ROUTERS
 DTYPES = ("float32", "float16", "bfloat16")
+SPECULATIVE = ("off", "ngram")  # the builders are swarm.engine.speculative.SPECULATORS
 
 
 def option(default: Any = MISSING, *, help: str, flag: str | None = None, cli: bool = True,
@@ -118,6 +119,17 @@ class OrchestratorOptions:
     batch_sessions: int = option(16, help="sessions the orchestrator steps together on one chain (one multi-session "
                                  "message per server and step, one LM-head pass; default 16; 0 = one petals session "
                                  "per request, as petals' own client)")
+    speculative: str = option("off", choices=SPECULATIVE,
+                              help="speculative decoding on the batched path: 'ngram' drafts up to --speculative-k "
+                              "tokens per step from the request's own text and recent outputs and the chain verifies "
+                              "them in the same pass (greedy answers unchanged, sampled ones keep their distribution; "
+                              "a request opts out with speculative: false); default off")
+    speculative_k: int = option(8, metavar="K", help="most drafted tokens a session verifies per step (default 8)")
+    speculative_shared: bool = option(False, action="store_true",
+                                      help="draft from every client's recent outputs (default: each client's own "
+                                      "only, so no client's text shapes another's drafts)")
+    speculative_index_tokens: int = option(1_000_000, metavar="N",
+                                           help="tokens of recent outputs the draft index keeps (default 1,000,000)")
     prefix_cache_tokens: int = option(0, help="prompt-prefix KV budget per served block, in tokens, reserved on every "
                                       "server (default 0 = no prefix reuse); pair with --policy swarm for "
                                       "locality-aware chains")

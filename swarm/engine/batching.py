@@ -57,6 +57,9 @@ class _Sequence:
     future: Future
     produced: list[int] = field(default_factory=list)
     recorder: Optional[object] = None  # swarm.engine.recording.SpanRecorder
+    drafts: Optional[object] = None  # swarm.engine.speculative.SessionDrafts: speculative decoding
+    draft: list[int] = field(default_factory=list)  # the drafted tokens of the step in flight
+    rollback: int = 0  # positions the servers forget before the next step (the last step's rejected drafts)
 
 
 class ChainGenerator:
@@ -100,14 +103,16 @@ class ChainGenerator:
 
     def submit(self, input_ids: Sequence[int], max_new_tokens: int, *, eos_token_id: Optional[int] = None,
                on_token: Optional[Callable[[int], None]] = None, processor: Optional[Callable] = None,
-               ticket: Optional[bytes] = None, recorder=None) -> Future:
+               ticket: Optional[bytes] = None, recorder=None, drafts=None) -> Future:
         """Queue one generation; the future's result is its generated token ids.
 
         ``on_token(token)`` is called for every token; if it raises :class:`StopSequence` the sequence is complete,
         any other exception ends the sequence with that exception. ``processor(input_ids (1, n), scores (1, V))``
         (a transformers logits processor, e.g. :class:`swarm.engine.sampling.TokenChooser`) adjusts the scores before the
         greedy pick. ``recorder`` (:class:`swarm.engine.recording.SpanRecorder`) keeps its spans' hidden states for
-        a spot check. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
+        a spot check. With ``drafts`` (:class:`swarm.engine.speculative.SessionDrafts`) each decode step also carries
+        the tokens it drafts; the chain verifies them in the same pass (see :meth:`_choose`). A sequence the swarm
+        could not complete fails with :class:`SequenceFailed`."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a generation needs at least one input token and max_new_tokens >= 1")
         vocab = self.model.transformer.word_embeddings.num_embeddings
@@ -119,7 +124,8 @@ class ChainGenerator:
             if self._closed or self._broken is not None:
                 raise RuntimeError(f"the chain generator is closed{f': {self._broken}' if self._broken else ''}")
             self._waiting.append(_Sequence(f"s{next(self._ids)}", list(input_ids), int(max_new_tokens),
-                                           eos_token_id, on_token, processor, ticket, future, recorder=recorder))
+                                           eos_token_id, on_token, processor, ticket, future, recorder=recorder,
+                                           drafts=drafts))
             self._cv.notify()
         return future
 
@@ -206,15 +212,20 @@ class ChainGenerator:
     def _step(self, admitted: list[_Sequence]) -> None:
         embed = self.model.transformer.word_embeddings
         inputs = {s.sid: embed(torch.tensor([s.input_ids])) for s in admitted}
+        rollbacks = {}
         for s in self._running.values():
-            inputs[s.sid] = embed(torch.tensor([[s.produced[-1]]]))
+            s.draft = (s.drafts.propose(s.input_ids + s.produced, s.max_new_tokens - len(s.produced) - 1)
+                       if s.drafts is not None else [])
+            inputs[s.sid] = embed(torch.tensor([[s.produced[-1], *s.draft]]))
+            if s.rollback:
+                rollbacks[s.sid], s.rollback = s.rollback, 0
         opens = {s.sid: len(s.input_ids) + s.max_new_tokens for s in admitted}
         tickets = {s.sid: s.ticket for s in admitted if s.ticket is not None}
         self._running.update((s.sid, s) for s in admitted)
         self.batch.recorders.update((s.sid, s.recorder) for s in admitted if s.recorder is not None)
         masks = TokenChooser.prepare_async(s.processor for s in self._running.values())  # grammar masks, meanwhile
         try:
-            outputs, failed = self.batch.step(inputs, opens, tickets)
+            outputs, failed = self.batch.step(inputs, opens, tickets, rollbacks)
         finally:
             if masks is not None:
                 masks.exception()  # wait: no chooser is used while its mask is being computed
@@ -226,23 +237,15 @@ class ChainGenerator:
         if not outputs:
             return
         sids = list(outputs)
+        rows = [len(self._running[sid].draft) + 1 for sid in sids]  # a prefill's last position, or a draft's k + 1
         head = self.model.lm_head.weight
-        last = torch.cat([outputs[sid][:, -1] for sid in sids], dim=0).to(head.dtype)
-        logits = linear(self.model.transformer.ln_f(last), head)  # one head pass for every sequence
+        last = torch.cat([outputs[sid][0, -n:] for sid, n in zip(sids, rows)], dim=0).to(head.dtype)
+        logits = linear(self.model.transformer.ln_f(last), head)  # one head pass for every sequence and position
         finished = []
-        for row, sid in enumerate(sids):
+        for sid, scores in zip(sids, logits.split(rows)):
             seq = self._running[sid]
             try:
-                scores = logits[row: row + 1]
-                if seq.processor is not None:
-                    scores = seq.processor(torch.tensor([seq.input_ids + seq.produced]), scores.float())
-                token = int(scores[0].argmax())
-                seq.produced.append(token)
-                done = len(seq.produced) >= seq.max_new_tokens or token == seq.eos_token_id
-                if seq.on_token is not None:
-                    seq.on_token(token)
-            except StopSequence:
-                done = True
+                done = self._choose(seq, scores)
             except Exception as exc:  # the caller's callback or processor ended its own sequence only
                 finished.append(sid)
                 self._running.pop(sid)
@@ -254,6 +257,41 @@ class ChainGenerator:
         self.batch.close_sessions(finished)
         for sid in [sid for sid in self.batch.recorders if sid not in self._running]:
             del self.batch.recorders[sid]
+
+    @staticmethod
+    def _choose(seq: _Sequence, scores: torch.Tensor) -> bool:
+        """Emit the sequence's tokens from its step's ``scores`` ``(k + 1, V)`` (``k`` drafted tokens; 0 without
+        speculation); True when it is complete. Row ``i`` is the model's prediction after the drafts before it:
+        drafts are accepted while the choice at their row equals them (greedy: the argmax; sampled: the rule of
+        :func:`swarm.engine.speculative.sample_or_accept`), then the choice at the first other row is emitted too,
+        so the tokens are those of decoding one at a time. The rejected drafts' positions are rolled back on the
+        servers with the next step."""
+        draft, accepted = seq.draft, 0
+        try:
+            for i in range(len(draft) + 1):
+                proposal = draft[i] if i < len(draft) else None
+                row = scores[i: i + 1]
+                if seq.processor is None:
+                    token = int(row[0].argmax())
+                elif hasattr(seq.processor, "choose"):  # swarm.engine.sampling.TokenChooser
+                    token, _ = seq.processor.choose(torch.tensor([seq.input_ids + seq.produced]), row.float(), proposal)
+                else:  # a transformers logits processor: greedy over its scores
+                    token = int(seq.processor(torch.tensor([seq.input_ids + seq.produced]), row.float())[0].argmax())
+                seq.produced.append(token)
+                if seq.on_token is not None:
+                    seq.on_token(token)
+                if len(seq.produced) >= seq.max_new_tokens or token == seq.eos_token_id:
+                    return True
+                if token != proposal:
+                    break
+                accepted += 1
+        except StopSequence:
+            return True
+        finally:
+            if seq.drafts is not None and draft:
+                seq.drafts.update(len(draft), accepted)
+        seq.rollback = len(draft) - accepted
+        return False
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:

@@ -290,7 +290,7 @@ class CompletionRunner:
         def generate():
             return engine.generate(lease, _LoopProvider(orchestrator, loop), input_ids, params, on_token,
                                    page_hashes=page_hashes or None, on_prefix=on_prefix if page_hashes else None,
-                                   control=control, prior=prior, recorder=recorder)
+                                   control=control, prior=prior, recorder=recorder, client=client)
 
         # token callbacks are queued on the loop before the executor future resolves, so once the task is done
         # every token is already in the queue

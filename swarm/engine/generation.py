@@ -84,7 +84,7 @@ class GenerationEngine:
 
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
-                 batch_sessions: int = 16):
+                 batch_sessions: int = 16, speculation=None):
         from transformers import AutoTokenizer
 
         from swarm.model.compat import petals
@@ -99,6 +99,7 @@ class GenerationEngine:
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="session")
         self.eos_token_id = self.tokenizer.eos_token_id
         self.batch_sessions, self.request_timeout = int(batch_sessions), request_timeout
+        self.speculation = speculation  # swarm.engine.speculative.Speculation, or None: one token per step
         self._generators: dict[tuple, ChainGenerator] = {}  # route -> its batch of sessions
         self._generators_lock = threading.Lock()
         self._unbatched: set[tuple] = set()  # routes with a server that has no multi-session streams
@@ -136,7 +137,7 @@ class GenerationEngine:
                  on_token: Callable[[int], None] | None = None, *, page_hashes: list[bytes] | None = None,
                  on_prefix: Callable[[int], None] | None = None,
                  control: SessionControl | None = None, prior: Progress | None = None,
-                 recorder=None) -> GenerationResult:
+                 recorder=None, client: str = "") -> GenerationResult:
         """Run one session on ``lease``'s chain (blocking). ``provider`` handles mid-session failover.
 
         With ``page_hashes`` (the prompt's full-page hashes, :mod:`swarm.trust.prefix`) the chain's servers are
@@ -151,6 +152,10 @@ class GenerationEngine:
 
         With ``recorder`` (:class:`swarm.engine.recording.SpanRecorder`) the hidden states its spans were sent and
         returned are kept for a spot check; a failover drops the recording.
+
+        With the engine's ``speculation`` (and ``params.speculative``) a batched session drafts tokens from its own
+        text and ``client``'s earlier outputs and verifies them in its decode steps; its output is then indexed
+        for later drafts in ``client``'s scope.
         """
         if self._closed.is_set():
             raise RuntimeError("the generation engine is closed")
@@ -185,6 +190,8 @@ class GenerationEngine:
                     and produced[-1] == self.eos_token_id)
 
         def result(finish_reason: str) -> GenerationResult:
+            if self.speculation is not None:
+                self.speculation.learn(client, input_ids, produced)
             return GenerationResult(produced, finish_reason, reused, prefill, restarts,
                                     chooser.logprobs[:len(produced)] if chooser else [])
 
@@ -208,7 +215,9 @@ class GenerationEngine:
             try:
                 if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
-                        self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder)
+                        drafts = (self.speculation.session(client)
+                                  if self.speculation is not None and params.speculative else None)
+                        self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts)
                     except SequenceFailed as exc:
                         self.fallbacks += 1
                         logger.warning("a batched session continues on its own: %s", exc)
@@ -281,7 +290,7 @@ class GenerationEngine:
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None,
-                     ignore_eos: bool = False, recorder=None) -> None:
+                     ignore_eos: bool = False, recorder=None, drafts=None) -> None:
         """Run the session in its chain's batch (blocking). Raises :class:`SequenceFailed` to fall back."""
         generator = self._generator(tuple(lease.route))
         stopped = []
@@ -295,7 +304,8 @@ class GenerationEngine:
 
         try:
             future = generator.submit(input_ids, max_new_tokens, eos_token_id=None if ignore_eos else self.eos_token_id,
-                                      on_token=on_token, processor=chooser, ticket=lease.ticket, recorder=recorder)
+                                      on_token=on_token, processor=chooser, ticket=lease.ticket, recorder=recorder,
+                                      drafts=drafts)
         except RuntimeError as exc:  # closed meanwhile
             raise SequenceFailed(str(exc), []) from exc
         unwatch = control.watch_peers(generator.peer_failed) if control is not None else None

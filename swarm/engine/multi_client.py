@@ -118,9 +118,12 @@ class ChainBatch:
         self.recorders: dict = {}
 
     def step(self, inputs: Mapping[str, torch.Tensor], opens: Mapping[str, int] = (),
-             tickets: Mapping[str, bytes] = ()) -> tuple[dict[str, torch.Tensor], dict[str, SessionFailure]]:
+             tickets: Mapping[str, bytes] = (), rollbacks: Mapping[str, int] = ()
+             ) -> tuple[dict[str, torch.Tensor], dict[str, SessionFailure]]:
         """Open ``opens`` (session -> max_length), then run ``inputs`` (session -> hidden ``(1, n, H)``) through
-        the chain. Returns (outputs of the last block by session, failed sessions -> the server and its reason)."""
+        the chain, each session first forgetting ``rollbacks[sid]`` of its last positions on every server (the
+        drafts its previous step rejected). Returns (outputs of the last block by session, failed sessions -> the
+        server and its reason)."""
         if self._closed:
             raise RuntimeError("the chain batch is closed")
         if self._failed_peer is not None:
@@ -129,7 +132,14 @@ class ChainBatch:
         for sid in opens:
             if sid in self.open_sessions:
                 raise ValueError(f"session {sid!r} is already open")
-        self._inflight = RemoteExpertWorker.run_coroutine(self._step(dict(inputs), opens, tickets),
+        rollbacks = {sid: int(n) for sid, n in dict(rollbacks).items() if n}
+        for sid, n in rollbacks.items():
+            if sid not in inputs or sid not in self.open_sessions or n < 0:
+                raise ValueError(f"session {sid!r} cannot roll back {n} positions (open and stepping only)")
+            recorder = self.recorders.get(sid)
+            if recorder is not None:
+                recorder.rollback(n)
+        self._inflight = RemoteExpertWorker.run_coroutine(self._step(dict(inputs), opens, tickets, rollbacks),
                                                           return_future=True)
         try:
             return self._inflight.result()
@@ -157,7 +167,7 @@ class ChainBatch:
                 self.open_sessions.discard(sid)
                 self._closing.add(sid)
 
-    async def _step(self, inputs: dict, opens: dict, tickets: dict) -> tuple[dict, dict]:
+    async def _step(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict) -> tuple[dict, dict]:
         failed: dict[str, SessionFailure] = {}
         hidden = dict(inputs)
         closes, self._closing = sorted(self._closing), set()
@@ -166,7 +176,7 @@ class ChainBatch:
         for stream in self.streams:
             order = list(hidden)  # the sessions still going (those failed upstream are not in it)
             metadata = multi_wire.encode([o for o in new if o.sid not in failed],
-                                         [(sid, hidden[sid].shape[1]) for sid in order], closes)
+                                         [(sid, hidden[sid].shape[1], rollbacks.get(sid, 0)) for sid in order], closes)
             try:
                 outputs, refused = await stream.exchange(metadata, [hidden[sid] for sid in order], self.step_timeout)
             except Exception as exc:

@@ -11,8 +11,11 @@ A request is a hivemind ``ExpertRequest``:
 * ``uid``: the span's block uids joined by spaces (petals' ``CHAIN_DELIMITER``), the same in every message of
   the stream (later messages may leave it empty);
 * ``metadata`` (msgpack): ``{"open": [[sid, max_length, ticket or None, alloc_timeout], ...],
-  "step": [[sid, tokens], ...], "close": [sid, ...]}`` — closes are applied first (a new session may take the
-  memory a finished one leaves), then opens, then steps; ``sid`` names a session within this stream;
+  "step": [[sid, tokens] or [sid, tokens, rollback], ...], "close": [sid, ...]}`` — closes are applied first (a
+  new session may take the memory a finished one leaves), then opens, then steps; ``sid`` names a session within
+  this stream. ``rollback`` (speculative decoding, :mod:`swarm.engine.speculative`): before its step, the session
+  forgets its last ``rollback`` positions (the drafted tokens the previous pass rejected); a rollback past the
+  positions of the session's previous step is refused;
 * ``tensors``: one hidden-state tensor ``(1, tokens, hidden)`` per step entry, in order.
 
 The reply (``ExpertResponse``) carries one tensor per step entry that succeeded, in order, and metadata
@@ -45,7 +48,7 @@ class Open:
 @dataclass(frozen=True)
 class Request:
     opens: tuple[Open, ...]
-    steps: tuple[tuple[str, int], ...]  # (sid, tokens)
+    steps: tuple[tuple[str, int, int], ...]  # (sid, tokens, rollback)
     closes: tuple[str, ...]
 
 
@@ -56,9 +59,11 @@ def _sid(value) -> str:
 
 
 def encode(opens=(), steps=(), closes=()) -> dict:
-    """The metadata of one request (``steps`` as (sid, tokens) pairs)."""
+    """The metadata of one request (``steps`` as (sid, tokens) or (sid, tokens, rollback) tuples; a rollback of 0
+    is left out, so a stream without speculation sends what servers before it understood)."""
     return {"open": [[o.sid, o.max_length, o.ticket, o.alloc_timeout] for o in opens],
-            "step": [[sid, int(tokens)] for sid, tokens in steps], "close": list(closes)}
+            "step": [[sid, int(step[0])] + ([int(step[1])] if len(step) > 1 and step[1] else [])
+                     for sid, *step in steps], "close": list(closes)}
 
 
 def decode(metadata, tensors: int) -> Request:
@@ -84,10 +89,11 @@ def decode(metadata, tensors: int) -> Request:
         opens.append(Open(_sid(sid), max_length, ticket, float(alloc_timeout)))
     steps = []
     for entry in raw_steps:
-        if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], int) or entry[1] < 0:
-            raise MultiWireError("a step entry is [sid, tokens] with tokens >= 0")
-        steps.append((_sid(entry[0]), entry[1]))
-    if len({sid for sid, _ in steps}) != len(steps):
+        if (not isinstance(entry, list) or len(entry) not in (2, 3)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry[1:])):
+            raise MultiWireError("a step entry is [sid, tokens] or [sid, tokens, rollback] with tokens, rollback >= 0")
+        steps.append((_sid(entry[0]), entry[1], entry[2] if len(entry) == 3 else 0))
+    if len({step[0] for step in steps}) != len(steps):
         raise MultiWireError("a session may step once per message")
     if len(steps) != tensors:
         raise MultiWireError(f"{len(steps)} step entries but {tensors} tensors")

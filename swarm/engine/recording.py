@@ -70,6 +70,21 @@ class SpanRecorder:
             trace.outputs.append(outputs.detach().to("cpu", torch.float32, copy=True))
             trace.tokens += inputs.shape[0]
 
+    def rollback(self, positions: int) -> None:
+        """The servers forgot the session's last ``positions`` positions (rejected drafts): so does the recording."""
+        with self._lock:
+            for trace in self.traces.values():
+                left = int(positions)
+                while left > 0 and trace.inputs:
+                    last = trace.inputs[-1].shape[0]
+                    if last <= left:
+                        trace.inputs.pop(), trace.outputs.pop()
+                    else:
+                        trace.inputs[-1], trace.outputs[-1] = trace.inputs[-1][:-left], trace.outputs[-1][:-left]
+                        last = left
+                    trace.tokens -= last
+                    left -= last
+
     def route_changed(self, why: str) -> None:
         """The session left its route (a failover): the recording no longer shows one server's whole work."""
         with self._lock:

@@ -32,6 +32,7 @@ from typing import Iterable
 import torch
 
 from swarm.engine.grammar import Grammar, GrammarMatcher, fill_masks
+from swarm.engine.speculative import sample_or_accept
 
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: none
     eos_token_ids: tuple[int, ...] = ()  # the tokens min_tokens blocks
     grammar: Grammar | None = None  # constrained decoding (swarm.engine.grammar)
+    speculative: bool = True  # the orchestrator may draft and verify several tokens per step (when it speculates)
 
     @property
     def plain_greedy(self) -> bool:
@@ -100,7 +102,40 @@ class TokenChooser:
                     self._bias[token] = bias
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        choice, _ = self.choose(input_ids, scores)
+        forced = torch.full_like(scores, -math.inf)
+        forced[:, choice] = 0.0
+        return forced
+
+    def choose(self, input_ids: torch.LongTensor, scores: torch.FloatTensor,
+               draft: int | None = None) -> tuple[int, bool]:
+        """(the next token, whether it is ``draft``). Without ``draft``: the request's own choice. With a drafted
+        token (speculative decoding, :mod:`swarm.engine.speculative`): greedy keeps the argmax (the draft is
+        accepted when it is the argmax); sampling accepts the draft with its probability and otherwise samples
+        from the distribution without it, so the emitted token is distributed exactly as without a draft. The
+        choice is recorded (penalties, logprobs, grammar) either way."""
         raw = scores[0].float()
+        logits, allowed = self._adjusted(input_ids, raw)
+        if draft is not None and not 0 <= draft < logits.numel():
+            draft = None
+        if not torch.isfinite(logits).any():  # nothing left: the grammar ends here, min_tokens or not
+            fallback = raw.masked_fill(~allowed, -math.inf) if allowed is not None else raw
+            choice = int(torch.argmax(fallback))
+        elif self.params.temperature < MIN_TEMPERATURE:  # also 1e-300: logits / T would overflow; the limit is greedy
+            choice = int(torch.argmax(logits))
+        else:
+            probs = self._probs(logits)
+            if not (torch.isfinite(probs).all() and probs.sum() > 0):  # degenerate (non-finite logits): its mode
+                choice = int(torch.argmax(logits))
+            elif draft is not None:
+                choice, _ = sample_or_accept(probs / probs.sum(), draft, self.generator)
+            else:
+                choice = int(torch.multinomial(probs, 1, generator=self.generator))
+        self._record(choice, raw)
+        return choice, choice == draft
+
+    def _adjusted(self, input_ids: torch.LongTensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits after bias, ``min_tokens``, penalties and the grammar's mask (and the mask)."""
         logits = raw.clone()
         p = self.params
         if self._bias is not None:
@@ -121,39 +156,35 @@ class TokenChooser:
                 raise RuntimeError(f"constrained decoding failed: {self.grammar.error}")
             allowed = self.grammar.allowed(logits.numel())
             logits = torch.where(allowed, logits, -math.inf)
-        if not torch.isfinite(logits).any():  # nothing left: the grammar ends here, min_tokens or not
-            fallback = raw.masked_fill(~allowed, -math.inf) if allowed is not None else raw
-            choice = int(torch.argmax(fallback))
-        elif p.temperature < MIN_TEMPERATURE:  # also 1e-300: logits / T would overflow; the limit is greedy
-            choice = int(torch.argmax(logits))
-        else:
-            probs = torch.softmax(logits / p.temperature, dim=-1)
-            if p.min_p > 0.0:
-                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-            if 0 < p.top_k < probs.numel():
-                probs = probs.masked_fill(probs < probs.topk(p.top_k).values[-1], 0.0)
-            if p.top_p < 1.0:
-                probs = probs / probs.sum()
-                ordered, order = probs.sort(descending=True)
-                keep = ordered.cumsum(-1) - ordered < p.top_p  # the smallest set whose mass reaches top_p
-                probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
-            if torch.isfinite(probs).all() and probs.sum() > 0:
-                choice = int(torch.multinomial(probs, 1, generator=self.generator))
-            else:  # degenerate distribution (non-finite logits): its mode
-                choice = int(torch.argmax(logits))
-        if p.logprobs is not None:
+        return logits, allowed
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution (unnormalised after the cuts): temperature, ``min_p``, ``top_k``, ``top_p``."""
+        p = self.params
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if 0 < p.top_k < probs.numel():
+            probs = probs.masked_fill(probs < probs.topk(p.top_k).values[-1], 0.0)
+        if p.top_p < 1.0:
+            probs = probs / probs.sum()
+            ordered, order = probs.sort(descending=True)
+            keep = ordered.cumsum(-1) - ordered < p.top_p  # the smallest set whose mass reaches top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
+        return probs
+
+    def _record(self, choice: int, raw: torch.Tensor) -> None:
+        """The chosen token: its logprob and alternatives (the model's own distribution), penalties, grammar."""
+        if self.params.logprobs is not None:
             logp = torch.log_softmax(raw, dim=-1)
             top = []
-            if p.logprobs > 0:
-                values, ids = logp.topk(p.logprobs)
+            if self.params.logprobs > 0:
+                values, ids = logp.topk(self.params.logprobs)
                 top = [(int(i), float(v)) for i, v in zip(ids, values)]
             self.logprobs.append(TokenLogprob(choice, float(logp[choice]), top))
         self.generated.append(choice)
         if self.grammar is not None:
             self.grammar.consume(choice)
-        forced = torch.full_like(scores, -math.inf)
-        forced[:, choice] = 0.0
-        return forced
 
     def replay(self, tokens: Iterable[int], logprobs: Iterable[TokenLogprob] = ()) -> None:
         """Continue a request whose earlier session chose ``tokens`` (with ``logprobs``): penalties, ``min_tokens``

@@ -17,9 +17,12 @@ Rows are the *chooser's* distributions (penalties, temperature, top-p, grammar m
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional, Sequence
 
 import torch
+
+from planner.drafting import AdaptiveK, Drafter, SuffixIndex
 
 
 def accept_greedy(scores: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
@@ -33,6 +36,19 @@ def accept_greedy(scores: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]
     return accepted, int(best[accepted])
 
 
+def sample_or_accept(probs: torch.Tensor, draft: int, generator: Optional[torch.Generator] = None
+                     ) -> tuple[int, bool]:
+    """One position of the sampled rule: (the emitted token, whether it is ``draft``) for ``probs`` ``(V,)``."""
+    if torch.rand((), generator=generator) < probs[draft]:
+        return int(draft), True
+    residual = probs.clone()
+    residual[draft] = 0.0
+    total = residual.sum()
+    if total <= 0:  # p was all on the drafted token: it cannot be rejected (rand < 1 always): unreachable
+        return int(draft), True
+    return int(torch.multinomial(residual / total, 1, generator=generator)), False
+
+
 def accept_sampled(probs: torch.Tensor, draft: Sequence[int],
                    generator: Optional[torch.Generator] = None) -> tuple[int, int]:
     """(accepted drafted tokens, the token after them) for distributions ``probs`` ``(k + 1, V)`` (rows sum to 1)."""
@@ -40,12 +56,76 @@ def accept_sampled(probs: torch.Tensor, draft: Sequence[int],
         raise ValueError(f"{probs.shape[0]} probability rows for {len(draft)} drafted tokens (need k + 1)")
     probs = probs.float()
     for i, token in enumerate(int(t) for t in draft):
-        if torch.rand((), generator=generator) < probs[i, token]:
-            continue
-        residual = probs[i].clone()
-        residual[token] = 0.0
-        total = residual.sum()
-        if total <= 0:  # p_i was all on the drafted token: it cannot be rejected (rand < 1 always): unreachable
-            return i + 1, token
-        return i, int(torch.multinomial(residual / total, 1, generator=generator))
+        choice, accepted = sample_or_accept(probs[i], token, generator)
+        if not accepted:
+            return i, choice
     return len(draft), int(torch.multinomial(probs[len(draft)], 1, generator=generator))
+
+
+class SessionDrafts:
+    """One sequence's drafting: proposals for its tokens so far, and ``k`` adapted to its acceptance."""
+
+    def __init__(self, speculation: "Speculation", client: str):
+        self.speculation, self.client = speculation, client
+        self.adaptive = AdaptiveK(k_max=speculation.k_max, k=min(speculation.k_start, speculation.k_max))
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to ``min(k, limit)`` drafted tokens to follow ``tokens``."""
+        k = min(self.adaptive.next_k(), limit)
+        if k <= 0:
+            return []
+        with self.speculation._lock:  # the index changes as other sessions finish
+            return self.speculation.drafter.propose(self.client, tokens, k)[:k]
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.adaptive.update(proposed, accepted)
+        self.speculation.count(proposed, accepted)
+
+
+class Speculation:
+    """The orchestrator's speculative decoding (``--speculative ngram``): drafts from :class:`Drafter` (the
+    request's own tokens, then the swarm's recent outputs in the client's scope), ``k`` per sequence from
+    :class:`AdaptiveK`, at most ``k_max`` (a verification step's extra positions). Thread-safe."""
+
+    def __init__(self, drafter: Drafter, *, k_max: int = 8, k_start: int = 4):
+        if k_max < 1:
+            raise ValueError("k_max must be >= 1")
+        self.drafter, self.k_max, self.k_start = drafter, int(k_max), int(k_start)
+        self._lock = threading.Lock()
+        self.proposed = self.accepted = self.verifications = 0
+
+    def session(self, client: str) -> SessionDrafts:
+        return SessionDrafts(self, client)
+
+    def learn(self, client: str, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Index a finished output for later drafts (in the client's scope)."""
+        if output:
+            with self._lock:
+                self.drafter.learn(client, output, prompt)
+
+    def count(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            with self._lock:
+                self.proposed += proposed
+                self.accepted += accepted
+                self.verifications += 1
+
+    def stats(self) -> dict:
+        """Drafted and accepted tokens, verification steps, the acceptance rate and mean accepted length."""
+        with self._lock:
+            return {"proposed": self.proposed, "accepted": self.accepted, "verifications": self.verifications,
+                    "acceptance": self.accepted / self.proposed if self.proposed else 0.0,
+                    "mean_accepted": self.accepted / self.verifications if self.verifications else 0.0}
+
+
+def _ngram(options) -> Speculation:
+    index = SuffixIndex(max_tokens=options.speculative_index_tokens)
+    return Speculation(Drafter(index, shared=options.speculative_shared), k_max=options.speculative_k)
+
+
+SPECULATORS = {"off": lambda options: None, "ngram": _ngram}  # --speculative
+
+
+def from_options(options) -> Optional[Speculation]:
+    """The orchestrator's :class:`Speculation` for its options (``--speculative``), or None."""
+    return SPECULATORS[options.speculative](options)
