@@ -170,6 +170,29 @@ def test_the_server_that_disagrees_with_two_others_is_struck_whoever_it_is(liar)
     assert ("server_banned", {"node": liar, "reason": orch.events[-2][1]["reason"]}) in orch.events
 
 
+def test_the_overhead_counts_a_check_as_one_prefill_and_a_session_as_its_prefill_and_decode_steps():
+    """A 7-position session (5 prompt positions, 2 decode steps) over 4 blocks, checked once by an honest server:
+    served compute 4·(5·prefill_s + 2·decode_s), the check's 4·7·prefill_s; block-positions 28 each way."""
+    from swarm.control.spot_checks import SpotChecker
+
+    ledger = Ledger(CheckPolicy(base_rate=1.0, new_rate=1.0))
+    orch = _Orch(_profiles(["x", "y"]), ledger)
+    checker = SpotChecker(orch, ledger, run_span=lambda peer, start, end, hidden, ticket: hidden * 2,
+                          embed=lambda ids: torch.randn(len(ids), 16), num_blocks=4, seed=1)
+    try:
+        recorder = checker.recorder([("peer-x", 0, 4)])
+        hidden = torch.randn(7, 16)
+        recorder.add(("peer-x", 0, 4), hidden[None], (hidden * 2)[None])
+        checker.finished("r0", [("peer-x", 0, 4)], list(range(8)), recorder, prompt_tokens=5)
+        assert checker.wait_idle(10)
+    finally:
+        checker.close()
+    status = ledger.status()
+    assert status["counts"]["passed"] == 1 and status["overhead"] == pytest.approx(1.0)
+    assert status["counts"]["served_compute_s"] == pytest.approx(4 * (5e-4 + 2e-3))
+    assert status["compute_overhead"] == pytest.approx(4 * 7 * 1e-4 / (4 * (5e-4 + 2e-3)))
+
+
 # -- the real thing ----------------------------------------------------------------------------------------
 
 MEMORY_GB = 0.7  # every node holds SmolLM2's 30 float32 blocks: one-server chains

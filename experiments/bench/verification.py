@@ -6,8 +6,12 @@ check rates (``--spot-check-rate 0.05``, ``--spot-check-new-rate 0.25``, two str
 
 * **honest**: ``--honest`` greedy sessions (``--concurrency`` at a time) on ``--servers`` honest nodes at
   ``--memory-gb`` each (two-hop chains: every span is held by two servers); counts the checks, any strike, and
-  the overhead — block-positions re-executed by checks per block-position served (a prefill position is counted
-  like a decode position, which overstates the cost on GPUs, where a prefill position is far cheaper);
+  the overhead two ways: the *compute overhead* (the target), the servers' compute time spent on checks per
+  compute time serving, where a check is one prefill and a session is its prompt's prefill plus one decode step
+  per further token, timed by the nodes' profile — one block of the model measured on this machine before the run
+  (:func:`server.profiling.measure_block_times`, prefills of 32 tokens, about a session's length), which the nodes
+  declare; and the *block-position overhead*, block-positions re-executed per block-position served (a prefill
+  position counted like a decode position: an upper bound that ignores how much cheaper a prefill is);
 * **adversaries**: for each kind of ``experiments.live.adversaries`` and each of ``--trials`` trials, a fresh
   hostile node (new node id, new key) joins two honest nodes (every node holds the whole model) and announces
   itself as the fastest, so JFFC sends it the sessions; sessions go one at a time until it is banned or has
@@ -52,8 +56,14 @@ def honest_part(model_dir: str, args, tqdm) -> dict:
 
     from server.local_swarm import LocalSwarm
 
+    from swarm.model.compat import petals
+    from server.profiling import measure_block_times
+
+    times = measure_block_times(petals.AutoDistributedConfig.from_pretrained(model_dir), torch_dtype=DTYPE,
+                                prefill_tokens=32)
+    measured = {"prefill_s": times.prefill_s, "decode_s": times.decode_s, "rtt_s": HONEST["rtt_s"]}
     with LocalSwarm(model_dir) as swarm:
-        nodes = [swarm.add_node(node_id=f"h{i}", memory_gb=args.memory_gb, wait=False, declared_profile=HONEST,
+        nodes = [swarm.add_node(node_id=f"h{i}", memory_gb=args.memory_gb, wait=False, declared_profile=measured,
                                 torch_dtype=DTYPE) for i in range(args.servers)]
         for node in nodes:
             swarm.wait_profiled(node, timeout=300)
@@ -73,7 +83,8 @@ def honest_part(model_dir: str, args, tqdm) -> dict:
             verification = _settled(http)
         return {"servers": args.servers, "memory_gb": args.memory_gb, "sessions": args.honest,
                 "chains": [c["servers"] for c in status["chains"]], "wall_s": time.monotonic() - began,
-                "counts": verification["counts"], "overhead": verification["overhead"],
+                "profile": measured, "counts": verification["counts"], "overhead": verification["overhead"],
+                "compute_overhead": verification["compute_overhead"],
                 "strikes": {n: s["strikes"] for n, s in verification["servers"].items()},
                 "passed": {n: s["passed"] for n, s in verification["servers"].items()},
                 "banned": sorted(verification["banned"])}
@@ -153,7 +164,7 @@ def targets(report: dict) -> dict:
     return {
         "every_adversary_banned": all(k["detected"] == 1.0 for k in adv.values()),
         "banned_within_50_sessions": all(k["max_sessions"] <= 50 for k in adv.values()),
-        "overhead_at_most_5pct": report["honest"]["overhead"] <= 0.05,
+        "overhead_at_most_5pct": report["honest"]["compute_overhead"] <= 0.05,
         "zero_false_strikes": (sum(report["honest"]["strikes"].values()) == 0
                                and report["adversaries"]["strikes_on_honest"] == 0),
     }
@@ -176,8 +187,9 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("dishonest sessions served before the ban")
     honest = report["honest"]
-    ax.set_title(f"spot checks, SmolLM2 float32: overhead {honest['overhead']:.1%} over {honest['sessions']} "
-                 f"honest sessions, {sum(honest['strikes'].values())} false strikes", fontsize=9)
+    ax.set_title(f"spot checks, SmolLM2 float32: compute overhead {honest['compute_overhead']:.1%} (block-positions "
+                 f"{honest['overhead']:.1%}) over {honest['sessions']} honest sessions, "
+                 f"{sum(honest['strikes'].values())} false strikes", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

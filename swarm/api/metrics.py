@@ -92,6 +92,9 @@ class _SwarmCollector:
                                 value=len(checks["banned"]))
         yield GaugeMetricFamily("chainswarm_spot_check_overhead", "block-positions re-executed by checks per "
                                 "block-position served", value=checks["overhead"])
+        yield GaugeMetricFamily("chainswarm_spot_check_compute_overhead", "compute time of the checks (one prefill "
+                                "each) per compute time served, by the servers' profiles",
+                                value=checks.get("compute_overhead", 0.0))
 
 
 class _BatchCollector:

@@ -186,9 +186,10 @@ class SpotChecker:
         return SpanRecorder(route, targets)
 
     def finished(self, request_id: str, route: Sequence[tuple[str, int, int]], token_ids: Sequence[int],
-                 recorder: Optional[SpanRecorder]) -> None:
-        """A session ended well after computing ``len(token_ids) − 1`` positions; queue its check if recorded."""
-        if not self._served(request_id, route, token_ids, recorder):
+                 recorder: Optional[SpanRecorder], prompt_tokens: int = 0) -> None:
+        """A session ended well after computing ``len(token_ids) − 1`` positions (the first ``prompt_tokens`` of
+        them in its prefill); queue its check if recorded."""
+        if not self._served(request_id, route, token_ids, recorder, prompt_tokens):
             if recorder is None:  # not drawn
                 return
             self.ledger.count("skipped")
@@ -203,16 +204,25 @@ class SpotChecker:
         self._idle.clear()
         self._jobs.put(CheckJob(request_id, list(token_ids), recorder))
 
-    def _served(self, request_id: str, route, token_ids: Sequence[int], recorder: Optional[SpanRecorder]) -> bool:
-        """Enter the finished session in the ledger; whether ``recorder`` holds all its positions."""
+    def _served(self, request_id: str, route, token_ids: Sequence[int], recorder: Optional[SpanRecorder],
+                prompt_tokens: int = 0) -> bool:
+        """Enter the finished session in the ledger (its block-positions and their compute time by the servers'
+        profiles: the prompt's positions at prefill speed, the others one decode step each); whether ``recorder``
+        holds all its positions."""
+        profiles = self._profiles()
         nodes = [self.node_of(peer) or peer for peer, _, _ in route]
-        self.ledger.served(request_id, nodes, (len(token_ids) - 1) * self.num_blocks)
-        return recorder is not None and recorder.complete(len(token_ids) - 1)
+        positions = len(token_ids) - 1
+        prefill = min(positions, max(0, int(prompt_tokens)))
+        compute_s = sum((end - start) * (prefill * profiles[node].prefill_s + (positions - prefill) * profiles[node].decode_s)
+                        for node, (_, start, end) in zip(nodes, route) if node in profiles)
+        self.ledger.served(request_id, nodes, positions * self.num_blocks, compute_s)
+        return recorder is not None and recorder.complete(positions)
 
-    def verify_now(self, request_id: str, route, token_ids: Sequence[int], recorder: SpanRecorder) -> bool:
+    def verify_now(self, request_id: str, route, token_ids: Sequence[int], recorder: SpanRecorder,
+                   prompt_tokens: int = 0) -> bool:
         """Dual execution (blocking): re-execute every span of the finished session now; True when every span
         matched. A mismatch is settled (and struck) as in any check."""
-        if not self._served(request_id, route, token_ids, recorder):
+        if not self._served(request_id, route, token_ids, recorder, prompt_tokens):
             return False
         job = CheckJob(request_id, list(token_ids), recorder)
         outcomes = [self._check(job, trace) for trace in list(recorder.traces.values())]
@@ -263,13 +273,14 @@ class SpotChecker:
         route = chain.route if chain is not None else ((peer, start, end),)
         return self.orchestrator.ticket(uuid.uuid4().hex, chain.chain_id if chain else "check", route)
 
-    def _upstream(self, token_ids: Sequence[int], start: int, exclude: set[str]) -> tuple[torch.Tensor, int]:
+    def _upstream(self, token_ids: Sequence[int], start: int, exclude: set[str]) -> torch.Tensor:
         """The inputs of block ``start`` for ``token_ids`` (a reused prefix), computed by servers outside
-        ``exclude`` (or the orchestrator); returns them and the block-positions it cost."""
+        ``exclude`` (or the orchestrator); its cost is counted."""
         hidden = self.embed(list(token_ids)).float()
-        block, cost = 0, 0
+        block = 0
         while block < start:
             holders = [(n, p) for n, p in self._holders(block, block + 1, exclude)]
+            profile = None
             if holders:
                 node, profile = self._rng.choice(holders)
                 end = min(profile.end, start)
@@ -279,9 +290,16 @@ class SpotChecker:
                 hidden = self.local_span(block, end, hidden)
             else:
                 raise RuntimeError(f"nobody can compute blocks [{block}, {start}) for a reused prefix")
-            cost += hidden.shape[0] * (end - block)
+            self._cost(hidden.shape[0] * (end - block), profile)
             block = end
-        return hidden, cost
+        return hidden
+
+    def _cost(self, block_positions: int, profile) -> None:
+        """A re-execution of ``block_positions`` by a server with ``profile`` (one prefill: its prefill speed;
+        None: the orchestrator's own computation, which costs the swarm nothing)."""
+        self.ledger.count("check_block_tokens", block_positions)
+        if profile is not None:
+            self.ledger.count("check_compute_s", block_positions * profile.prefill_s)
 
     def _check(self, job: CheckJob, trace: SpanTrace) -> str:
         """Check one span; returns ``passed``, ``struck`` (the checked server), ``checker_struck`` (it passed:
@@ -294,9 +312,7 @@ class SpotChecker:
         inputs, outputs = trace.tensors()
         exclude, slack = {x_node}, 0.0
         if trace.offset:  # the session reused a prompt prefix: its inputs are recomputed upstream
-            prefix, cost = self._upstream(job.token_ids[:trace.offset], start, exclude)
-            self.ledger.count("check_block_tokens", cost)
-            inputs = torch.cat([prefix, inputs])
+            inputs = torch.cat([self._upstream(job.token_ids[:trace.offset], start, exclude), inputs])
             slack = 2 * EPSILON.get(self.dtype, 0.0)  # the recomputed prefix is one more honest rounding away
         x = Opinion(x_node, profiles[x_node].torch_dtype, outputs)
         positions = self._positions(outputs.shape[0])
@@ -306,7 +322,7 @@ class SpotChecker:
         opinions = []
         for node, profile in candidates[:1]:
             opinions.append(self._opinion(node, profile, start, end, inputs))
-            self.ledger.count("check_block_tokens", inputs.shape[0] * (end - start))
+            self._cost(inputs.shape[0] * (end - start), profile)
         if not opinions:  # nobody else holds the span: the orchestrator's own computation is the reference
             if self.local_span is None or not self.local_checker:
                 self.ledger.count("unchecked")
@@ -325,6 +341,8 @@ class SpotChecker:
         third = [(n, p) for n, p in candidates[1:]]
         z = (self._opinion(*third[0], start, end, inputs) if third else
              self._opinion(None, None, start, end, inputs) if self.local_span is not None else None)
+        if third:
+            self._cost(inputs.shape[0] * (end - start), third[0][1])
         if z is None:
             self.ledger.count("inconclusive")
             self.orchestrator.spot_check_event("spot_check_inconclusive", node=x_node, request=job.request_id,

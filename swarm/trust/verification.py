@@ -115,7 +115,8 @@ class Ledger:
         self.requests: OrderedDict[str, RequestVerdict] = OrderedDict()
         self.banned: dict[str, dict] = {}  # node id -> {"key", "reason", "at"}
         self.counts = {"recorded": 0, "checks": 0, "passed": 0, "mismatches": 0, "strikes": 0, "inconclusive": 0,
-                       "skipped": 0, "unchecked": 0, "dual_executions": 0, "served_block_tokens": 0, "check_block_tokens": 0}
+                       "skipped": 0, "unchecked": 0, "dual_executions": 0, "served_block_tokens": 0, "check_block_tokens": 0,
+                       "served_compute_s": 0.0, "check_compute_s": 0.0}
         self._keep = keep_requests
         self._lock = threading.Lock()
         if self.path is not None and self.path.exists():
@@ -136,11 +137,13 @@ class Ledger:
         with self._lock:
             return node in self.banned or (key is not None and any(b.get("key") == key for b in self.banned.values()))
 
-    def served(self, request_id: str, nodes: Iterable[str], block_tokens: int) -> None:
-        """A request finished on ``nodes`` (``block_tokens``: positions × blocks the swarm computed for it)."""
+    def served(self, request_id: str, nodes: Iterable[str], block_tokens: int, compute_s: float = 0.0) -> None:
+        """A request finished on ``nodes`` (``block_tokens``: positions × blocks the swarm computed for it;
+        ``compute_s``: their compute time by the servers' profiles)."""
         nodes = frozenset(nodes)
         with self._lock:
             self.counts["served_block_tokens"] += int(block_tokens)
+            self.counts["served_compute_s"] += float(compute_s)
             self.requests[request_id] = RequestVerdict(nodes, time.time(), failed=bool(nodes & set(self.banned)))
             while len(self.requests) > self._keep:
                 self.requests.popitem(last=False)
@@ -211,6 +214,8 @@ class Ledger:
                            "strikes_to_ban": self.policy.strikes_to_ban},
                 "counts": dict(self.counts),
                 "overhead": self.counts["check_block_tokens"] / served if served else 0.0,
+                "compute_overhead": (self.counts["check_compute_s"] / self.counts["served_compute_s"]
+                                     if self.counts["served_compute_s"] else 0.0),
                 "servers": {node: {"passed": r.passed, "strikes": r.strikes, "banned": node in self.banned}
                             for node, r in sorted(self.servers.items())},
                 "banned": dict(self.banned),
