@@ -215,7 +215,7 @@ class GenerationEngine:
             try:
                 if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
-                        drafts = (self.speculation.session(client)
+                        drafts = (self.speculation.session(client, own_only=params.seed is not None)
                                   if self.speculation is not None and params.speculative else None)
                         self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts)
                     except SequenceFailed as exc:
