@@ -170,6 +170,55 @@ def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, mo
         assert new["cohorts"] - old["cohorts"] >= generator.steps and new["failed"] == old["failed"]
 
 
+class _Drafts:
+    """Drafts for ChainGenerator from the sequence's known greedy continuation: right ones, or each one token off
+    (always rejected). Records (step, limit) for every step."""
+
+    def __init__(self, generator, prompt, plain, right=True):
+        self.generator, self.prompt, self.plain, self.right = generator, len(prompt), plain, right
+        self.limits, self.updates = [], []
+
+    def propose(self, tokens, limit):
+        self.limits.append((self.generator.steps, limit))
+        done = len(tokens) - self.prompt
+        draft = self.plain[done:done + min(limit, 6)]
+        return draft if self.right else [(t + 1) % 64 for t in draft]
+
+    def update(self, proposed, accepted):
+        self.updates.append((proposed, accepted))
+
+
+def test_drafted_tokens_change_no_output_and_fill_only_the_steps_free_positions(swarm, model):
+    """Speculative decoding through both servers: drafts that are the greedy continuation are all accepted (fewer
+    steps), drafts that are wrong are all rejected and rolled back — the tokens are those without drafts either way;
+    a lone sequence may draft up to 15 positions a step, and sequences running together share the 16 positions of
+    a step (16 running: none)."""
+    import collections
+
+    from swarm.engine.batching import ChainGenerator
+
+    prompt = [1, 5, 9, 22, 40, 7]
+    with ChainGenerator(model, swarm.route) as generator:
+        plain = generator.submit(prompt, 12).result(timeout=60)
+        steps = generator.steps
+        right = _Drafts(generator, prompt, plain)
+        assert generator.submit(prompt, 12, drafts=right).result(timeout=60) == plain
+        assert generator.steps - steps <= 4 and right.updates and all(a == p for p, a in right.updates)
+        wrong = _Drafts(generator, prompt, plain, right=False)
+        assert generator.submit(prompt, 12, drafts=wrong).result(timeout=60) == plain
+        assert max(limit for _, limit in wrong.limits) == 10  # 12 tokens: after the first, 10 are left to draft
+        assert wrong.updates and all(a == 0 for _, a in wrong.updates)
+        crowd = [_Drafts(generator, prompt, plain[:6], right=False) for _ in range(16)]
+        futures = [generator.submit(prompt, 6, drafts=d) for d in crowd]
+        assert all(f.result(timeout=60) == plain[:6] for f in futures)
+    by_step = collections.defaultdict(list)
+    for drafts in crowd:
+        for step, limit in drafts.limits:
+            by_step[step].append(limit)
+    assert all(sum(limits) <= 16 - len(limits) for limits in by_step.values()), dict(by_step)
+    assert any(len(limits) == 16 and sum(limits) == 0 for limits in by_step.values()), dict(by_step)
+
+
 def test_callbacks_end_their_own_sequence_and_cancel_works(swarm, model):
     from swarm.engine.batching import ChainGenerator, SequenceFailed, StopSequence
 

@@ -77,16 +77,3 @@ def test_greedy_choosers_accept_exactly_the_argmax_and_record_each_token_once():
     assert chooser.choose(torch.tensor([[0]]), scores, 1) == (1, True)
     assert chooser.choose(torch.tensor([[0]]), scores, 2) == (1, False)
     assert chooser.generated == [1, 1] and [lp.token_id for lp in chooser.logprobs] == [1, 1]
-
-
-def test_a_seeded_request_drafts_from_its_own_tokens_only():
-    """Which tokens are drafted decides which random draws a sampled request uses: a seeded request must not draft
-    from other requests' outputs, or the same seed and prompt could give another text."""
-    from planner.drafting import Drafter, SuffixIndex
-    from swarm.engine.speculative import Speculation
-
-    speculation = Speculation(Drafter(SuffixIndex(), shared=True), k_max=4)
-    speculation.learn("other", [1, 2, 3], [4, 5, 6, 7, 8])
-    assert speculation.session("me").propose([9, 2, 3, 4], 4) == [5, 6, 7, 8]  # the swarm's outputs draft
-    assert speculation.session("me", own_only=True).propose([9, 2, 3, 4], 4) == []
-    assert speculation.session("me", own_only=True).propose([9, 3, 4, 1, 3, 4], 4) == [1, 3, 4]  # its own do

@@ -68,10 +68,17 @@ class ChainGenerator:
     ``model`` is a petals distributed causal LM (its embeddings, final norm and LM head run here; its sequence
     manager supplies the p2p connection and block uids); ``route`` the chain ``(peer id, start, end)``."""
 
+    STEP_POSITIONS = 16  # decode positions one step fills with drafts (a server's batch bound, --max-batch 16)
+
     def __init__(self, model, route: Sequence[RouteSpan], *, max_sessions: int = 16, step_timeout: float = 30.0,
-                 alloc_timeout: float = 5.0, idle_close_s: float = 5.0):
+                 alloc_timeout: float = 5.0, idle_close_s: float = 5.0, step_positions: int = STEP_POSITIONS):
+        """``step_positions``: speculative decoding's drafts fill a step's decode positions up to this many, shared
+        by the drafting sequences: a lone session drafts up to its own ``k``, 8 running sessions 1 each, 16 none —
+        an extra position is nearly free while a server's batch has room, and takes compute from the other
+        sessions' decode steps once it is full."""
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
+        self.step_positions = int(step_positions)
         manager = model.transformer.h.sequence_manager
         self.model, self.max_sessions, self.idle_close_s = model, int(max_sessions), idle_close_s
         self._route = tuple(route)
@@ -213,8 +220,11 @@ class ChainGenerator:
         embed = self.model.transformer.word_embeddings
         inputs = {s.sid: embed(torch.tensor([s.input_ids])) for s in admitted}
         rollbacks = {}
+        drafting = sum(s.drafts is not None for s in self._running.values())
+        room = max(0, self.step_positions - len(self._running) - len(admitted))
+        share = room // drafting if drafting else 0
         for s in self._running.values():
-            s.draft = (s.drafts.propose(s.input_ids + s.produced, s.max_new_tokens - len(s.produced) - 1)
+            s.draft = (s.drafts.propose(s.input_ids + s.produced, min(share, s.max_new_tokens - len(s.produced) - 1))
                        if s.drafts is not None else [])
             inputs[s.sid] = embed(torch.tensor([[s.produced[-1], *s.draft]]))
             if s.rollback:

@@ -215,8 +215,12 @@ class GenerationEngine:
             try:
                 if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
-                        drafts = (self.speculation.session(client, own_only=params.seed is not None)
-                                  if self.speculation is not None and params.speculative else None)
+                        # a seeded sampled request does not speculate: how many tokens are drafted depends on what
+                        # else runs (they share a step's positions) and decides which random draws it uses, and
+                        # the same seed and prompt must give the same text whatever runs concurrently
+                        seeded = params.seed is not None and chooser is not None and params.temperature > 0
+                        drafts = (self.speculation.session(client)
+                                  if self.speculation is not None and params.speculative and not seeded else None)
                         self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts)
                     except SequenceFailed as exc:
                         self.fallbacks += 1

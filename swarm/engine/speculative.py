@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from planner.drafting import AdaptiveK, Drafter, SuffixIndex, lookup_own
+from planner.drafting import AdaptiveK, Drafter, SuffixIndex
 
 
 def accept_greedy(scores: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
@@ -65,8 +65,8 @@ def accept_sampled(probs: torch.Tensor, draft: Sequence[int],
 class SessionDrafts:
     """One sequence's drafting: proposals for its tokens so far, and ``k`` adapted to its acceptance."""
 
-    def __init__(self, speculation: "Speculation", client: str, own_only: bool = False):
-        self.speculation, self.client, self.own_only = speculation, client, own_only
+    def __init__(self, speculation: "Speculation", client: str):
+        self.speculation, self.client = speculation, client
         self.adaptive = AdaptiveK(k_max=speculation.k_max, k=min(speculation.k_start, speculation.k_max))
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
@@ -74,11 +74,8 @@ class SessionDrafts:
         k = min(self.adaptive.next_k(), limit)
         if k <= 0:
             return []
-        drafter = self.speculation.drafter
-        if self.own_only:
-            return lookup_own(tokens, k, drafter.max_n, drafter.min_n)
         with self.speculation._lock:  # the index changes as other sessions finish
-            return drafter.propose(self.client, tokens, k)[:k]
+            return self.speculation.drafter.propose(self.client, tokens, k)[:k]
 
     def update(self, proposed: int, accepted: int) -> None:
         self.adaptive.update(proposed, accepted)
@@ -90,17 +87,15 @@ class Speculation:
     request's own tokens, then the swarm's recent outputs in the client's scope), ``k`` per sequence from
     :class:`AdaptiveK`, at most ``k_max`` (a verification step's extra positions). Thread-safe."""
 
-    def __init__(self, drafter: Drafter, *, k_max: int = 8, k_start: int = 4):
+    def __init__(self, drafter: Drafter, *, k_max: int = 8, k_start: int = 8):
         if k_max < 1:
             raise ValueError("k_max must be >= 1")
         self.drafter, self.k_max, self.k_start = drafter, int(k_max), int(k_start)
         self._lock = threading.Lock()
         self.proposed = self.accepted = self.verifications = 0
 
-    def session(self, client: str, own_only: bool = False) -> SessionDrafts:
-        """A sequence's drafting. ``own_only``: from its own tokens only — a seeded sampled request, whose text must
-        not depend on what else the swarm generated (the drafts decide which random draws the request uses)."""
-        return SessionDrafts(self, client, own_only)
+    def session(self, client: str) -> SessionDrafts:
+        return SessionDrafts(self, client)
 
     def learn(self, client: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Index a finished output for later drafts (in the client's scope)."""

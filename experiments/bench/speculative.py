@@ -1,0 +1,311 @@
+"""Speculative decoding across the swarm (``--speculative ngram``) under emulated WAN latency, against the same swarm
+without it and against vanilla petals' client, measured in one run.
+
+One orchestrator and three Chainswarm nodes of SmolLM2-135M-Instruct (float32), each node on a WAN host of the
+paper's RIPE Atlas EU RTTs (:meth:`wan.WanConfig.from_ripe_atlas`, 3 servers, seed 0) and sized to hold a third of
+the blocks, so every token crosses a 3-server chain. The orchestrator runs with ``--speculative ngram`` and otherwise
+default serving options; every point is run twice in a row on the same swarm, once with ``speculative: false``
+(one token per step) and once with drafts, through ``POST /v1/completions`` (streamed, greedy, ``--tokens``
+tokens), so the product's HTTP path with its defaults is what is measured. Four workloads: ``code_edit`` (a
+function restated with a rename: the output copies the input), ``summarise`` (an article summarised in its own
+words), ``chat`` (a multi-turn conversation whose answer repeats what was said) and ``free`` (a story: drafts
+rarely match). Each request has a client id of its own, so only the request's own tokens draft (prompt lookup):
+the swarm-wide index of earlier outputs, which would make repeated prompts look better, is not measured here.
+
+Per point: per-token latency (a session's last-minus-first token time over its tokens − 1; median over sessions),
+TTFT (median), aggregate tokens/s, the drafted and accepted tokens (the orchestrator's metrics), tokens per chain
+step (where the time goes: a step costs the chain's round trips whatever it carries), and whether the two modes gave
+the same text. Vanilla petals (its own ``generate`` on the same servers, opened to it) runs the 1-session point.
+
+Writes ``experiments/results/bench_speculative.json`` and ``.png``.
+
+    python -m experiments.bench.speculative [--sessions 1,4,16] [--tokens 48] [--replot]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from experiments.bench.cli import add_common, model_dir, replotted
+
+DTYPE = "float32"
+OUT = Path("experiments/results/bench_speculative.json")
+MAX_LENGTH = 512
+
+_CODE = [
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n    return total / len(values)\n",
+    "def count_words(text):\n    total = 0\n    for line in text.splitlines():\n        total += len(line.split())\n"
+    "    return total\n",
+    "def largest(items):\n    total = items[0]\n    for item in items[1:]:\n        if item > total:\n            total = item\n"
+    "    return total\n",
+    "def squares(limit):\n    total = []\n    for number in range(limit):\n        total.append(number * number)\n"
+    "    return total\n",
+]
+_ARTICLES = [
+    "The city council approved a plan on Monday to build a new library in the old market square. The library will "
+    "have three floors, a reading garden on the roof and a room for children. Construction starts in spring and "
+    "should take two years. The council said the project costs twelve million euros.",
+    "A team of researchers found that bees can recognise human faces. In the experiment, bees were trained with "
+    "photographs and a sugar reward. After training, most bees chose the right face even without the reward. The "
+    "researchers say the result helps to understand how small brains process images.",
+    "The river festival returns this weekend with boat races, music and food stalls along the water. The races start "
+    "at ten in the morning on Saturday. On Sunday evening there will be fireworks over the bridge. Entry is free, "
+    "and the organisers ask visitors to come by bicycle or by train.",
+    "A local bakery won the national bread prize for its rye loaf. The bakery was opened forty years ago by two "
+    "brothers and is now run by their daughters. The winning loaf is baked in a wood oven and rests for a full day "
+    "before baking. The prize comes with a year of free flour.",
+]
+_CHATS = [
+    ("Alice", "Lyon", "two cats, Tom and Felix"), ("Marco", "Turin", "a dog called Rocky"),
+    ("Sofia", "Porto", "three goldfish and a parrot"), ("Jonas", "Bergen", "a rabbit named Snow"),
+]
+_FREE = ["Write a short story about a dragon who is afraid of the dark.", "Describe a walk through a forest in autumn.",
+         "Write a poem about the sea at night.", "Tell a story about a robot who learns to cook."]
+
+
+def prompts(workload: str) -> list[str]:
+    """The workload's prompt variants (sessions cycle through them)."""
+    if workload == "code_edit":
+        return [f"Here is a Python function:\n```python\n{c}```\nThe same function, unchanged except that the variable "
+                f"`total` is renamed to `result`:\n```python\n{c.splitlines()[0]}\n" for c in _CODE]
+    if workload == "summarise":
+        return [f"Article: {a}\n\nSummary of the article, using its own sentences: " for a in _ARTICLES]
+    if workload == "chat":
+        return [f"User: Hello! My name is {n}, I live in {c} and I have {p}.\nAssistant: Nice to meet you, {n}! {c} "
+                f"is a lovely place.\nUser: Can you repeat what I told you about myself, in full sentences?\n"
+                f"Assistant: Of course. Your name is {n}," for n, c, p in _CHATS]
+    if workload == "free":
+        return [f"{p}\n\n" for p in _FREE]
+    raise ValueError(workload)
+
+
+WORKLOADS = ("code_edit", "summarise", "chat", "free")
+
+
+def _stream(url: str, prompt: str, tokens: int, speculative: bool, client: str) -> dict:
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "speculative": speculative}
+    start, stamps, pieces = time.monotonic(), [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Client-Id": client},
+                      timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(event["error"])
+                pieces.append(event["choices"][0]["text"])
+                stamps.append(time.monotonic() - start)
+    return {"text": "".join(pieces), "stamps": stamps}
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def run_point(url: str, workload: str, sessions: int, tokens: int, speculative: bool, tag: str) -> dict:
+    """``sessions`` concurrent streamed completions of ``workload``, all started together."""
+    variants = prompts(workload)
+    names = ("chainswarm_speculative_drafted_tokens_total", "chainswarm_speculative_accepted_tokens_total",
+             "chainswarm_batched_session_steps_total")
+    before = [_metric(url, n) for n in names]
+    results: list = [None] * sessions
+    errors: list = []
+    barrier = threading.Barrier(sessions + 1)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = _stream(url, variants[i % len(variants)], tokens, speculative, f"{tag}-{i}")
+        except Exception as exc:  # noqa: BLE001 - reported in the results
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    began = time.monotonic()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - began
+    drafted, accepted, steps = (_metric(url, n) - b for n, b in zip(names, before))
+    done = [r for r in results if r is not None]
+    emitted = sum(len(r["stamps"]) for r in done)  # streamed chunks: one per token (stop strings aside)
+    per_token = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in done if len(r["stamps"]) > 1]
+    return {"sessions": sessions, "speculative": speculative, "wall_s": wall, "tokens": emitted,
+            "tokens_per_s": emitted / wall, "per_token_s": statistics.median(per_token) if per_token else None,
+            "ttft_s": statistics.median(r["stamps"][0] for r in done) if done else None,
+            "drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else 0.0,
+            "chain_steps": steps, "tokens_per_step": emitted / steps if steps else None,
+            "texts": [r["text"] for r in results if r is not None], "errors": errors}
+
+
+def run_vanilla(model, tokenizer, workload: str, tokens: int) -> dict:
+    """Vanilla petals' greedy ``generate`` (one session, its own client) on the same servers."""
+    import torch
+
+    ids = tokenizer(prompts(workload)[0], return_tensors="pt").input_ids
+    stamps: list = []
+
+    class Sink:
+        first = True
+
+        def put(self, value):
+            if self.first:
+                self.first = False
+                return
+            stamps.append(time.monotonic() - start)
+
+        def end(self):
+            pass
+
+    start = time.monotonic()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             streamer=Sink())
+    return {"per_token_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1), "ttft_s": stamps[0],
+            "tokens_per_s": len(stamps) / (time.monotonic() - start),
+            "text": tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}
+
+
+def _node_gb(path: str) -> float:
+    """13.5 blocks' worth of memory: two nodes cannot hold the 30 blocks, so every chain has three servers, and a
+    node of 10 blocks keeps 3.5 blocks' worth for KV (about 16 sessions of 200 tokens)."""
+    import torch
+
+    from swarm.model.compat import petals
+    from petals.server.block_utils import get_block_size
+
+    config = petals.AutoDistributedConfig.from_pretrained(path)
+    return 0.45 * config.num_hidden_layers * get_block_size(config, "memory", dtype=torch.float32) / 1e9
+
+
+def bench(path: str, counts: list[int], tokens: int, seed: int, progress) -> dict:
+    import httpx
+    import torch
+    from transformers import AutoTokenizer
+
+    import wan
+    from server.local_swarm import LocalSwarm
+    from swarm.engine.petals_client import open_distributed_model
+
+    config = wan.WanConfig.from_ripe_atlas(num_servers=3, seed=seed)
+    gb = _node_gb(path)
+    with LocalSwarm(path, wan=config, open_sessions=True) as swarm:
+        swarm.add_orchestrator(torch_dtype=DTYPE, speculative="ngram", max_length=MAX_LENGTH,
+                               expected_input_tokens=160, expected_output_tokens=tokens)
+        nodes = [swarm.add_node(node_id=h, wan_host=h, memory_gb=gb, wait=False, torch_dtype=DTYPE)
+                 for h in config.servers]
+        for node in nodes:
+            swarm.wait_profiled(node, timeout=300)
+        status = swarm.wait_chains_ready(timeout=300)
+        url = swarm.orchestrator.info["url"]
+        run_point(url, "free", 2, 4, True, "warmup")
+        points = []
+        for workload in WORKLOADS:
+            for n in counts:
+                progress.set_postfix_str(f"{workload} × {n}")
+                pair = {mode: run_point(url, workload, n, tokens, mode, f"{workload}-{n}-{mode}")
+                        for mode in (False, True)}
+                off, on = pair[False], pair[True]
+                points.append({"workload": workload, "sessions": n, "off": off, "on": on,
+                               "same_text": off["texts"] == on["texts"] and not off["errors"] and not on["errors"],
+                               "per_token_ratio": on["per_token_s"] / off["per_token_s"],
+                               "throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"]})
+                progress.update()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        vanilla = {}
+        with open_distributed_model(path, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                    torch_dtype=torch.float32) as model:
+            for workload in WORKLOADS:
+                progress.set_postfix_str(f"vanilla petals {workload}")
+                vanilla[workload] = run_vanilla(model, tokenizer, workload, tokens)
+                progress.update()
+        final = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+    return {"wan": {"servers": list(config.servers), "rtt_ms": {s["node_id"]: s["rtt_s"] * 1e3 for s in
+                                                                 final["servers"] if s.get("rtt_s")}},
+            "chains": [{"servers": c["servers"], "spans": c["spans"]} for c in status["chains"]],
+            "points": points, "vanilla_petals": vanilla}
+
+
+def targets(report: dict) -> dict:
+    """The issue's targets: ≤ 0.5× per-token latency on the copy-heavy workloads at 1 session, ≥ 1.3× aggregate
+    tokens/s at 16 sessions, ≤ 1.05× per-token latency on free generation."""
+    by = {(p["workload"], p["sessions"]): p for p in report["points"]}
+    copy = [by[(w, 1)]["per_token_ratio"] for w in ("code_edit", "summarise", "chat") if (w, 1) in by]
+    most = max(p["sessions"] for p in report["points"])
+    crowd = [by[(w, most)]["throughput_ratio"] for w in WORKLOADS if (w, most) in by]
+    free = [p["per_token_ratio"] for p in report["points"] if p["workload"] == "free"]
+    return {"copy_heavy_per_token_at_1_session": copy, "copy_heavy_at_most_half": bool(copy) and max(copy) <= 0.5,
+            f"throughput_at_{most}_sessions": crowd, "throughput_at_least_1_3x": bool(crowd) and min(crowd) >= 1.3,
+            "free_per_token": free, "free_at_most_1_05x": bool(free) and max(free) <= 1.05,
+            "same_text_everywhere": all(p["same_text"] for p in report["points"])}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for workload in WORKLOADS:
+        rows = [p for p in report["points"] if p["workload"] == workload]
+        x = [p["sessions"] for p in rows]
+        axes[0].plot(x, [p["per_token_ratio"] for p in rows], marker="o", label=workload)
+        axes[1].plot(x, [p["throughput_ratio"] for p in rows], marker="o", label=workload)
+    for ax, title in zip(axes, ("per-token latency, speculative ÷ one token per step",
+                                "aggregate tokens/s, speculative ÷ one token per step")):
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent sessions")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['model']} on a 3-server chain, RIPE Atlas RTTs (WAN emulator), {report['tokens']} greedy "
+                 "tokens per request", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common(parser, OUT)
+    parser.add_argument("--sessions", default="1,4,16", help="concurrent sessions per point")
+    parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per request")
+    args = parser.parse_args(argv)
+    if replotted(args, plot):
+        return 0
+    from tqdm import tqdm
+
+    path = model_dir(args, DTYPE)
+    counts = [int(s) for s in args.sessions.split(",")]
+    progress = tqdm(total=len(WORKLOADS) * (len(counts) + 1), desc="bench_speculative")
+    began = time.monotonic()
+    report = {"command": "python -m experiments.bench.speculative", "model": Path(path).name, "dtype": DTYPE,
+              "tokens": args.tokens, "seed": args.seed, **bench(path, counts, args.tokens, args.seed, progress)}
+    progress.close()
+    report["wall_s"] = time.monotonic() - began
+    report["targets"] = targets(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    plot(report, args.out.with_suffix(".png"))
+    for p in report["points"]:
+        print(f"{p['workload']:>10} × {p['sessions']:>2}: per-token {p['off']['per_token_s'] * 1e3:7.1f} → "
+              f"{p['on']['per_token_s'] * 1e3:7.1f} ms ({p['per_token_ratio']:.2f}×), tokens/s "
+              f"{p['off']['tokens_per_s']:6.1f} → {p['on']['tokens_per_s']:6.1f} ({p['throughput_ratio']:.2f}×), "
+              f"acceptance {p['on']['acceptance']:.2f}, same text {p['same_text']}")
+    print(json.dumps(report["targets"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
