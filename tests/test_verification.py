@@ -185,12 +185,15 @@ def test_the_overhead_counts_a_check_as_one_prefill_and_a_session_as_its_prefill
         recorder.add(("peer-x", 0, 4), hidden[None], (hidden * 2)[None])
         checker.finished("r0", [("peer-x", 0, 4)], list(range(8)), recorder, prompt_tokens=5)
         assert checker.wait_idle(10)
+        # a speculative session: 3 tokens drafted into its decode steps, 1 verified: one decode step saved
+        checker.finished("r1", [("peer-y", 0, 4)], list(range(8)), None, prompt_tokens=5, drafted=3, accepted=1)
     finally:
         checker.close()
     status = ledger.status()
-    assert status["counts"]["passed"] == 1 and status["overhead"] == pytest.approx(1.0)
-    assert status["counts"]["served_compute_s"] == pytest.approx(4 * (5e-4 + 2e-3))
-    assert status["compute_overhead"] == pytest.approx(4 * 7 * 1e-4 / (4 * (5e-4 + 2e-3)))
+    assert status["counts"]["passed"] == 1 and status["overhead"] == pytest.approx(28 / 56)
+    first, second = 4 * (5e-4 + 2e-3), 4 * ((5 + 3) * 1e-4 + 1e-3)
+    assert status["counts"]["served_compute_s"] == pytest.approx(first + second)
+    assert status["compute_overhead"] == pytest.approx(4 * 7 * 1e-4 / (first + second))
 
 
 # -- the real thing ----------------------------------------------------------------------------------------

@@ -186,10 +186,11 @@ class SpotChecker:
         return SpanRecorder(route, targets)
 
     def finished(self, request_id: str, route: Sequence[tuple[str, int, int]], token_ids: Sequence[int],
-                 recorder: Optional[SpanRecorder], prompt_tokens: int = 0) -> None:
+                 recorder: Optional[SpanRecorder], prompt_tokens: int = 0, drafted: int = 0, accepted: int = 0) -> None:
         """A session ended well after computing ``len(token_ids) − 1`` positions (the first ``prompt_tokens`` of
-        them in its prefill); queue its check if recorded."""
-        if not self._served(request_id, route, token_ids, recorder, prompt_tokens):
+        them in its prefill; ``drafted`` tokens verified in its decode steps, ``accepted`` of them kept); queue its
+        check if recorded."""
+        if not self._served(request_id, route, token_ids, recorder, prompt_tokens, drafted, accepted):
             if recorder is None:  # not drawn
                 return
             self.ledger.count("skipped")
@@ -205,24 +206,25 @@ class SpotChecker:
         self._jobs.put(CheckJob(request_id, list(token_ids), recorder))
 
     def _served(self, request_id: str, route, token_ids: Sequence[int], recorder: Optional[SpanRecorder],
-                prompt_tokens: int = 0) -> bool:
+                prompt_tokens: int = 0, drafted: int = 0, accepted: int = 0) -> bool:
         """Enter the finished session in the ledger (its block-positions and their compute time by the servers'
-        profiles: the prompt's positions at prefill speed, the others one decode step each); whether ``recorder``
-        holds all its positions."""
+        profiles: the prompt's positions and the drafted ones at prefill speed, one decode step per further token
+        that was not a verified draft); whether ``recorder`` holds all its positions."""
         profiles = self._profiles()
         nodes = [self.node_of(peer) or peer for peer, _, _ in route]
         positions = len(token_ids) - 1
         prefill = min(positions, max(0, int(prompt_tokens)))
-        compute_s = sum((end - start) * (prefill * profiles[node].prefill_s + (positions - prefill) * profiles[node].decode_s)
+        steps = max(0, positions - prefill - int(accepted))
+        compute_s = sum((end - start) * ((prefill + drafted) * profiles[node].prefill_s + steps * profiles[node].decode_s)
                         for node, (_, start, end) in zip(nodes, route) if node in profiles)
         self.ledger.served(request_id, nodes, positions * self.num_blocks, compute_s)
         return recorder is not None and recorder.complete(positions)
 
     def verify_now(self, request_id: str, route, token_ids: Sequence[int], recorder: SpanRecorder,
-                   prompt_tokens: int = 0) -> bool:
+                   prompt_tokens: int = 0, drafted: int = 0, accepted: int = 0) -> bool:
         """Dual execution (blocking): re-execute every span of the finished session now; True when every span
         matched. A mismatch is settled (and struck) as in any check."""
-        if not self._served(request_id, route, token_ids, recorder, prompt_tokens):
+        if not self._served(request_id, route, token_ids, recorder, prompt_tokens, drafted, accepted):
             return False
         job = CheckJob(request_id, list(token_ids), recorder)
         outcomes = [self._check(job, trace) for trace in list(recorder.traces.values())]

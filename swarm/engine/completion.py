@@ -333,10 +333,12 @@ class CompletionRunner:
             verified, tokens = None, list(input_ids) + result.token_ids
             if dual:
                 agreed = await loop.run_in_executor(engine.executor, checks.verify_now, grant.request_id,
-                                                    lease.route, tokens, recorder, len(input_ids))
+                                                    lease.route, tokens, recorder, len(input_ids), result.drafted,
+                                                    result.accepted)
                 verified = "true" if agreed else "false"
             elif checks is not None:
-                checks.finished(grant.request_id, lease.route, tokens, recorder, len(input_ids))
+                checks.finished(grant.request_id, lease.route, tokens, recorder, len(input_ids), result.drafted,
+                                result.accepted)
                 verified = orchestrator.ledger.verdict(grant.request_id)
             yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
                            list(chain.route), 0.0, 0.0, prefix, logprobs=result.logprobs,

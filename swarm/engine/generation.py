@@ -50,6 +50,8 @@ class GenerationResult:
     prefill_tokens: int = 0  # prompt positions actually computed (summed over restarts)
     restarts: int = 0  # prefix-reuse sessions restarted from the full tokens after a failure
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when requested
+    drafted: int = 0  # speculative decoding: tokens drafted into this session's decode steps
+    accepted: int = 0  # ... and verified (each saved a decode step)
 
 
 @dataclass
@@ -189,11 +191,14 @@ class GenerationEngine:
             return (bool(produced) and not ignore_eos and self.eos_token_id is not None
                     and produced[-1] == self.eos_token_id)
 
+        drafting = []  # the batched session's drafting (swarm.engine.speculative.SessionDrafts), when it speculated
+
         def result(finish_reason: str) -> GenerationResult:
             if self.speculation is not None:
                 self.speculation.learn(client, input_ids, produced)
             return GenerationResult(produced, finish_reason, reused, prefill, restarts,
-                                    chooser.logprobs[:len(produced)] if chooser else [])
+                                    chooser.logprobs[:len(produced)] if chooser else [],
+                                    sum(d.drafted for d in drafting), sum(d.accepted for d in drafting))
 
         def resume() -> None:
             """Go on from the prompt plus the tokens produced so far as one petals session, without reuse."""
@@ -221,6 +226,7 @@ class GenerationEngine:
                         seeded = params.seed is not None and chooser is not None and params.temperature > 0
                         drafts = (self.speculation.session(client)
                                   if self.speculation is not None and params.speculative and not seeded else None)
+                        drafting.extend([drafts] if drafts is not None else [])
                         self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts)
                     except SequenceFailed as exc:
                         self.fallbacks += 1

@@ -68,6 +68,7 @@ class SessionDrafts:
     def __init__(self, speculation: "Speculation", client: str):
         self.speculation, self.client = speculation, client
         self.adaptive = AdaptiveK(k_max=speculation.k_max, k=min(speculation.k_start, speculation.k_max))
+        self.drafted = self.accepted = 0  # this sequence's drafted tokens and the ones its steps verified
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` drafted tokens to follow ``tokens``."""
@@ -80,6 +81,8 @@ class SessionDrafts:
     def update(self, proposed: int, accepted: int) -> None:
         self.adaptive.update(proposed, accepted)
         self.speculation.count(proposed, accepted)
+        self.drafted += proposed
+        self.accepted += accepted
 
 
 class Speculation:
