@@ -88,8 +88,9 @@ def check_case(path: Path, dtype: torch.dtype, device: str) -> dict:
             "batched_vs_alone_rel": batched}
 
 
-def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20) -> float:
-    """ms per batched decode step of one Llama-3-8B-shaped block (bf16) with ``sessions`` sessions."""
+def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20, positions: int = 1) -> float:
+    """ms per batched decode step of one Llama-3-8B-shaped block (bf16) with ``sessions`` sessions, each stepping
+    ``positions`` new positions (1: a decode step; 1 + k: a speculative verification of k drafted tokens)."""
     spec = ArchSpec(family="llama", model_type="llama", hidden_size=4096, intermediate_size=14336, num_layers=1,
                     num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
                     layers=(LayerSpec(window=None, rope=RopeSpec(theta=5e5, kind="llama3", factor=8.0,
@@ -97,10 +98,10 @@ def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20)
     block = DecoderBlock(spec, 0).to(device=device, dtype=torch.bfloat16)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    segments = [Segment(torch.randn(1, 8, 128, cached + 1, device=device, dtype=torch.bfloat16),
-                        torch.randn(1, 8, cached + 1, 128, device=device, dtype=torch.bfloat16), cached, 1, 1)
-                for _ in range(sessions)]
-    hidden = torch.randn(sessions, 4096, device=device, dtype=torch.bfloat16)
+    segments = [Segment(torch.randn(1, 8, 128, cached + positions, device=device, dtype=torch.bfloat16),
+                        torch.randn(1, 8, cached + positions, 128, device=device, dtype=torch.bfloat16), cached, 1,
+                        positions) for _ in range(sessions)]
+    hidden = torch.randn(sessions * positions, 4096, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         for _ in range(3):
             block.step(hidden, segments)
@@ -112,10 +113,28 @@ def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20)
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def verification_steps(device: str) -> dict:
+    """ms per step of the bf16 block at 1, 8 and 16 sessions when each session steps 1, 5 or 9 positions: what a
+    speculative verification of 4 or 8 drafted tokens costs a GPU server over a plain decode step."""
+    out = {}
+    for sessions in (1, 8, 16):
+        for positions in (1, 5, 9):
+            out[f"{sessions}x{positions}"] = ms = time_block(device, sessions, positions=positions)
+            print(f"llama-3-8b-shaped block, bf16, {sessions:2d} sessions x {positions} positions: {ms:.3f} ms/step")
+    return out
+
+
 def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     print(f"device: {name}; torch {torch.__version__}")
+    if "--verification-steps" in sys.argv:  # only the speculative-decoding timing (experiments/results/device_*.json)
+        steps = verification_steps(device)
+        out = os.environ.get("OUT")
+        if out:
+            Path(out, "device_verification_steps.json").write_text(json.dumps(
+                {"device": name, "torch": torch.__version__, "cached": 512, "verify_step_ms": steps}, indent=1))
+        return 0
     rows, failed = [], False
     for path in golden_cases():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):

@@ -214,10 +214,68 @@ def verification_table() -> str:
     out += ["", f"Honest part: {honest['sessions']:,} sessions on {honest['servers']} honest servers "
             f"({' and '.join(' → '.join(c) for c in honest['chains'])}): {counts['checks']} checks, "
             f"{counts['passed']} passed, {counts['skipped']} could not run, {counts['unchecked']} spans without a "
-            f"second holder, {sum(honest['strikes'].values())} strikes; overhead "
+            f"second holder, {sum(honest['strikes'].values())} strikes; compute overhead "
+            f"{honest['compute_overhead']:.1%} (checks' compute time per compute time served, by the nodes' profile "
+            f"measured before the run: prefill {honest['profile']['prefill_s'] * 1e3:.2f} ms and decode "
+            f"{honest['profile']['decode_s'] * 1e3:.2f} ms per block and position), "
             f"{honest['overhead']:.1%} of the block-positions served. Strikes on the adversary part's honest servers: "
             f"{adv['strikes_on_honest']}. Targets: "
             + ", ".join(f"{k.replace('_', ' ')} {'✓' if v else '✗'}" for k, v in d["targets"].items()) + "."]
+    return "\n".join(out) + "\n"
+
+
+# -- bench_speculative.json ---------------------------------------------------------------------------------------
+GEMMA_SPECULATIVE = "bench_speculative_gemma3_270m.json"
+GEMMA_COMMAND = " --model ~/.cache/chainswarm/models/gemma-3-270m-float32 --out " \
+                "experiments/results/bench_speculative_gemma3_270m.json"
+
+
+SPECULATIVE_TARGETS = {"copy_heavy_at_most_half": "per-token latency ≤ 0.5× on the copy-heavy workloads at 1 session",
+                       "throughput_at_least_1_3x": "aggregate tokens/s ≥ 1.3× at 16 sessions",
+                       "free_at_most_1_05x": "per-token latency ≤ 1.05× on free text",
+                       "same_text_everywhere": "the same text with and without speculation"}
+
+
+def verification_steps_table() -> str:
+    d = load("device_verification_steps_h100.json")
+    steps = d["verify_step_ms"]
+    out = [f"`scripts/device_check.py --verification-steps` on an {d['device']} "
+           f"([device_verification_steps_h100.json](results/device_verification_steps_h100.json)): one "
+           f"Llama-3-8B-shaped block in bfloat16, {d['cached']} cached positions per session, ms per step.", "",
+           _row(["sessions", "1 position (decode)", "5 positions (4 drafts)", "9 positions (8 drafts)"]),
+           _row(["---"] * 4)]
+    for n in (1, 8, 16):
+        base = steps[f"{n}x1"]
+        out.append(_row([str(n), f"{base:.2f}"] + [f"{steps[f'{n}x{p}']:.2f} ({steps[f'{n}x{p}'] / base:.2f}×)"
+                                                   for p in (5, 9)]))
+    return "\n".join(out) + "\n"
+
+
+def speculative_table(name: str = "bench_speculative.json", command: str = "") -> str:
+    d = load(name)
+    rtts = ", ".join(f"{peer} {ms:.0f} ms" for peer, ms in sorted(d["wan"]["rtt_ms"].items()))
+    png = name.replace(".json", ".png")
+    out = [f"`python -m experiments.bench.speculative{command}` ([{name}](results/{name}), "
+           f"[plot](results/{png})), {d['model']} in {d['dtype']}, {d['tokens']} greedy tokens per "
+           f"request, chains {'; '.join(' → '.join(c['servers']) for c in d['chains'])}, RTT to the orchestrator "
+           f"{rtts}.", "",
+           _row(["workload", "sessions", "per-token latency off → on (ratio)", "tokens/s off → on (ratio)",
+                 "acceptance", "tokens per chain step", "same text"]), _row(["---"] * 7)]
+    for p in d["points"]:
+        off, on = p["off"], p["on"]
+        out.append(_row([p["workload"], str(p["sessions"]),
+                         f"{off['per_token_s'] * 1e3:.0f} → {on['per_token_s'] * 1e3:.0f} ms ({p['per_token_ratio']:.2f}×)",
+                         f"{off['tokens_per_s']:.1f} → {on['tokens_per_s']:.1f} ({p['throughput_ratio']:.2f}×)",
+                         f"{on['acceptance']:.0%}", f"{off['tokens_per_step']:.2f} → {on['tokens_per_step']:.2f}",
+                         "yes" if p["same_text"] else "NO"]))
+    vanilla = d["vanilla_petals"]
+    one = {p["workload"]: p for p in d["points"] if p["sessions"] == 1}
+    out += ["", "Vanilla petals' `generate` on the same servers, 1 session, per-token latency: "
+            + ", ".join(f"{w} {v['per_token_s'] * 1e3:.0f} ms (speculative ÷ petals "
+                        f"{one[w]['on']['per_token_s'] / v['per_token_s']:.2f}×)" for w, v in vanilla.items() if w in one)
+            + ".", "", "Targets (issue 30): " + ", ".join(f"{SPECULATIVE_TARGETS.get(k, k)} {'✓' if v else '✗'}"
+                                                          for k, v in d["targets"].items() if isinstance(v, bool))
+            + "."]
     return "\n".join(out) + "\n"
 
 
@@ -242,6 +300,8 @@ def headline() -> list[tuple[str, str, str, str]]:
     kinds = verify["adversaries"]["kinds"]
     f32 = [g for g in device["goldens"] if g["dtype"] == "float32"]
     steps = device["block_step_ms"]
+    spec = {(p["workload"], p["sessions"]): p for p in load("bench_speculative.json")["points"]}
+    crowd = max(n for _, n in spec)
     return [
         ("HTTP API with default options (2 × 0.3 GB nodes): aggregate tokens/s ÷ one session, 8 / 16 sessions",
          f"{http[8]['vs_one_session']:.2f}× / {http[16]['vs_one_session']:.2f}×", "bench_batching.json", "batching.md"),
@@ -274,12 +334,21 @@ def headline() -> list[tuple[str, str, str, str]]:
         ("Streamed `/v1/completions` per token ÷ vanilla petals, 2 / 3 servers",
          " / ".join(f"{s['results']['chainswarm_http']['per_token_ratio']:.2f}×" for s in runtime),
          "bench_runtime.json", "runtime.md"),
-        ("Spot checks: hostile volunteers banned (5 kinds), most dishonest sessions before a ban; overhead; false strikes",
+        ("Spot checks: hostile volunteers banned (5 kinds), most dishonest sessions before a ban; compute overhead "
+         "(block-positions); false strikes",
          f"{sum(k['detected'] * len(k['trials']) for k in kinds.values()):.0f} of "
          f"{sum(len(k['trials']) for k in kinds.values())}; {max(k['max_sessions'] for k in kinds.values())}; "
-         f"{verify['honest']['overhead']:.1%}; "
+         f"{verify['honest']['compute_overhead']:.1%} ({verify['honest']['overhead']:.1%}); "
          f"{sum(verify['honest']['strikes'].values()) + verify['adversaries']['strikes_on_honest']}",
          "bench_verification.json", "security.md"),
+        ("Speculative decoding under RIPE Atlas RTTs, per-token latency ÷ one token per step, 1 session: "
+         "code edit / summary / chat / free text",
+         " / ".join(f"{spec[(w, 1)]['per_token_ratio']:.2f}×" for w in ("code_edit", "summarise", "chat", "free")),
+         "bench_speculative.json", "speculative.md"),
+        (f"Speculative decoding, aggregate tokens/s ÷ one token per step, {crowd} sessions: code edit / summary / "
+         "chat / free text",
+         " / ".join(f"{spec[(w, crowd)]['throughput_ratio']:.2f}×" for w in ("code_edit", "summarise", "chat", "free")),
+         "bench_speculative.json", "speculative.md"),
         ("H200: float32 max relative hidden error, every family; greedy tokens equal",
          _sci(max(g["hidden_rel_err"] for g in f32)) + "; "
          + ("all" if all(g["tokens_agree"] for g in device["goldens"]) else "NOT all"),
@@ -315,6 +384,10 @@ def write(out_dir: Path) -> None:
                  "runtime.md": runtime_table(), "soak.md": soak_table(), "chaos.md": chaos_table(),
                  "verification_spread.md": verification_spread_table(),
                  "verification.md": verification_table().replace("](results/", "](reference/results/"),
+                 "speculative.md": speculative_table().replace("](results/", "](reference/results/"),
+                 "verification_steps.md": verification_steps_table().replace("](results/", "](reference/results/"),
+                 "speculative_gemma3.md": speculative_table(
+                     GEMMA_SPECULATIVE, GEMMA_COMMAND).replace("](results/", "](reference/results/"),
                  "headline.md": headline_table("reference/results/", "")}
     for name, text in generated.items():
         (tables / name).write_text(text)
@@ -334,6 +407,7 @@ def write(out_dir: Path) -> None:
             "[plot](results/bench_soak.png)); see [Liveness](../liveness.md).", "", soak_table(), "",
             "## Spot checks", "", "Honest spreads (`scripts/spread_check.py`):", "", verification_spread_table(), "",
             verification_table(), "",
+            "## Speculative decoding", "", speculative_table(), "", speculative_table(GEMMA_SPECULATIVE, GEMMA_COMMAND), "",
             "## Report sections", "",
             *(f"* [{p.stem}](results/sections/{p.name})" for p in sorted((RESULTS / "sections").glob("*.md"))), ""]
     (out_dir / "results.md").write_text("\n".join(page))
