@@ -77,3 +77,34 @@ def test_greedy_choosers_accept_exactly_the_argmax_and_record_each_token_once():
     assert chooser.choose(torch.tensor([[0]]), scores, 1) == (1, True)
     assert chooser.choose(torch.tensor([[0]]), scores, 2) == (1, False)
     assert chooser.generated == [1, 1] and [lp.token_id for lp in chooser.logprobs] == [1, 1]
+
+
+def test_a_verification_step_emits_the_accepted_drafts_and_leaves_the_rejected_positions_to_roll_back():
+    """ChainGenerator's choice over a step's k + 1 rows (greedy): the accepted prefix, then the model's own token;
+    the positions to take back are the rejected drafts' — also when the sequence ends inside the draft (its
+    end-of-sequence token drafted and accepted), so that a spot check's recording holds exactly its positions."""
+    from concurrent.futures import Future
+
+    from swarm.engine.batching import ChainGenerator, _Sequence
+    from swarm.engine.recording import SpanRecorder
+
+    def sequence(draft, eos=None, max_new=10):
+        seq = _Sequence("s0", [1, 2], max_new, eos, None, None, None, Future(), produced=[7])
+        seq.draft = list(draft)
+        return seq
+
+    rows = torch.full((4, 10), -1.0)
+    for i, best in enumerate([3, 4, 9, 5]):  # the model's argmax after 0, 1, 2, 3 drafts
+        rows[i, best] = 1.0
+    seq = sequence([3, 4, 6])  # the third draft is wrong: 3, 4 kept, then the model's 9
+    assert ChainGenerator._choose(seq, rows) is False
+    assert seq.produced == [7, 3, 4, 9] and seq.rollback == 1
+    seq = sequence([3, 4, 9])  # all kept, plus the bonus token from the last row
+    assert ChainGenerator._choose(seq, rows) is False and seq.produced == [7, 3, 4, 9, 5] and seq.rollback == 0
+    seq = sequence([3, 4, 9], eos=4)  # ends at the accepted draft 4: positions of 4 and 9 are not its own
+    assert ChainGenerator._choose(seq, rows) is True and seq.produced == [7, 3, 4] and seq.rollback == 2
+    recorder = SpanRecorder([("p", 0, 2)], [("p", 0, 2)])
+    recorder.add(("p", 0, 2), torch.randn(1, 2, 4), torch.randn(1, 2, 4))  # the prompt's positions (1, 2) ...
+    recorder.add(("p", 0, 2), torch.randn(1, 4, 4), torch.randn(1, 4, 4))  # ... and the step's: 7 and drafts 3, 4, 9
+    recorder.rollback(seq.rollback)
+    assert recorder.complete(len([1, 2] + seq.produced) - 1)  # every token but the last has a position

@@ -264,6 +264,8 @@ class ChainGenerator:
             if done:
                 finished.append(sid)
                 self._running.pop(sid).future.set_result(list(seq.produced))
+                if seq.rollback and seq.recorder is not None:
+                    seq.recorder.rollback(seq.rollback)
         self.batch.close_sessions(finished)
         for sid in [sid for sid in self.batch.recorders if sid not in self._running]:
             del self.batch.recorders[sid]
@@ -298,9 +300,11 @@ class ChainGenerator:
         except StopSequence:
             return True
         finally:
+            # the positions of the drafts after the last one kept (also when the sequence ended here: its recording
+            # must hold exactly its positions for a spot check)
+            seq.rollback = len(draft) - accepted
             if seq.drafts is not None and draft:
                 seq.drafts.update(len(draft), accepted)
-        seq.rollback = len(draft) - accepted
         return False
 
     def _fail_all(self, exc: BaseException) -> None:
