@@ -99,7 +99,7 @@ class FakeEngine:
         self.priors = []  # the tokens each session was told earlier sessions had delivered
 
     def generate(self, lease, provider, input_ids, params, on_token, *, page_hashes=None, on_prefix=None,
-                 control=None, prior=None, recorder=None):
+                 control=None, prior=None, recorder=None, client=""):
         kind, _, n = self.sessions.pop(0).partition(":")
         self.priors.append(list(prior.tokens) if prior is not None else None)
         produced = list(prior.tokens) if prior is not None else []

@@ -277,6 +277,36 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
         assert set(bans) == {"skip", "noise"}
 
 
+@pytest.mark.swarm
+def test_an_honest_bfloat16_server_checked_against_the_orchestrators_float32_is_never_struck(tiny_model):
+    """Mixed dtypes: a bfloat16 swarm whose one server's span nobody else holds, so every check compares it with the
+    orchestrator's own float32 computation (``--spot-check-local``) — honest, so every check passes within
+    ε_bfloat16 + ε_float32 and nothing is struck."""
+    from helpers import wait_for
+    from server.local_swarm import LocalSwarm
+
+    with LocalSwarm(tiny_model) as local:
+        node = local.add_node(node_id="bf", memory_gb=0.01, wait=False, torch_dtype="bfloat16",
+                              declared_profile={"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002})
+        local.wait_profiled(node)
+        local.add_orchestrator(expected_rate=1.0, max_length=64, expected_input_tokens=16, expected_output_tokens=8,
+                               refresh_s=0.5, torch_dtype="bfloat16", spot_check_rate=1.0, spot_check_new_rate=1.0,
+                               spot_check_local=True)
+        local.wait_chains_ready(["bf"], timeout=120)
+        url = local.orchestrator.info["url"]
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for i in range(8):
+                r = http.post("/v1/completions", json={"prompt": f"request {i} of the mixed swarm", "max_tokens": 8,
+                                                        "temperature": 0})
+                assert r.status_code == 200, r.text
+            wait_for(lambda: http.get("/v1/swarm").json()["verification"]["counts"]["checks"] >= 8, 60,
+                     what="eight spot checks")
+            verification = http.get("/v1/swarm").json()["verification"]
+    counts = verification["counts"]
+    assert counts["passed"] == counts["checks"] >= 8 and counts["mismatches"] == 0 and counts["strikes"] == 0, counts
+    assert not verification["banned"] and verification["servers"]["bf"]["strikes"] == 0
+
+
 def _dashboard_shows_the_bans(url: str, banned: set) -> None:
     """As an operator sees it: headless Chromium, the block map's rows of the banned servers say so."""
     from browser import Browser, missing
