@@ -67,7 +67,8 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
         text, reused = complete(url)
         assert text and reused == 0
 
-        # a flood from one client: its deficit goes negative, its service up
+        # a flood from one client: its service goes up and its deficit moves (refilled by the quantum when it runs
+        # out, and credited back for prompt positions the prefix stores served, so its value depends on timing)
         threads = [threading.Thread(target=complete, args=(url, SHARED + f"Flood {i}.", "key-flood", 16))
                    for i in range(6)]
         for t in threads:
@@ -75,7 +76,7 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
         for t in threads:
             t.join(60)
         flood = admin_status(url)["clients"]["flood"]
-        assert flood["service"] > 0 and flood["deficit"] < OPTIONS["quantum"]
+        assert flood["service"] > 0 and flood["deficit"] != 0.0
         # the snapshot (at most ~1 s old) holds exactly these counters
         wait_for(lambda: dict(json.loads((state_dir / "fairness.json").read_text())["scheduler"]["service"])
                  .get("flood") == flood["service"], 10, what="fairness snapshot")
