@@ -1,19 +1,28 @@
 """The acceptance rule of speculative decoding (swarm.engine.speculative): greedy equality and, for sampled
 requests, the emitted tokens' distribution (a chi-square test over many draws)."""
-import pytest
+from concurrent.futures import Future
+
 import torch
 from scipy.stats import chisquare
 
-from swarm.engine.speculative import accept_greedy, accept_sampled
+from swarm.engine.batching import ChainGenerator, _Sequence
+from swarm.engine.sampling import SamplingParams, TokenChooser
+
+
+def verify(rows, draft, chooser=None, produced=(7,)):
+    """One verification step through ChainGenerator._choose (the path requests take): (emitted tokens, rollback)."""
+    seq = _Sequence("s0", [1, 2], 10, None, None, chooser, None, Future(), produced=list(produced))
+    seq.draft = list(draft)
+    ChainGenerator._choose(seq, rows)
+    return seq.produced[len(produced):], seq.rollback
 
 
 def test_greedy_accepts_while_the_draft_is_the_argmax_and_continues_with_the_models_token():
     scores = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.0, 0.2, 0.7], [0.3, 0.3, 0.4]])
-    assert accept_greedy(scores, [1, 0, 2]) == (3, 2)  # all accepted; the bonus token from the last row
-    assert accept_greedy(scores, [1, 2, 2]) == (1, 0)  # rejected at position 1: the model's token instead
-    assert accept_greedy(scores[:1], []) == (0, 1)  # no draft: one ordinary step
-    with pytest.raises(ValueError, match="need k"):
-        accept_greedy(scores, [1])
+    for chooser in (None, TokenChooser(SamplingParams(10, temperature=0.0), 3)):
+        assert verify(scores, [1, 0, 2], chooser) == ([1, 0, 2, 2], 0)  # all accepted; the bonus from the last row
+        assert verify(scores, [1, 2, 2], chooser) == ([1, 0], 2)  # rejected at position 1: the model's token
+        assert verify(scores[:1], [], chooser) == ([1], 0)  # no draft: one ordinary step
 
 
 def test_sampled_tokens_keep_the_models_distribution():
@@ -21,23 +30,24 @@ def test_sampled_tokens_keep_the_models_distribution():
     distributed as p_0, and the second (when the first was accepted) as p_1."""
     p0 = torch.tensor([0.1, 0.5, 0.15, 0.25])
     p1 = torch.tensor([0.4, 0.1, 0.3, 0.2])
-    probs = torch.stack([p0, p1, p1])
-    generator = torch.Generator().manual_seed(1234)
-    draws = 20_000
+    rows = torch.stack([p0, p1, p1]).log()
+    chooser = TokenChooser(SamplingParams(10, temperature=1.0, seed=1234), 4)
+    draws = 8_000
     for draft in ([0, 2], [1, 0]):
         first, second = torch.zeros(4), torch.zeros(4)
         for _ in range(draws):
-            accepted, nxt = accept_sampled(probs, draft, generator)
-            first[draft[0] if accepted >= 1 else nxt] += 1
-            if accepted >= 1:
-                second[draft[1] if accepted >= 2 else nxt] += 1
+            chooser.generated = []  # the same context every draw (choose records its choices)
+            emitted, _ = verify(rows, draft, chooser)
+            first[emitted[0]] += 1
+            if emitted[0] == draft[0]:
+                second[emitted[1]] += 1
         assert chisquare(first.numpy(), (p0 * draws).numpy()).pvalue > 1e-3, (draft, first)
         assert chisquare(second.numpy(), (p1 * second.sum()).numpy()).pvalue > 1e-3, (draft, second)
 
 
 def test_sampled_acceptance_is_reproducible_from_the_requests_seed():
-    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
-    runs = [accept_sampled(probs, [3, 7, 9], torch.Generator().manual_seed(42)) for _ in range(3)]
+    rows = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    runs = [verify(rows, [3, 7, 9], TokenChooser(SamplingParams(10, temperature=1.0, seed=42), 50)) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
 
 
@@ -45,8 +55,6 @@ def test_a_request_choosers_draft_rule_keeps_its_sampling_distribution_with_top_
     """TokenChooser.choose with a drafted token (what the engine's verification step calls per position): with
     temperature, top_k and a presence penalty, the emitted token is distributed as the chooser's own distribution
     whichever token was drafted — also a token top_k cut (never accepted)."""
-    from swarm.engine.sampling import SamplingParams, TokenChooser
-
     logits = torch.tensor([[1.0, 2.0, 0.5, 1.5, -1.0]])
     params = SamplingParams(1, temperature=0.8, top_k=4, presence_penalty=0.7, seed=7)
     reference = TokenChooser(params, 5)
@@ -70,8 +78,6 @@ def test_a_request_choosers_draft_rule_keeps_its_sampling_distribution_with_top_
 
 
 def test_greedy_choosers_accept_exactly_the_argmax_and_record_each_token_once():
-    from swarm.engine.sampling import SamplingParams, TokenChooser
-
     chooser = TokenChooser(SamplingParams(4, temperature=0.0, logprobs=1), 3)
     scores = torch.tensor([[0.1, 0.9, 0.0]])
     assert chooser.choose(torch.tensor([[0]]), scores, 1) == (1, True)
@@ -83,9 +89,6 @@ def test_a_verification_step_emits_the_accepted_drafts_and_leaves_the_rejected_p
     """ChainGenerator's choice over a step's k + 1 rows (greedy): the accepted prefix, then the model's own token;
     the positions to take back are the rejected drafts' — also when the sequence ends inside the draft (its
     end-of-sequence token drafted and accepted), so that a spot check's recording holds exactly its positions."""
-    from concurrent.futures import Future
-
-    from swarm.engine.batching import ChainGenerator, _Sequence
     from swarm.engine.recording import SpanRecorder
 
     def sequence(draft, eos=None, max_new=10):

@@ -279,6 +279,7 @@ class ChainGenerator:
         so the tokens are those of decoding one at a time. The rejected drafts' positions are rolled back on the
         servers with the next step."""
         draft, accepted = seq.draft, 0
+        context = None if seq.processor is None else torch.tensor([seq.input_ids + seq.produced])
         try:
             for i in range(len(draft) + 1):
                 proposal = draft[i] if i < len(draft) else None
@@ -286,10 +287,12 @@ class ChainGenerator:
                 if seq.processor is None:
                     token = int(row[0].argmax())
                 elif hasattr(seq.processor, "choose"):  # swarm.engine.sampling.TokenChooser
-                    token, _ = seq.processor.choose(torch.tensor([seq.input_ids + seq.produced]), row.float(), proposal)
+                    token, _ = seq.processor.choose(context, row.float(), proposal)
                 else:  # a transformers logits processor: greedy over its scores
-                    token = int(seq.processor(torch.tensor([seq.input_ids + seq.produced]), row.float())[0].argmax())
+                    token = int(seq.processor(context, row.float())[0].argmax())
                 seq.produced.append(token)
+                if context is not None:
+                    context = torch.cat([context, torch.tensor([[token]])], dim=1)
                 if seq.on_token is not None:
                     seq.on_token(token)
                 if len(seq.produced) >= seq.max_new_tokens or token == seq.eos_token_id:

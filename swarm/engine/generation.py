@@ -191,14 +191,15 @@ class GenerationEngine:
             return (bool(produced) and not ignore_eos and self.eos_token_id is not None
                     and produced[-1] == self.eos_token_id)
 
-        drafting = []  # the batched session's drafting (swarm.engine.speculative.SessionDrafts), when it speculated
+        drafts = None  # the batched session's drafting (swarm.engine.speculative.SessionDrafts), when it speculates
 
         def result(finish_reason: str) -> GenerationResult:
             if self.speculation is not None:
                 self.speculation.learn(client, input_ids, produced)
             return GenerationResult(produced, finish_reason, reused, prefill, restarts,
                                     chooser.logprobs[:len(produced)] if chooser else [],
-                                    sum(d.drafted for d in drafting), sum(d.accepted for d in drafting))
+                                    drafts.drafted if drafts is not None else 0,
+                                    drafts.accepted if drafts is not None else 0)
 
         def resume() -> None:
             """Go on from the prompt plus the tokens produced so far as one petals session, without reuse."""
@@ -226,7 +227,6 @@ class GenerationEngine:
                         seeded = params.seed is not None and chooser is not None and params.temperature > 0
                         drafts = (self.speculation.session(client)
                                   if self.speculation is not None and params.speculative and not seeded else None)
-                        drafting.extend([drafts] if drafts is not None else [])
                         self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts)
                     except SequenceFailed as exc:
                         self.fallbacks += 1

@@ -58,12 +58,16 @@ def _sid(value) -> str:
     return value
 
 
+def _step_entry(sid: str, tokens: int, rollback: int = 0) -> list:
+    """One step entry: ``[sid, tokens]``, or ``[sid, tokens, rollback]`` when positions are taken back (a rollback
+    of 0 is left out, so a stream without speculation sends what servers before it understood)."""
+    return [sid, int(tokens)] + ([int(rollback)] if rollback else [])
+
+
 def encode(opens=(), steps=(), closes=()) -> dict:
-    """The metadata of one request (``steps`` as (sid, tokens) or (sid, tokens, rollback) tuples; a rollback of 0
-    is left out, so a stream without speculation sends what servers before it understood)."""
+    """The metadata of one request (``steps`` as (sid, tokens) or (sid, tokens, rollback) tuples)."""
     return {"open": [[o.sid, o.max_length, o.ticket, o.alloc_timeout] for o in opens],
-            "step": [[sid, int(step[0])] + ([int(step[1])] if len(step) > 1 and step[1] else [])
-                     for sid, *step in steps], "close": list(closes)}
+            "step": [_step_entry(*step) for step in steps], "close": list(closes)}
 
 
 def decode(metadata, tensors: int) -> Request:

@@ -25,17 +25,6 @@ import torch
 from planner.drafting import AdaptiveK, Drafter, SuffixIndex
 
 
-def accept_greedy(scores: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
-    """(accepted drafted tokens, the token after them) for ``scores`` ``(k + 1, V)`` and ``k`` drafted tokens."""
-    if scores.shape[0] != len(draft) + 1:
-        raise ValueError(f"{scores.shape[0]} score rows for {len(draft)} drafted tokens (need k + 1)")
-    best = scores.argmax(dim=-1).tolist()
-    accepted = 0
-    while accepted < len(draft) and best[accepted] == int(draft[accepted]):
-        accepted += 1
-    return accepted, int(best[accepted])
-
-
 def sample_or_accept(probs: torch.Tensor, draft: int, generator: Optional[torch.Generator] = None
                      ) -> tuple[int, bool]:
     """One position of the sampled rule: (the emitted token, whether it is ``draft``) for ``probs`` ``(V,)``."""
@@ -49,34 +38,17 @@ def sample_or_accept(probs: torch.Tensor, draft: int, generator: Optional[torch.
     return int(torch.multinomial(residual / total, 1, generator=generator)), False
 
 
-def accept_sampled(probs: torch.Tensor, draft: Sequence[int],
-                   generator: Optional[torch.Generator] = None) -> tuple[int, int]:
-    """(accepted drafted tokens, the token after them) for distributions ``probs`` ``(k + 1, V)`` (rows sum to 1)."""
-    if probs.shape[0] != len(draft) + 1:
-        raise ValueError(f"{probs.shape[0]} probability rows for {len(draft)} drafted tokens (need k + 1)")
-    probs = probs.float()
-    for i, token in enumerate(int(t) for t in draft):
-        choice, accepted = sample_or_accept(probs[i], token, generator)
-        if not accepted:
-            return i, choice
-    return len(draft), int(torch.multinomial(probs[len(draft)], 1, generator=generator))
-
-
 class SessionDrafts:
     """One sequence's drafting: proposals for its tokens so far, and ``k`` adapted to its acceptance."""
 
     def __init__(self, speculation: "Speculation", client: str):
         self.speculation, self.client = speculation, client
-        self.adaptive = AdaptiveK(k_max=speculation.k_max, k=min(speculation.k_start, speculation.k_max))
+        self.adaptive = AdaptiveK(k_max=speculation.k_max, k=speculation.k_max)
         self.drafted = self.accepted = 0  # this sequence's drafted tokens and the ones its steps verified
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` drafted tokens to follow ``tokens``."""
-        k = min(self.adaptive.next_k(), limit)
-        if k <= 0:
-            return []
-        with self.speculation._lock:  # the index changes as other sessions finish
-            return self.speculation.drafter.propose(self.client, tokens, k)[:k]
+        return self.speculation.propose(self.client, tokens, min(self.adaptive.next_k(), limit))
 
     def update(self, proposed: int, accepted: int) -> None:
         self.adaptive.update(proposed, accepted)
@@ -90,15 +62,22 @@ class Speculation:
     request's own tokens, then the swarm's recent outputs in the client's scope), ``k`` per sequence from
     :class:`AdaptiveK`, at most ``k_max`` (a verification step's extra positions). Thread-safe."""
 
-    def __init__(self, drafter: Drafter, *, k_max: int = 8, k_start: int = 8):
+    def __init__(self, drafter: Drafter, *, k_max: int = 8):
         if k_max < 1:
             raise ValueError("k_max must be >= 1")
-        self.drafter, self.k_max, self.k_start = drafter, int(k_max), int(k_start)
+        self.drafter, self.k_max = drafter, int(k_max)
         self._lock = threading.Lock()
         self.proposed = self.accepted = self.verifications = 0
 
     def session(self, client: str) -> SessionDrafts:
         return SessionDrafts(self, client)
+
+    def propose(self, client: str, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` drafted tokens to follow ``tokens`` in ``client``'s scope."""
+        if k <= 0:
+            return []
+        with self._lock:  # the index changes as other sessions finish
+            return self.drafter.propose(client, tokens, k)[:k]
 
     def learn(self, client: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Index a finished output for later drafts (in the client's scope)."""
