@@ -16,17 +16,9 @@ def _layout(assignment: Optional[Assignment]) -> Optional[tuple]:
 
 
 def _served_in_place(new: Assignment, current: Optional[Assignment]) -> Optional[Assignment]:
-    """``new`` as this server can serve it without reloading, or None when a reload is needed.
-
-    Same blocks, session length and prefix budget, and no more KV slots than the loaded pool holds: the
-    node keeps its (larger) pool, so the returned assignment carries the loaded slot count.
-    """
-    if current is None or (new.start, new.end, new.max_length, new.prefix_cache_tokens, new.slot_size) != (
-            current.start, current.end, current.max_length, current.prefix_cache_tokens, current.slot_size):
-        return None
-    if new.cache_slots > current.cache_slots:
-        return None
-    return dataclasses.replace(new, cache_slots=current.cache_slots)
+    """``new`` as this server can serve it without reloading, or None when a reload is needed
+    (:meth:`Assignment.in_place_of`: the orchestrator's make-before-break waves use the same rule)."""
+    return new.in_place_of(current)
 
 
 @dataclasses.dataclass(frozen=True)

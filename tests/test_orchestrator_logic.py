@@ -241,14 +241,14 @@ def test_failures_after_a_move_exclude_nobody_and_real_ones_still_do():
         orch, dht = await serving_orchestrator()
         peer = orch.view.chains[0].route[0][0]
         node = next(n for n, p in orch.view.profiles.items() if p.peer_id == peer)
-        serving = orch.view.assignments[node]
+        serving = orch.view.published[node]
         # the current plan moves it to blocks [2, 4); a session of the older plan had it for [0, 2)
-        orch.view.assignments[node] = replace(serving, start=2, end=4)
+        orch.view.published[node] = replace(serving, start=2, end=4)
         await orch.reroute("an-older-plan/0", 0, 2, [peer])
         assert node not in orch.suspects and orch.events[-1]["event"] == "failure_after_a_move"
         await orch.reroute("an-older-plan/0", 2, 4, [peer])  # still loading [2, 4): its failures are expected
         assert node not in orch.suspects and orch.events[-1]["event"] == "failure_while_moving"
-        orch.view.assignments[node] = serving  # it serves what it is assigned and still has the blocks: real
+        orch.view.published[node] = serving  # it serves what it is assigned and still has the blocks: real
         await orch.reroute("an-older-plan/0", 0, 2, [peer])
         assert node in orch.suspects
         await orch.stop()

@@ -34,7 +34,7 @@ class Failover:
         node = self._node_of(peer_id)
         if node is None or node in self.suspects:
             return
-        assignment = self.view.assignments.get(node)
+        assignment = self.view.published.get(node)
         if assignment is not None and not server_matches(self.view.profiles.get(node), assignment):
             # it is moving to its range of a newer plan (draining, loading): its sessions fail by design, and
             # excluding it would shrink the plan again and move the next survivor (the chaos soak saw that cascade
@@ -71,7 +71,7 @@ class Failover:
 
     def _moved(self, peer_id: str, start: int, end: int) -> bool:
         """The server no longer has blocks [start, end) in the current plan (it moved, or it is not in it)."""
-        assignment = self.view.assignments.get(self._node_of(peer_id) or "")
+        assignment = self.view.published.get(self._node_of(peer_id) or "")
         return assignment is None or not (assignment.start <= start and end <= assignment.end)
 
     def _node_of(self, peer_id: str) -> str | None:

@@ -75,6 +75,10 @@ class OrchestratorOptions:
         0.05, metavar="F", help="on a join or a failure, keep the current block ranges unless a fresh plan is better "
         "by more than this fraction (default 0.05); a large value keeps ranges, so survivors adopt the new plan "
         "without draining and reloading under load")
+    replan_keep: float = option(
+        0.5, metavar="F", help="make-before-break re-planning: servers that must reload for a new plan move in "
+        "waves, each keeping at least this share of the routable chain capacity on the old plan's chains (default "
+        "0.5); 0 = every server moves at once (break-before-make)")
     standby_chains: int = option(
         0, metavar="N", help="after each plan, servers it leaves idle hold up to N extra whole chains (standby: "
         "more often a live path after a failure, at the cost of blocks loaded and of slow chains taking bursts; "

@@ -47,6 +47,7 @@ from swarm.engine.routing import NoRouteError
 from swarm.control.service_history import ServiceHistory
 from swarm.control.spot_checks import SpotCheckHooks
 from swarm.control.status import swarm_status
+from swarm.control.transition import Transition
 from swarm.control.view import OrchestratorConfig, SwarmView
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "QueueTimeout", "UnknownLeaseError",
@@ -86,6 +87,8 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         self._refused_keys: set[tuple[str, str]] = set()
         self.http_url = http_url
         self.view = SwarmView()
+        self.transition = Transition(keep=config.replan_keep)  # make-before-break waves (swarm.control.transition)
+        self._compose = lambda spans: None  # GCA over a placement of the planned servers (set by each plan)
         self.prefix = PrefixView(config.expect.prefix_cache_tokens, config.prefix_secret, config.dht_prefix)
         router = ROUTERS.get(config.router)
         if router is None:
@@ -188,6 +191,9 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         planned = set(self.view.assignments) if self.view.plan is not None else set()
         if (members != planned or self.view.plan is None) and self._settled(members, now):
             self._replan(live)
+        for kind, data in self.transition.advance(self.view, self._compose, now):
+            self._event(kind, **data)
+            self._published_at = 0.0  # tell the released servers now
         if now - self._published_at > self.config.assignment_ttl_s / 3:
             await self._publish_assignments()
         if self.prefix.enabled:
@@ -251,6 +257,7 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
             if view.plan is not None:
                 self._event("plan_dropped", reason="no live servers")
             view.plan, view.plan_id, view.assignments, view.plan_error = None, None, {}, "no servers have joined"
+            self.transition.reset(view)
             return
         try:
             new_plan, kept = planning.choose_plan(list(live.values()), self.config.num_blocks, self.config.expect,
@@ -260,7 +267,9 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
             if view.plan is not None:
                 self._event("plan_dropped", reason=str(exc))
             view.plan, view.plan_id, view.assignments = None, None, {}
+            self.transition.reset(view)
             return
+        replaced = view.plan_id if view.plan is not None else None
         plan_id = planning.new_plan_id()
         view.plan, view.plan_id, view.plan_kept_ranges, view.plan_error = new_plan, plan_id, kept, None
         view.plan_inputs = planning.swarm_document(list(live.values()), self.config.num_blocks, self.config.expect)
@@ -268,14 +277,18 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
                                                     self.config.expect.prefix_cache_tokens,
                                                     slots=self.router.kv_slots(new_plan, list(live.values())),
                                                     slot_tokens=self.config.expect.slot_tokens)
+        self._compose = planning.composer(list(live.values()), self.config.num_blocks, self.config.expect,
+                                          method=new_plan.placement_method)
+        on_old_ranges = self.transition.begin(view, replaced)
         self._published_at = 0.0
         self.replans += 1
         self._event("plan", plan_id=plan_id, kept_ranges=kept, c=new_plan.c, servers=sorted(live),
-                    chains=[[list(ch.servers), ch.capacity] for ch in new_plan.chains])
+                    chains=[[list(ch.servers), ch.capacity] for ch in new_plan.chains],
+                    on_old_ranges=on_old_ranges)
 
     async def _publish_assignments(self) -> None:
         ttl, prefix = self.config.assignment_ttl_s, self.config.dht_prefix
-        items = list(self.view.assignments.items())
+        items = list(self.view.published.items())
         info = records.OrchestratorInfo(self.dht.peer_id.to_base58(), self.http_url, self.view.plan_id)
 
         owner = self.identity.public
@@ -294,6 +307,8 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
             view.chains = []
         else:
             view.chains = planning.routable_chains(view.plan, view.plan_id, view.profiles, view.assignments)
+            if self.transition.active:  # servers move in waves: route on what is served meanwhile
+                view.chains = self.transition.chains(view, self._compose) + [c for c in view.chains if not c.ready]
         self._ready = [c for c in view.chains if c.ready]
         self.prefix.set_chains(self._ready)
         self._refit()
@@ -366,7 +381,7 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         """Planned time of a ``tokens``-position step on the chain with its servers fully occupied (the
         no-progress watchdog's yardstick; 0 for a chain that is no longer known)."""
         with contextlib.suppress(NoRouteError):
-            return planning.planned_step_s(self.chain(chain_id), self.view.profiles, self.view.assignments, tokens)
+            return planning.planned_step_s(self.chain(chain_id), self.view.profiles, self.view.published, tokens)
         return 0.0
 
     def _fits(self, input_tokens: int, max_new_tokens: int) -> None:
@@ -382,8 +397,8 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
                              f"tokens per block, more than any chain of the current plan holds ({largest})")
 
     def kv_pools(self) -> dict[str, int]:
-        """KV tokens each assigned server's session pool holds (its cache_slots × slot size, per block)."""
-        return {node: a.cache_slots * a.slot_size for node, a in self.view.assignments.items()}
+        """KV tokens each assigned server's session pool holds (its cache_slots × slot size, per block, as told)."""
+        return {node: a.cache_slots * a.slot_size for node, a in self.view.published.items()}
 
     def session_tokens(self, request_id: str) -> int:
         """KV tokens per block the session ``request_id`` reserves on its servers (its own need with token

@@ -204,6 +204,22 @@ def _incremental(model, servers, expect: Expectations, current: Plan) -> tuple[P
     return replace(chosen, tuning=f"auto: incremental ({step.strategy})"), step.strategy == "kept"
 
 
+def composer(profiles: Sequence[ServerProfile], num_blocks: int, expect: Expectations, method: str = "kept"):
+    """GCA over a given placement of these servers, ``{node: (start, end) or None} -> Plan or None`` (None when
+    it forms no chain): the chains a swarm in the middle of a re-plan can route on (:mod:`swarm.control.transition`)."""
+    model, servers = planner_inputs(profiles, num_blocks, expect)
+
+    def compose(spans: Mapping[str, tuple[int, int] | None]) -> Plan | None:
+        layout = Placement(tuple(spans.get(s.id) for s in servers))
+        try:
+            return plan_for_placement(model, servers, layout, expect.arrival_rate, target_load=expect.target_load,
+                                      method=method)
+        except ValueError:  # no complete chain (InfeasibleError), or a range that no longer fits
+            return None
+
+    return compose
+
+
 def new_plan_id() -> str:
     return uuid.uuid4().hex[:12]
 

@@ -220,13 +220,13 @@ class WsRrPaths(Router):
         """Give WS-RR the servers that serve their assignment now; re-route requests whose path is gone."""
         view = self.view
         live = [p for node, p in view.profiles.items()
-                if node in view.assignments and node not in suspects and p.rtt_s is not None]
+                if node in view.published and node not in suspects and p.rtt_s is not None]
         if view.plan is None or not live:
             return {}
         model, servers = planning.planner_inputs(live, self.config.num_blocks, self.config.expect)
         spans, capacity = [], {}
         for server in servers:
-            assignment = view.assignments[server.id]
+            assignment = view.published[server.id]
             serving = assignment.end > assignment.start and planning.server_matches(view.profiles[server.id],
                                                                                     assignment)
             spans.append((assignment.start, assignment.end) if serving else None)

@@ -28,10 +28,12 @@ def swarm_status(orch: Any, detail: bool = True) -> dict[str, Any]:
                                                 "replans": orch.replans, "inputs": view.plan_inputs,
                                                 **view.plan.to_dict()},
         "plan_error": view.plan_error,
+        "transition": orch.transition.status(view),  # make-before-break: who still serves the replaced plan
         "servers": [
             {**p.to_dict(), "suspect": node in orch.suspects, "kv_block_slots_used": kv_used.get(node, 0),
              "banned": orch.is_banned(node),
-             "assignment": None if node not in view.assignments else view.assignments[node].to_dict()}
+             "assignment": None if node not in view.published else view.published[node].to_dict(),
+             "target": None if node not in view.assignments else view.assignments[node].to_dict()}
             for node, p in sorted(view.profiles.items())
         ],
         "chains": [

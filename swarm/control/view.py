@@ -39,5 +39,8 @@ class SwarmView:
     plan_kept_ranges: bool = False
     plan_error: str | None = None
     plan_inputs: dict | None = None  # the planner's input for this plan, in `chainswarm plan --swarm` format
-    assignments: dict[str, records.Assignment] = field(default_factory=dict)
+    assignments: dict[str, records.Assignment] = field(default_factory=dict)  # the plan's (the target)
+    # what each server is told now: its target, or, while a re-plan moves the swarm in waves
+    # (swarm.control.transition), the assignment it still serves
+    published: dict[str, records.Assignment] = field(default_factory=dict)
     chains: list[RoutableChain] = field(default_factory=list)

@@ -201,6 +201,7 @@ class Persistence:
             raise StateError(f"state file {path} is corrupt ({type(exc).__name__}: {exc})") from None
         view.plan, view.plan_id, view.plan_kept_ranges, view.plan_error = plan, doc["plan_id"], True, None
         view.plan_inputs, view.assignments = doc["inputs"], assignments
+        view.published = dict(assignments)
         return doc["plan_id"]
 
     def _restore_fairness(self) -> list:

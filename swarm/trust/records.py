@@ -152,13 +152,24 @@ class Assignment:
     def __post_init__(self) -> None:
         if not (0 <= self.start <= self.end) or self.cache_slots < 0 or self.max_length <= 0 or self.slot_tokens < 0:
             raise RecordError(f"invalid assignment {self}")
+        if self.prefix_cache_tokens < 0:
+            raise RecordError("prefix_cache_tokens must be non-negative")
 
     @property
     def slot_size(self) -> int:
         """Tokens one KV slot holds."""
         return self.slot_tokens or self.max_length
-        if self.prefix_cache_tokens < 0:
-            raise RecordError("prefix_cache_tokens must be non-negative")
+
+    def in_place_of(self, current: "Assignment | None") -> "Assignment | None":
+        """This assignment as a server loaded for ``current`` serves it without reloading, or None when it must
+        reload: same blocks, session length, slot size and prefix budget, and no more KV slots than the loaded
+        pool holds (the server keeps its larger pool, so the result carries the loaded slot count)."""
+        if current is None or (self.start, self.end, self.max_length, self.prefix_cache_tokens, self.slot_size) != (
+                current.start, current.end, current.max_length, current.prefix_cache_tokens, current.slot_size):
+            return None
+        if self.cache_slots > current.cache_slots:
+            return None
+        return dataclasses.replace(self, cache_slots=current.cache_slots)
 
     @property
     def num_blocks(self) -> int:
