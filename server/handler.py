@@ -34,6 +34,8 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from petals.server.handler import TransformerConnectionHandler as _PetalsHandler
 
+from server import failpoints
+
 KV_INFO = "chainswarm_kv"  # rpc_info key: {"slots", "used", "peak", "sessions", "max_length"}
 PUSH_INFO = "chainswarm_pushes"  # rpc_info key: {"received", "refused"}
 
@@ -96,13 +98,19 @@ class ChainswarmHandler(_PetalsHandler):
     async def _iterate_inference_steps(
         self, first_request, requests, session_id: Optional[str], requested_uids: Sequence[str], context
     ) -> AsyncIterator[Tuple[Any, dict]]:
+        position = 0
         try:
             async for request, metadata in super()._iterate_inference_steps(
                 first_request, requests, session_id, requested_uids, context
             ):
                 if session_id is not None:
                     self._latest_step_metadata[session_id] = metadata
+                size = list(request.tensors[0].size) if request.tensors else []
+                tokens = int(size[1]) if len(size) == 3 else 0
+                failpoints.hit(failpoints.step_phase(position, tokens))
+                position += tokens
                 yield request, metadata
+                failpoints.hit("between_steps")
         finally:
             if session_id is not None:
                 self._latest_step_metadata.pop(session_id, None)

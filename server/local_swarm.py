@@ -34,7 +34,7 @@ _PRELOAD = ["swarm.model.compat", "petals.server.server", "server.runner", "swar
 # ChainswarmServer keyword arguments (the rest of add_node's options are petals Server kwargs).
 _NODE_OPTIONS = ("check_period", "assignment_poll", "drain_timeout", "profile_ttl_factor", "rtt_period",
                  "profile_cache_dir", "declared_profile", "emulated_compute", "identity_key", "orchestrator_key",
-                 "open_sessions")
+                 "open_sessions", "failpoint_file")
 
 
 class SwarmStartError(RuntimeError):

@@ -35,7 +35,7 @@ from petals.data_structures import InferenceMetadata  # noqa: E402
 from petals.server.block_functions import MAX_SHORT_INFERENCE_TOKENS  # noqa: E402
 from petals.utils.misc import DUMMY_INT64  # noqa: E402
 
-from server import tickets as server_tickets  # noqa: E402
+from server import failpoints, tickets as server_tickets  # noqa: E402
 from server.batching import BatchingTaskPool, Cohort  # noqa: E402
 from swarm.engine import multi_wire
 from swarm.trust import tickets  # noqa: E402
@@ -127,6 +127,8 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 message = multi_wire.decode(metadata, len(request.tensors))
                 _count("messages")
                 yield await self._multi_step(span, sessions, message, request.tensors)
+                if any(session.position for session in sessions.values()):
+                    failpoints.hit("between_steps")
         finally:
             for sid in list(sessions):  # each alone: one that cannot close must not keep the others' KV
                 with contextlib.suppress(Exception):
@@ -170,6 +172,8 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 steps.append((sid, session, hidden.to(span.backends[0].dtype)))
             except Exception as exc:
                 failed[sid] = _message(exc)
+        for phase in sorted({failpoints.step_phase(session.position, hidden.shape[1]) for _, session, hidden in steps}):
+            failpoints.hit(phase)
         outputs = await self._run(span, steps, failed)
         if failed:
             _count("failed", len(failed))

@@ -39,7 +39,7 @@ from swarm.model.compat import petals  # noqa: F401  (the shim must precede peta
 from petals.data_structures import ServerState
 from petals.server.server import Server
 
-from server import emulation, layout, profiling, tickets as server_tickets, trust
+from server import emulation, failpoints, layout, profiling, tickets as server_tickets, trust
 from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
 from swarm.trust import records
 from swarm.trust.identity import fetch_owned
@@ -82,7 +82,8 @@ class ChainswarmServer(Server):
     * ``identity_key`` — file with the node's signing key (created if missing; default: a new key per run, so
       a restart under the same node id is planned once the old profile has expired); ``orchestrator_key`` —
       the key whose assignments and tickets it obeys (else pinned on first use: :mod:`server.trust`);
-      ``open_sessions`` — serve sessions without tickets (a trusted lab; :mod:`server.tickets`).
+      ``open_sessions`` — serve sessions without tickets (a trusted lab; :mod:`server.tickets`);
+      ``failpoint_file`` — die at the phase that file names (tests and drills: :mod:`server.failpoints`).
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class ChainswarmServer(Server):
         orchestrator_key: Optional[str | bytes] = None,
         open_sessions: bool = False,
         max_batch: int = 1,
+        failpoint_file: Optional[str] = None,
         **server_kwargs: Any,
     ):
         for key in ("num_blocks", "block_indices"):
@@ -121,6 +123,7 @@ class ChainswarmServer(Server):
         if isinstance(quant_type, str):
             server_kwargs["quant_type"] = profiling._quant(quant_type)
         started = time.perf_counter()
+        failpoints.arm(failpoint_file)
         self.identity, self.trust = trust.identity_and_trust(server_kwargs, identity_key, orchestrator_key)
         self.open_sessions = open_sessions
         super().__init__(block_indices=_PLACEHOLDER_BLOCKS, **server_kwargs)
@@ -401,6 +404,7 @@ class ChainswarmServer(Server):
                     assignment.cache_slots, assignment.max_length, assignment.prefix_cache_tokens,
                     self.memory.cache_bytes(assignment) / 2**20)
         self._set_state(LOADING, assignment)
+        failpoints.hit("load")
         server_tickets.configure(open=self.open_sessions, orchestrator_key=self.trust.pinned, peer_id=self.peer_id,
                                  dht_prefix=self.dht_prefix)  # inherited by the handler processes forked next
         return list(range(assignment.start, assignment.end))
@@ -432,6 +436,7 @@ class ChainswarmServer(Server):
                     target.start, target.end)
         began = time.perf_counter()
         self._set_state(DRAINING, keep_current=True)
+        failpoints.hit("drain")
         container = self.module_container
         if container is not None:
             container.dht_announcer.announce(ServerState.JOINING)  # petals' routing opens no new sessions here

@@ -39,6 +39,7 @@ from petals.data_structures import InferenceMetadata
 from swarm.model.families import ModelBackend
 from petals.utils.misc import DUMMY_INT64
 
+from server import failpoints
 from server.handler import ChainswarmHandler
 from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes
 
@@ -334,6 +335,7 @@ class PrefixHandler(ChainswarmHandler):
     async def rpc_prefix_probe(self, request: runtime_pb2.ExpertRequest,
                                context: P2PContext) -> runtime_pb2.ExpertResponse:
         """How many leading pages of ``hashes`` this server holds for every block of ``uid`` (then pinned)."""
+        failpoints.hit("probe")
         uids = self._check_uids(request.uid)
         backends = tuple(self.module_backends[uid] for uid in uids)
         metadata = MSGPackSerializer.loads(request.metadata) if request.metadata else {}

@@ -4,6 +4,7 @@ import asyncio
 
 from planner.transition import Wave, next_wave
 from swarm.trust import records
+from swarm.trust.identity import owned_subkey
 from test_orchestrator_logic import PREFIX, ORCHESTRATOR, profile, publish, serving_orchestrator
 
 
@@ -40,9 +41,15 @@ class Servers:
         told = records.fetch_assignments(self.dht, PREFIX, ORCHESTRATOR.public)
         current = records.fetch_profiles(self.dht, PREFIX)
         for node, assignment in told.items():
-            now = current[node]
-            if (now.start, now.end) == (assignment.start, assignment.end) or (
-                    assignment.num_blocks == 0 and now.start is None):
+            now = current.get(node)
+            if now is None:  # dead
+                continue
+            if ((now.start, now.end) == (assignment.start, assignment.end) and now.cache_slots >= assignment.cache_slots
+                    or assignment.num_blocks == 0 and now.start is None):  # served in place (the loaded pool)
+                if now.state == records.DRAINING:  # told its current range again: the drain is cancelled
+                    self.busy.pop(node, None)
+                    publish(self.dht, profile(node, self.memory[node], state=records.SERVING, start=now.start,
+                                              end=now.end, slots=now.cache_slots))
                 continue
             left = self.busy.setdefault(node, self.load_refreshes + 1)
             if left > 0:
@@ -120,6 +127,40 @@ def test_movers_keep_their_old_assignment_until_released_and_the_status_says_so(
         assert told["e"] == orch.view.assignments["e"]  # the joiner loads its new range at once
         plan_event = next(e for e in reversed(orch.events) if e["event"] == "plan")
         assert plan_event["on_old_ranges"] == ["x", "y", "z"]
+        await orch.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_mover_that_dies_while_it_reloads_is_dropped_and_the_swarm_keeps_a_chain():
+    """The switch to a new plan with a death in it: the first server released dies while it reloads (its record
+    vanishes); the orchestrator re-plans without it and the transition goes on to the end. A chain routes at
+    every refresh until a wave the orchestrator reports as a gap (here the re-plan shrinks the range of the only
+    server left holding the first blocks: it must reload, and nothing else covers them)."""
+    async def scenario():
+        memory = {"x": 2.5, "y": 1.5, "z": 1.5, "e": 2.5}
+        orch, dht = await serving_orchestrator(profiles=[profile(n, memory[n]) for n in "xyz"],
+                                               replan_tolerance=-0.9)
+        servers = Servers(dht, memory)
+        publish(dht, profile("e", memory["e"]))
+        seen, dead = [], None
+        for _ in range(40):
+            await orch.refresh()
+            if not any(e["event"] == "transition_wave" and e["gap"] for e in orch.events):
+                seen.append(sum(c.capacity for c in orch.view.chains if c.ready))
+            waves = [e for e in orch.events if e["event"] == "transition_wave"]
+            if dead is None and waves:
+                dead = waves[0]["nodes"][0]  # released first: it dies in the middle of its reload
+                for owner in records.fetch_profile_claims(dht, PREFIX)[dead]:  # its record is gone (expired)
+                    dht.drop(f"{PREFIX}.{records.PROFILES}", owned_subkey(dead, owner))
+            if dead is not None and not orch.transition.active and all(
+                    orch.view.profiles[n].state == records.SERVING
+                    for n, a in orch.view.assignments.items() if a.num_blocks):
+                break
+            servers.tick()
+        assert dead is not None and dead not in orch.view.assignments
+        assert min(seen) >= 1, seen
+        assert not orch.transition.active and orch.view.published == orch.view.assignments
         await orch.stop()
 
     asyncio.run(scenario())

@@ -207,6 +207,39 @@ def summarize(requests: list[dict], events: list[dict], baseline_s: float, chaos
             "targets": targets, "all_targets_met": all(targets.values())}
 
 
+class PlanEvents:
+    """The orchestrator's plan and make-before-break events (``GET /v1/swarm``, read every second)."""
+
+    KINDS = ("plan", "plan_dropped", "transition_wave", "transition_done", "server_failed", "server_left",
+             "server_joined")
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self._seen: set[tuple] = set()
+
+    async def watch(self, http) -> None:
+        while True:
+            try:
+                doc = (await http.get("/v1/swarm", timeout=10)).json()
+                for event in doc.get("events", []):
+                    key = (event.get("time"), event.get("event"))
+                    if event.get("event") in self.KINDS and key not in self._seen:
+                        self._seen.add(key)
+                        self.events.append(event)
+            except Exception:  # the soak goes on whether or not a status read succeeds
+                pass
+            await asyncio.sleep(1.0)
+
+    def summary(self) -> dict:
+        waves = [e for e in self.events if e["event"] == "transition_wave"]
+        done = [e for e in self.events if e["event"] == "transition_done"]
+        return {"plans": sum(e["event"] == "plan" for e in self.events), "waves": len(waves),
+                "gaps": sum(bool(e.get("gap")) for e in waves), "transitions": len(done),
+                "transition_s": [e.get("seconds") for e in done],
+                "movers_kept_on_old_ranges": [len(e.get("on_old_ranges", [])) for e in self.events
+                                              if e["event"] == "plan"]}
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -260,6 +293,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gap", type=float, nargs=2, default=(45.0, 90.0), metavar=("MIN", "MAX"),
                         help="seconds between events (default 45 90)")
     parser.add_argument("--client-timeout", type=float, default=600.0)
+    parser.add_argument("--replan-keep", type=float, default=0.5,
+                        help="the orchestrator's --replan-keep (default 0.5: make-before-break waves; 0: every server "
+                        "moves at once)")
     args = parser.parse_args(argv)
     if replotted(args, plot):
         return 0
@@ -273,7 +309,8 @@ def main(argv=None) -> int:
     wall = time.monotonic()
     with LocalSwarm(model_dir) as swarm:
         url = swarm.add_orchestrator(policy="dlpm", expected_rate=1.0, max_length=512, expected_input_tokens=16,
-                                     expected_output_tokens=16, refresh_s=0.5, torch_dtype=DTYPE).info["url"]
+                                     expected_output_tokens=16, refresh_s=0.5, torch_dtype=DTYPE,
+                                     replan_keep=args.replan_keep).info["url"]
         nodes = [swarm.add_node(node_id=f"n{i}", memory_gb=args.memory_gb, wait=False, torch_dtype=DTYPE)
                  for i in range(args.servers)]
         for node in nodes:
@@ -283,9 +320,12 @@ def main(argv=None) -> int:
         load = Load(url, args.load * rate, args.seed, args.client_timeout)
         chaos = Chaos(swarm, nodes, args.memory_gb, args.min_servers, args.seed)
 
+        plans = PlanEvents()
+
         async def drive():
             limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
             async with httpx.AsyncClient(base_url=url, timeout=args.client_timeout, limits=limits) as http:
+                watcher = asyncio.create_task(plans.watch(http))
                 with tqdm(total=2, desc="chaos soak phases") as progress:
                     await load.run(http, "baseline", args.baseline_s)
                     progress.update()
@@ -294,6 +334,7 @@ def main(argv=None) -> int:
                     chaos_end = args.baseline_s + args.chaos_s  # the load's end (the event loop may end later)
                     progress.update()
                 await load.drain()
+                watcher.cancel()
                 return chaos_end
 
         chaos_end = asyncio.run(drive())
@@ -304,7 +345,8 @@ def main(argv=None) -> int:
         "command": "python -m experiments.bench.chaos", "model": Path(model_dir).name, "dtype": DTYPE,
         "servers": args.servers, "min_servers": args.min_servers, "memory_gb": args.memory_gb, "load": args.load,
         "planned_rate": rate, "offered_rate": args.load * rate, "baseline_s": args.baseline_s,
-        "chaos_s": args.chaos_s, "gap_s": list(args.gap), "wall_s": time.monotonic() - wall,
+        "chaos_s": args.chaos_s, "gap_s": list(args.gap), "replan_keep": args.replan_keep,
+        "wall_s": time.monotonic() - wall, "replans": plans.summary(), "orchestrator_events": plans.events,
         "summary": summarize(load.requests, chaos.events, args.baseline_s, chaos_end),
         "after": {"active": sum(c["active"] for c in after["chains"]), "queue": sum(after["queue"].values())},
         "requests": load.requests,

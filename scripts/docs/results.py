@@ -171,6 +171,26 @@ def chaos_table() -> str:
     return "\n".join(out) + "\n"
 
 
+def chaos_waves_table() -> str:
+    """The chaos soak with make-before-break waves (the default) against every server moving at once (same run
+    settings, one after the other)."""
+    runs = [("waves (`--replan-keep 0.5`, default)", load("bench_chaos.json")),
+            ("all at once (`--replan-keep 0`)", load("bench_chaos_break_before_make.json"))]
+    fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+    out = [_row(["re-planning", "requests", "answered right", "P99 no churn / churn (s)", "fewest answers per 30 s",
+                 "re-plans that moved servers: waves, gaps", "targets met"]), _row(["---"] * 7)]
+    for name, d in runs:
+        s, r = d["summary"], d.get("replans", {})
+        moved = sum(1 for n in r.get("movers_kept_on_old_ranges", []) if n)
+        out.append(_row([name, f"{s['requests']:,}", f"{s['answered']:,}",
+                         f"{fmt(s['p99_no_churn_s'])} / {fmt(s['p99_churn_s'])}",
+                         f"{min(s['answered_per_30s_churn'], default=0)} (no churn: {s['answered_per_30s_no_churn']:.0f})",
+                         f"{moved}: {r.get('waves', 0)}, {r.get('gaps', 0)}" if d.get("replan_keep", 0.5) > 0
+                         else "— (no waves)",
+                         f"{sum(s['targets'].values())} of {len(s['targets'])}"]))
+    return "\n".join(out) + "\n"
+
+
 # -- verification_spread*.json, bench_verification.json (spot checks) ----------------------------------------
 
 def verification_spread_table() -> str:
@@ -381,7 +401,7 @@ def write(out_dir: Path) -> None:
     # tables/*.md are included into pages in docs/ (one level up from reference/): links are relative to the page
     generated = {"batching.md": batching_table(), "device_check.md": device_check_table().replace(
                      "](results/", "](reference/results/"),
-                 "runtime.md": runtime_table(), "soak.md": soak_table(), "chaos.md": chaos_table(),
+                 "runtime.md": runtime_table(), "soak.md": soak_table(), "chaos.md": chaos_table(), "chaos_waves.md": chaos_waves_table(),
                  "verification_spread.md": verification_spread_table(),
                  "verification.md": verification_table().replace("](results/", "](reference/results/"),
                  "speculative.md": speculative_table().replace("](results/", "](reference/results/"),

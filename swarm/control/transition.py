@@ -43,7 +43,7 @@ class Transition:
     released: dict[str, float] = field(default_factory=dict)  # node -> when it was told to move
     started: float | None = None
     waves: int = 0
-    _interim: tuple[tuple, str, Plan | None] | None = None  # (served placement, interim plan id, its plan)
+    _interim: tuple | None = None  # (the compose it came from, served placement, interim plan id, its plan)
 
     @property
     def active(self) -> bool:
@@ -73,6 +73,7 @@ class Transition:
             else:
                 told[node] = current
                 pending.append(node)
+                self.released.pop(node, None)  # told to stay: not moving (any more)
         view.published = told
         self.released = {n: t for n, t in self.released.items() if n in view.assignments}
         if pending:
@@ -130,9 +131,9 @@ class Transition:
             return []
         served = self.served(view)
         key = tuple(sorted(served.items(), key=lambda item: item[0]))
-        if self._interim is None or self._interim[0] != key:
-            self._interim = (key, f"{new_plan_id()}-interim", compose(served))
-        _, plan_id, plan = self._interim
+        if self._interim is None or self._interim[0] is not compose or self._interim[1] != key:  # a re-plan: a new compose
+            self._interim = (compose, key, f"{new_plan_id()}-interim", compose(served))
+        _, _, plan_id, plan = self._interim
         if plan is None:
             return []
         return routable_chains(plan, plan_id, view.profiles, view.published)
@@ -143,4 +144,4 @@ class Transition:
         return {"from_plan": self.from_plan, "to_plan": view.plan_id, "waves": self.waves,
                 "on_old_ranges": sorted(n for n, a in view.published.items()
                                         if n in view.assignments and a != view.assignments[n]),
-                "moving": sorted(self.released), "interim_plan": None if self._interim is None else self._interim[1]}
+                "moving": sorted(self.released), "interim_plan": None if self._interim is None else self._interim[2]}

@@ -161,6 +161,7 @@ class LeaseContext:
     prefix: PrefixPlan | None = None
     control: SessionControl | None = None
     recorder: object | None = None  # swarm.engine.recording.SpanRecorder: hidden states kept for a spot check
+    unopened_peer: str | None = None  # the server whose session could not be opened (petals reports no peer then)
 
 
 _current: ContextVar[LeaseContext | None] = ContextVar("chainswarm_lease", default=None)
@@ -239,6 +240,8 @@ class OrchestratedSequenceManager(RemoteSequenceManager):
 
     def on_request_failure(self, peer_id: PeerID | None) -> None:
         context = _current.get()
+        if peer_id is None and context is not None and context.unopened_peer is not None:
+            peer_id, context.unopened_peer = PeerID.from_base58(context.unopened_peer), None  # could not be reached
         if context is not None and context.control is not None:
             context.control.check()  # aborted from outside: leave petals' retry loop at once
         super().on_request_failure(peer_id)
@@ -293,6 +296,25 @@ class ChainswarmInferenceSession(InferenceSession):
         self._position += skip
         pad = torch.zeros(outputs.shape[0], skip, outputs.shape[2], dtype=outputs.dtype, device=outputs.device)
         return torch.cat([pad, outputs], dim=1)
+
+    def _enter_server_sessions(self, chosen_spans):
+        """petals' opening of the spans' server sessions, one span at a time, so that a span that cannot be opened
+        (its server is unreachable: it died) names its server to the failure handling — petals reports an opening
+        failure without a peer, and the session would retry the same dead server until it gave up."""
+        opened = []
+        try:
+            for span in chosen_spans:
+                try:
+                    opened += super()._enter_server_sessions([span])
+                except Exception:
+                    context = _current.get()
+                    if context is not None:
+                        context.unopened_peer = span.peer_id.to_base58()
+                    raise
+            return opened
+        except BaseException:
+            self._exit_server_sessions(opened)
+            raise
 
     def _update_sequence(self, server_idx: int, block_idx: int, attempt_no: int) -> int:
         failed = self._server_sessions[server_idx] if server_idx < len(self._server_sessions) else None
