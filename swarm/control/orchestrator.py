@@ -185,8 +185,12 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
                 del self.suspects[node]  # gone for good (record expired) or back after the grace period
         live = {node: p for node, p in profiles.items() if node not in self.suspects and p.rtt_s is not None
                 and self._same_dtype(node, p) and not self.is_banned(node)}
+        gone = {n: p.peer_id for n, p in self.view.profiles.items() if n not in profiles}
         self.view.profiles = profiles
         self._membership(set(profiles))
+        for peer_id in gone.values():  # its record expired: steps waiting for it fail over now, not at their timeout
+            for control in list(self.running.values()):
+                control.peer_failed(peer_id)
         members = set(live)
         planned = set(self.view.assignments) if self.view.plan is not None else set()
         if (members != planned or self.view.plan is None) and self._settled(members, now):
