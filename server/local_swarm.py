@@ -73,7 +73,36 @@ def _await_report(peer: Peer, conn, timeout: float) -> tuple:
             return message
         if not peer.process.is_alive():
             raise SwarmStartError(f"{peer.name} exited with code {peer.process.exitcode} before it was ready")
-    raise SwarmStartError(f"{peer.name} was not ready after {timeout:.0f} s")
+    _give_up_on(peer)
+    raise SwarmStartError(f"{peer.name} was not ready after {timeout:.0f} s (its Python stacks are dumped to stderr)")
+
+
+def _give_up_on(peer: Peer) -> None:
+    """A child that never came up: dump its Python stacks to stderr (``faulthandler`` on SIGUSR1, set up by
+    :func:`swarm.runtime.process.become_group_leader`) so the report shows where it hung, kill its process
+    group, and retire the forkserver, so that the next peer is forked from a fresh one (two CI runs saw every
+    peer start after some point hang; a fresh forkserver bounds that to one test)."""
+    from multiprocessing import forkserver
+
+    pid = peer.process.pid
+    for sig, pause in ((signal.SIGUSR1, 1.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pid, sig) if sig == signal.SIGKILL else os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError, TypeError):
+            pass
+        time.sleep(pause)
+    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if server_pid:
+        try:
+            os.kill(server_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10.0
+            # dead but not reaped (WNOWAIT): multiprocessing reaps it and starts a fresh one at the next start
+            while os.waitid(os.P_PID, server_pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except (ProcessLookupError, ChildProcessError):
+            pass
 
 
 class LocalSwarm:
@@ -305,6 +334,8 @@ class LocalSwarm:
                 raise SwarmStartError(f"{peer.name} exited with code {peer.process.exitcode} before {what}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if what == "profiled":  # it never came up (see _give_up_on)
+                    _give_up_on(peer)
                 raise SwarmStartError(f"{peer.name} was not {what} after {timeout:.0f} s "
                                       f"(state {peer.info.get('state')}, plan {peer.info.get('plan_id')})")
             conn.poll(min(0.1, remaining))

@@ -1,4 +1,7 @@
 """A vanilla petals swarm on loopback: DHT + two servers (blocks split), greedy output == transformers."""
+import os
+import time
+
 import psutil
 import pytest
 import torch
@@ -55,3 +58,38 @@ def test_a_server_that_cannot_start_reports_its_error(tiny_model, tmp_path):
             swarm.add_server((0, 2), timeout=60)
     finally:
         swarm.stop()
+
+
+def _hang(launcher_pid):
+    from swarm.runtime.process import become_group_leader
+
+    become_group_leader(launcher_pid)
+    time.sleep(600)
+
+
+def _ready(report):
+    report.send(("ready",))
+
+
+def test_a_peer_that_never_comes_up_is_killed_and_the_next_one_starts_from_a_fresh_forkserver(tmp_path):
+    """LocalSwarm gives up on a child that never reports: its process group is killed and the forkserver retired,
+    so a wedged forkserver cannot fail every later start (two CI runs saw that cascade)."""
+    from multiprocessing import forkserver
+
+    from server.local_swarm import Peer, _await_report, _context
+
+    ctx = _context()
+    receive, send = ctx.Pipe(duplex=False)
+    stuck = ctx.Process(target=_hang, args=(os.getpid(),), daemon=False)
+    stuck.start()
+    old_server = forkserver._forkserver._forkserver_pid
+    with pytest.raises(SwarmStartError, match="was not ready after 2 s"):
+        _await_report(Peer("stuck", stuck), receive, 2.0)
+    stuck.join(10)
+    assert not stuck.is_alive()
+    receive, send = ctx.Pipe(duplex=False)
+    fresh = ctx.Process(target=_ready, args=(send,))
+    fresh.start()
+    assert _await_report(Peer("fresh", fresh), receive, 60.0) == ("ready",)
+    fresh.join(10)
+    assert forkserver._forkserver._forkserver_pid != old_server

@@ -6,6 +6,7 @@ dies) and turns SIGTERM into a normal exit so that ``finally`` blocks shut petal
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ def become_group_leader(launcher_pid: int, poll_s: float = 1.0, *, child_of_laun
     """
     os.setpgrp()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a launcher that gives up on it sees where it hung
 
     def launcher_gone() -> bool:
         if child_of_launcher:
