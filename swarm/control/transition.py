@@ -74,13 +74,13 @@ class Transition:
                 told[node] = current
                 pending.append(node)
                 self.released.pop(node, None)  # told to stay: not moving (any more)
+        if not pending:  # nothing to keep serving: every server is told its target (break-before-make is free)
+            self.reset(view)
+            return []
         view.published = told
         self.released = {n: t for n, t in self.released.items() if n in view.assignments}
-        if pending:
-            self.from_plan = self.from_plan or replaced
-            self.started = now if self.started is None else self.started
-        else:
-            self.from_plan, self.started, self.waves, self._interim = None, None, 0, None
+        self.from_plan = self.from_plan or replaced
+        self.started = now if self.started is None else self.started
         return sorted(pending)
 
     def advance(self, view: SwarmView, compose: Compose, now: float | None = None) -> list[tuple[str, dict]]:
