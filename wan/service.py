@@ -100,8 +100,9 @@ class ServiceProcess:
         try:
             kind, payload = parent_end.recv()
         except EOFError:
+            proc = self.proc
             self.stop(timeout=1.0)
-            raise WanError(f"{self.name} exited during startup (exit code {self.proc.exitcode})") from None
+            raise WanError(f"{self.name} exited during startup (exit code {proc.exitcode})") from None
         if kind != "ready":
             self.stop(timeout=1.0)
             raise WanError(f"{self.name}: {payload}")

@@ -24,7 +24,10 @@ def become_group_leader(launcher_pid: int, poll_s: float = 1.0, *, child_of_laun
     """
     os.setpgrp()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a launcher that gives up on it sees where it hung
+    try:  # a launcher that gives up on it sees where it hung (diagnostics never stop a peer from starting)
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        pass
 
     def launcher_gone() -> bool:
         if child_of_launcher:
