@@ -41,6 +41,11 @@ def arm(path: Optional[str]) -> None:
     _path, _group = str(path), os.getpgrp()
 
 
+def armed() -> bool:
+    """Whether this process watches a failpoint file (callers skip preparing a phase when not)."""
+    return _path is not None
+
+
 def hit(phase: str) -> None:
     """The node's work reached ``phase``: die here if the failpoint file names it."""
     if _path is None:

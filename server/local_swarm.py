@@ -18,6 +18,7 @@ configured RTT. The bootstrap DHT and the HTTP API stay undelayed on 127.0.0.1.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -85,12 +86,11 @@ def _give_up_on(peer: Peer) -> None:
     from multiprocessing import forkserver
 
     pid = peer.process.pid
-    for sig, pause in ((signal.SIGUSR1, 1.0), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pid, sig) if sig == signal.SIGKILL else os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError, TypeError):
-            pass
-        time.sleep(pause)
+    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)  # time to write the stacks
+    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+        os.killpg(pid, signal.SIGKILL)  # the whole group, whatever the leader's state
     server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
     if server_pid:
         try:

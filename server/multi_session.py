@@ -127,7 +127,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 message = multi_wire.decode(metadata, len(request.tensors))
                 _count("messages")
                 yield await self._multi_step(span, sessions, message, request.tensors)
-                if any(session.position for session in sessions.values()):
+                if failpoints.armed() and any(session.position for session in sessions.values()):
                     failpoints.hit("between_steps")
         finally:
             for sid in list(sessions):  # each alone: one that cannot close must not keep the others' KV
@@ -172,8 +172,9 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 steps.append((sid, session, hidden.to(span.backends[0].dtype)))
             except Exception as exc:
                 failed[sid] = _message(exc)
-        for phase in sorted({failpoints.step_phase(session.position, hidden.shape[1]) for _, session, hidden in steps}):
-            failpoints.hit(phase)
+        if failpoints.armed():  # tests and drills only
+            for phase in sorted({failpoints.step_phase(s.position, hidden.shape[1]) for _, s, hidden in steps}):
+                failpoints.hit(phase)
         outputs = await self._run(span, steps, failed)
         if failed:
             _count("failed", len(failed))
