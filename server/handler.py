@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import multiprocessing as mp
+from contextvars import ContextVar
 from typing import Any, AsyncIterator, Optional, Sequence, Tuple
 
 from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
@@ -35,13 +37,26 @@ from hivemind.proto import runtime_pb2
 from petals.server.handler import TransformerConnectionHandler as _PetalsHandler
 
 from server import failpoints
+from server.kv_pool import PAGE_TOKENS, PagedKvPool, flat_handles
 
-KV_INFO = "chainswarm_kv"  # rpc_info key: {"slots", "used", "peak", "sessions", "max_length"}
+KV_INFO = "chainswarm_kv"  # rpc_info key: {"slots", "used", "peak", "sessions", "max_length", "pages"}
 PUSH_INFO = "chainswarm_pushes"  # rpc_info key: {"received", "refused"}
 
 _push_counter: Any = None  # mp.Value shared with the forked handler processes, created by install()
 _push_refused: Any = None
 _kv: Optional["KvCounters"] = None  # the counters of the container whose handlers were created last
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lease:
+    """The pool lease of the petals session this task serves (set by ``_allocate_cache``)."""
+
+    pool: PagedKvPool
+    handles: tuple
+    timeout: float
+
+
+_LEASE: ContextVar[Optional[_Lease]] = ContextVar("chainswarm_kv_lease", default=None)
 
 
 class KvCounters:
@@ -53,8 +68,9 @@ class KvCounters:
     freed, whatever length it asked for; ``peak`` is the largest ``used`` since the container started.
     """
 
-    def __init__(self, slots: int, max_length: int):
+    def __init__(self, slots: int, max_length: int, pool: Any = None, page_bytes: int = 0):
         self.slots, self.max_length = int(slots), int(max_length)
+        self.pool, self.page_bytes = pool, int(page_bytes)
         self._used = mp.Value(ctypes.c_int64, 0)
         self._sessions = mp.Value(ctypes.c_int64, 0, lock=False)
         self._peak = mp.Value(ctypes.c_int64, 0, lock=False)
@@ -63,8 +79,11 @@ class KvCounters:
     def for_backends(cls, module_backends: dict, max_length: int) -> "KvCounters":
         """The counters of a pool shared by ``module_backends`` (petals gives all blocks of a server one)."""
         backend = next(iter(module_backends.values()), None)
-        per_slot = 0 if backend is None else sum(backend.cache_bytes_per_token.values()) * max_length
-        return cls(backend.memory_cache.max_size_bytes // per_slot if per_slot else 0, max_length)
+        per_token = 0 if backend is None else sum(backend.cache_bytes_per_token.values())
+        per_slot = per_token * max_length
+        pool = None if backend is None else backend.memory_cache
+        return cls(pool.max_size_bytes // per_slot if per_slot else 0, max_length,
+                   pool if isinstance(pool, PagedKvPool) else None, per_token * PAGE_TOKENS)
 
     def take(self, block_slots: int) -> None:
         with self._used.get_lock():
@@ -79,8 +98,11 @@ class KvCounters:
 
     def snapshot(self) -> dict:
         with self._used.get_lock():
-            return {"slots": self.slots, "used": int(self._used.value), "peak": int(self._peak.value),
-                    "sessions": int(self._sessions.value), "max_length": self.max_length}
+            counters = {"slots": self.slots, "used": int(self._used.value), "peak": int(self._peak.value),
+                        "sessions": int(self._sessions.value), "max_length": self.max_length}
+        if self.pool is not None and self.page_bytes:
+            counters["pages"] = self.pool.pages(self.page_bytes)
+        return counters
 
 
 class ChainswarmHandler(_PetalsHandler):
@@ -105,10 +127,11 @@ class ChainswarmHandler(_PetalsHandler):
             ):
                 if session_id is not None:
                     self._latest_step_metadata[session_id] = metadata
+                tensors = getattr(request, "tensors", None)  # (a test may pass a stand-in)
+                size = list(tensors[0].size) if tensors else []
+                tokens = int(size[1]) if len(size) == 3 else 0
+                await self._grow(tokens)  # the step's pages, before petals submits it
                 if failpoints.armed():  # tests and drills only: nothing on a production step
-                    tensors = getattr(request, "tensors", None)  # (a test may pass a stand-in)
-                    size = list(tensors[0].size) if tensors else []
-                    tokens = int(size[1]) if len(size) == 3 else 0
                     failpoints.hit(failpoints.step_phase(position, tokens))
                     position += tokens
                 yield request, metadata
@@ -123,10 +146,22 @@ class ChainswarmHandler(_PetalsHandler):
                                            timeout=timeout) as handles:
             held = max(1, int(batch_size)) * len(backends)
             self._kv.take(held)
+            pool = backends[0].memory_cache
+            lease = _LEASE.set(_Lease(pool, flat_handles(handles), float(timeout or 0.0))
+                               if isinstance(pool, PagedKvPool) else None)
             try:
                 yield handles
             finally:
+                with contextlib.suppress(ValueError):  # (a multi-session stream closes its sessions in any order)
+                    _LEASE.reset(lease)
                 self._kv.give(held)
+
+    @staticmethod
+    async def _grow(positions: int) -> None:
+        """Take the pages ``positions`` more positions of this task's petals session need from the server's pool."""
+        lease = _LEASE.get()
+        if lease is not None and positions:
+            await lease.pool.extend(lease.handles, positions, lease.timeout)
 
     def _put_into_session_queue(self, session_id: str, request) -> None:
         # rpc_push hands every received push to this helper, whether it wins the race or arrives late
@@ -181,6 +216,7 @@ def install(handler_class: type = ChainswarmHandler, backend_class: Optional[typ
     _push_counter = push_counter if push_counter is not None else (_push_counter or mp.Value(ctypes.c_int64, 0))
     _push_refused = _push_refused or mp.Value(ctypes.c_int64, 0)
     server_module.TransformerConnectionHandler = handler_class
+    server_module.MemoryCache = PagedKvPool  # every block's KV pool: paged, grown as sessions grow
     if backend_class is not None:
         server_module.TransformerBackend = backend_class
     return _push_counter

@@ -37,6 +37,7 @@ from petals.utils.misc import DUMMY_INT64  # noqa: E402
 
 from server import failpoints, tickets as server_tickets  # noqa: E402
 from server.batching import BatchingTaskPool, Cohort  # noqa: E402
+from server.kv_pool import flat_handles  # noqa: E402
 from swarm.engine import multi_wire
 from swarm.trust import tickets  # noqa: E402
 
@@ -70,20 +71,29 @@ class _Session:
     stack: contextlib.AsyncExitStack
     handles: tuple
     max_length: int
+    alloc_timeout: float = 0.0  # how long a step may wait for free pages (at least kv_pool.GROW_WAIT_S)
     position: int = 0
     last_step: int = 0
     opened: float = field(default_factory=time.monotonic)
 
-    def rollback(self, positions: int) -> None:
-        """Forget the last ``positions`` positions (drafted tokens a verification pass rejected). Their KV stays in
-        the cache until the next step overwrites it, unseen: attention reads only ``[0, position)``. Bounded: a
-        rollback past the positions of the previous step is refused, so a client can only take back what it just
-        sent, never a loaded prefix or an earlier step's tokens."""
+    def rollback(self, positions: int, pool) -> None:
+        """Forget the last ``positions`` positions (drafted tokens a verification pass rejected): attention reads only
+        ``[0, position)``, and the pages past the new length go back to the server's pool (``pool``, a
+        :class:`~server.kv_pool.PagedKvPool`). Bounded: a rollback past the positions of the previous step is
+        refused, so a client can only take back what it just sent, never a loaded prefix or an earlier step's
+        tokens."""
         if positions > self.last_step:
             raise ValueError(f"a rollback of {positions} positions goes past the {self.last_step} positions of "
                              f"the session's previous step")
+        pool.rollback(flat_handles(self.handles), positions)
         self.position -= positions
         self.last_step -= positions
+
+    async def grow(self, positions: int, pool, timeout: float) -> None:
+        """Take the pages ``positions`` more positions need from the server's pool (before the step runs)."""
+        if self.position + positions > self.max_length:
+            raise ValueError(f"{self.position} + {positions} tokens exceed the session's max_length {self.max_length}")
+        await pool.extend(flat_handles(self.handles), positions, timeout)
 
 
 class _Span:
@@ -93,6 +103,7 @@ class _Span:
         self.uid = uid
         self.uids = handler._check_uids(uid)
         self.backends = tuple(handler.module_backends[u] for u in self.uids)
+        self.pool = self.backends[0].memory_cache  # the server's PagedKvPool, shared by all its blocks
         pool = self.backends[0].inference_pool
         supports = getattr(pool.process_func, "supports", None)
         self.cohort_size = (pool.max_batch if isinstance(pool, BatchingTaskPool) and supports is not None
@@ -161,14 +172,12 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 if session is None:
                     raise ValueError(f"session {sid!r} is not open in this stream")
                 if rollback:
-                    session.rollback(rollback)
+                    session.rollback(rollback, span.pool)
                 hidden = deserialize_torch_tensor(tensor)
                 if tuple(hidden.shape) != (1, tokens, span.hidden_size):
                     raise ValueError(f"session {sid!r}: expected hidden states (1, {tokens}, {span.hidden_size}), "
                                      f"got {tuple(hidden.shape)}")
-                if session.position + tokens > session.max_length:
-                    raise ValueError(f"session {sid!r}: {session.position} + {tokens} tokens exceed its "
-                                     f"max_length {session.max_length}")
+                await session.grow(tokens, span.pool, session.alloc_timeout)
                 steps.append((sid, session, hidden.to(span.backends[0].dtype)))
             except Exception as exc:
                 failed[sid] = _message(exc)
@@ -195,7 +204,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         except BaseException:
             await stack.aclose()
             raise
-        return _Session(stack, tuple(tuple(h) for h in handles), entry.max_length)
+        return _Session(stack, tuple(tuple(h) for h in handles), entry.max_length, float(entry.alloc_timeout or 0))
 
     def _infos(self, span: _Span, session: _Session) -> tuple:
         return tuple(InferenceMetadata(uid, session.position, handles, None)

@@ -469,7 +469,8 @@ class ChainswarmServer(Server):
         if container is None or not container.module_backends:
             return False
         cache = next(iter(container.module_backends.values())).memory_cache
-        return cache.current_size_bytes > 0 or cache.enqueued_size_bytes > 0
+        return (cache.current_size_bytes > 0 or cache.enqueued_size_bytes > 0
+                or cache.sessions_open > 0)  # a session holds no page of the paged pool before its prefill
 
     def shutdown(self, timeout: Optional[float] = 5) -> None:
         self.stop.set()

@@ -41,6 +41,7 @@ from petals.utils.misc import DUMMY_INT64
 
 from server import failpoints
 from server.handler import ChainswarmHandler
+from server.kv_pool import token_axis
 from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes
 
 logger = logging.getLogger(__name__)
@@ -245,8 +246,7 @@ class PrefixBackend(ModelBackend):
         return dict(super().get_info(), **({"chainswarm_batching": stats} if stats is not None else {}))
 
     def _page_slices(self, tensors, start: int, end: int) -> list:
-        # keys (B, kv_heads, head_dim, L), values (B, kv_heads, L, head_dim), one pair per tensor-parallel shard
-        return [t[:, :, :, start:end] if i % 2 == 0 else t[:, :, start:end, :] for i, t in enumerate(tensors)]
+        return [t.narrow(token_axis(i), start, end - start) for i, t in enumerate(tensors)]
 
     def _run_op(self, hidden_states: torch.Tensor, info: PrefixOp):
         kind, *args = info.op
@@ -378,6 +378,7 @@ class PrefixHandler(ChainswarmHandler):
                 if session.load:
                     if batch_size != 1 or session.load * PAGE_TOKENS > max_length:
                         raise PrefixMissing(f"{MISSING_MESSAGE}: cannot load {session.load} pages here")
+                    await self._grow(session.load * PAGE_TOKENS)  # the pages the loaded prefix fills
                     await self._run_op(backends, session.handles, ("load", session.hashes[: session.load]))
                 yield handles
             finally:

@@ -4,9 +4,9 @@ A secure swarm of SmolLM2-135M-Instruct (float32) starts with two nodes forming 
 few, and clients keep more completions in flight than the swarm has slots. Meanwhile a third node joins (the
 orchestrator re-plans: new chain ids while the old plan's sessions still hold KV slots) and then one of the
 first two leaves (its sessions fail over; another re-plan). Throughout, every server's own counters — the KV
-block-slots its open sessions hold and the slots its pool was sized for, from petals' ``rpc_info``
-(``chainswarm_kv``, :mod:`server.handler`) — are sampled: at no sample, and at no moment in between (each
-server's high-water mark), does a server hold more than its slots. Every request ends with the greedy text of
+block-slots its open sessions hold and the slots its pool was sized for, and the pages of its paged KV pool, from
+petals' ``rpc_info`` (``chainswarm_kv``, :mod:`server.handler`) — are sampled: at no sample, and at no moment in
+between (each server's high-water mark), does a server hold more than its slots or its pool's pages. Every request ends with the greedy text of
 the same model run locally in transformers, or with a clean refusal (429/503).
 """
 import threading
@@ -199,6 +199,11 @@ def test_no_server_holds_more_sessions_than_its_kv_slots_through_a_join_and_a_le
         assert seen == {server["assignment"]["cache_slots"]}, (server, seen)
     over = [(node, c) for _, node, c in sampler.samples if c["used"] > c["slots"] or c["peak"] > c["slots"]]
     assert not over, over[:5]
+    # the paged pool (server/kv_pool.py): pages held never exceed the pool's, and they follow the positions
+    pages = [(node, c["pages"]) for _, node, c in sampler.samples]
+    over = [(node, p) for node, p in pages if not 0 <= p["used"] <= p["total"] or p["peak"] > p["total"]]
+    assert not over, over[:5]
+    assert {node for node, p in pages if p["used"] > 0} >= {"n0", "n1", "n2"}
     busy = {node for _, node, c in sampler.samples if c["used"] > 0}
     assert {"n0", "n1", "n2"} <= busy, busy  # every server held sessions while it was sampled
     full = sum(1 for _, node, c in sampler.samples if c["used"] == c["slots"])

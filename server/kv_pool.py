@@ -1,0 +1,218 @@
+"""The server's KV pool, allocated by the page as sessions grow.
+
+petals' ``MemoryCache`` reserves a session's whole ``max_length`` on every block it serves at session open and
+keeps it until the session ends, whatever the session really uses. :class:`PagedKvPool` keeps petals' byte
+budget, handles and runtime pipe, and changes what a session holds:
+
+* **Open** (``allocate_cache``, connection handler): ``max_length`` is an upper bound, checked against the pool
+  (a session that could never fit is refused at once), and nothing is reserved yet. The runtime creates the
+  session's cache tensors with room for 0 tokens.
+* **Grow** (:meth:`PagedKvPool.extend`, connection handler, before a step is submitted): the session holds
+  ⌈positions / :data:`PAGE_TOKENS`⌉ pages on each of its blocks. The pages a step needs are taken from the
+  pool (waiting at most the allocation timeout for other sessions to free some) and the runtime regrows the
+  session's tensors to exactly that many pages before it runs the step.
+* **Roll back** (:meth:`PagedKvPool.rollback`): positions a verification pass rejected are forgotten, and the
+  pages past the session's new length go back to the pool at once.
+* **End**: every page goes back to the pool.
+
+A *block-page* — :data:`PAGE_TOKENS` positions of one sequence's keys and values on one block — is the unit of
+``rpc_info``'s page counters (:meth:`pages`): a session of batch ``b`` at ``n`` positions over ``m`` blocks
+holds ``b·m·⌈n/16⌉`` of them.
+
+Storage stays contiguous per session (what the attention kernels read): a session's tensors are reallocated
+with one more page and the old positions copied when it crosses a page boundary — an amortised copy of 1/16
+of its cache per token, no block tables. Pages are not shared between sessions; prefix reuse copies stored
+pages into a session (:mod:`server.prefix_cache`).
+
+petals' step loop (``iterate_rpc_inference``) still checks every step against the session's ``max_length``.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import multiprocessing as mp
+import os
+from typing import AsyncContextManager, Sequence
+
+import torch
+
+from swarm.model.compat import petals  # noqa: F401  (the shim must precede petals.server)
+from hivemind.utils import TensorDescriptor
+from petals.data_structures import Handle
+from petals.server.memory_cache import AllocationFailed, MemoryCache
+from swarm.trust.prefix import PAGE_TOKENS
+
+GROW_WAIT_S = 5.0  # a growing session waits at most this long (or its own allocation timeout) for free pages
+
+
+def token_axis(index: int) -> int:
+    """The positions' axis of a block's ``index``-th cache tensor: keys ``(b, kv, d, L)``, values ``(b, kv, L, d)``,
+    one pair per tensor-parallel shard (petals' layout)."""
+    return -1 if index % 2 == 0 else -2
+
+
+def _with_tokens(descr: TensorDescriptor, axis: int, tokens: int) -> TensorDescriptor:
+    shape = list(descr.shape)
+    shape[axis] = tokens
+    return TensorDescriptor(tuple(shape), dtype=descr.dtype, device=descr.device)
+
+
+class _Resize:
+    """A pipe message to the runtime: regrow these handles' tensors to ``tokens`` positions."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+
+class _Lease:
+    """A session's hold on the pool (connection-handler side)."""
+
+    __slots__ = ("axes", "bytes_per_token", "max_tokens", "positions", "pages")
+
+    def __init__(self, axes: tuple, bytes_per_token: int, max_tokens: int):
+        self.axes, self.bytes_per_token, self.max_tokens = axes, bytes_per_token, max_tokens
+        self.positions = self.pages = 0
+
+
+class PagedKvPool(MemoryCache):
+    """petals' ``MemoryCache`` with sessions that hold pages as they grow (see the module docstring)."""
+
+    def __init__(self, max_size_bytes, max_alloc_timeout=None):
+        super().__init__(max_size_bytes, max_alloc_timeout)
+        self._leases: dict[tuple, _Lease] = {}  # connection-handler process: its own sessions, by handles
+        self._axes: dict[Handle, int] = {}  # runtime: the positions' axis of every live tensor
+        self._open = mp.Value(ctypes.c_int64, 0)  # sessions open, all handler processes
+        self._peak = mp.Value(ctypes.c_int64, 0, lock=False)  # the most bytes held at once
+
+    # ---- connection-handler side ----
+    @contextlib.asynccontextmanager
+    async def allocate_cache(self, *descriptors: TensorDescriptor,
+                             timeout: float) -> AsyncContextManager[Sequence[Handle]]:
+        axes = tuple(token_axis(i) for i in range(len(descriptors)))
+        max_tokens = int(descriptors[0].shape[-1]) if descriptors else 0
+        if any(int(d.shape[a]) != max_tokens for d, a in zip(descriptors, axes)):
+            raise ValueError("cache descriptors must follow petals' layout (keys (b, kv, d, L), values (b, kv, L, d))")
+        full = self.get_allocation_size(*descriptors)
+        if full > self.max_size_bytes:
+            raise AllocationFailed(f"a session of {max_tokens} tokens needs {full} bytes of KV, more than this "
+                                   f"server's whole pool ({self.max_size_bytes} bytes)")
+        empty = [_with_tokens(d, a, 0) for d, a in zip(descriptors, axes)]
+        async with super().allocate_cache(*empty, timeout=timeout) as handles:
+            key = tuple(handles)
+            self._leases[key] = _Lease(axes, full // max_tokens if max_tokens else 0, max_tokens)
+            with self._open.get_lock():
+                self._open.value += 1
+            try:
+                yield handles
+            finally:
+                lease = self._leases.pop(key)
+                self._give(lease.pages * PAGE_TOKENS * lease.bytes_per_token)
+                with self._open.get_lock():
+                    self._open.value -= 1
+
+    async def extend(self, handles: Sequence[Handle], positions: int, timeout: float = 0.0) -> None:
+        """Make room for ``positions`` more positions of the session whose cache is ``handles`` (all its blocks'
+        handles, flat), taking pages from the pool; raises ``AllocationFailed`` (pool full past the wait) or
+        ``ValueError`` (past the session's ``max_length``)."""
+        lease = self._leases[tuple(handles)]
+        wanted = lease.positions + int(positions)
+        if wanted > lease.max_tokens:
+            raise ValueError(f"{wanted} positions exceed the session's max_length {lease.max_tokens}")
+        pages = math.ceil(wanted / PAGE_TOKENS)
+        if pages > lease.pages:
+            more = (pages - lease.pages) * PAGE_TOKENS * lease.bytes_per_token
+            wait = max(float(timeout or 0.0), GROW_WAIT_S)
+            if self.max_alloc_timeout is not None:
+                wait = min(wait, self.max_alloc_timeout)
+            try:
+                async with self._wait_for_free_memory(more, wait):
+                    with self._lock_metadata:
+                        self.current_size_bytes += more
+                        self._peak.value = max(self._peak.value, self.current_size_bytes)
+            except AllocationFailed as exc:
+                raise AllocationFailed(f"KV pool full: {pages - lease.pages} more pages needed, "
+                                       f"{self.pages()['free']} free ({exc})") from None
+            self._resize(handles, lease, pages)
+        lease.positions = wanted
+
+    def rollback(self, handles: Sequence[Handle], positions: int) -> None:
+        """Forget the session's last ``positions`` positions; pages past its new length go back to the pool."""
+        lease = self._leases[tuple(handles)]
+        if not 0 <= positions <= lease.positions:
+            raise ValueError(f"cannot roll back {positions} of {lease.positions} positions")
+        lease.positions -= positions
+        pages = math.ceil(lease.positions / PAGE_TOKENS)
+        if pages < lease.pages:
+            self._give((lease.pages - pages) * PAGE_TOKENS * lease.bytes_per_token)
+            self._resize(handles, lease, pages)
+
+    def positions(self, handles: Sequence[Handle]) -> int:
+        """The positions the session whose cache is ``handles`` holds room for (this handler process's sessions)."""
+        return self._leases[tuple(handles)].positions
+
+    def _resize(self, handles: Sequence[Handle], lease: _Lease, pages: int) -> None:
+        lease.pages = pages
+        with self._lock_metadata:
+            self._pipe_send.send((tuple(handles), _Resize(pages * PAGE_TOKENS)))
+
+    def _give(self, nbytes: int) -> None:
+        if nbytes:
+            with self._lock_metadata:
+                self.current_size_bytes -= nbytes
+            self._memory_freed_event.set()
+
+    @property
+    def sessions_open(self) -> int:
+        """Sessions holding a lease (with or without pages yet), across all handler processes."""
+        return int(self._open.value)
+
+    def pages(self, page_bytes: int = 0) -> dict:
+        """Block-pages of the pool: total, used, free and the peak used (``page_bytes``: one block-page's size;
+        0 = the size of the most recent session's block-page in this process)."""
+        if not page_bytes:
+            lease = next(reversed(self._leases.values()), None)
+            page_bytes = PAGE_TOKENS * lease.bytes_per_token if lease is not None else 0
+        if not page_bytes:
+            return {"page_tokens": PAGE_TOKENS, "total": 0, "used": 0, "free": 0, "peak": 0}
+        total, used = self.max_size_bytes // page_bytes, self.current_size_bytes // page_bytes
+        return {"page_tokens": PAGE_TOKENS, "total": int(total), "used": int(used), "free": int(total - used),
+                "peak": int(self._peak.value // page_bytes)}
+
+    # ---- runtime side ----
+    @contextlib.contextmanager
+    def use_cache(self, *handles: Handle) -> Sequence[torch.Tensor]:
+        assert os.getpid() == self.runtime_pid, "use_cache runs in the runtime process"
+        while self._pipe_recv.poll():  # creations, resizes and deletions, in the order the handlers sent them
+            recv_handles, data = self._pipe_recv.recv()
+            if data is None:
+                for handle in recv_handles:
+                    self._allocated_tensors.pop(handle, None)
+                    self._axes.pop(handle, None)
+            elif isinstance(data, _Resize):
+                for handle in recv_handles:
+                    if handle in self._allocated_tensors:
+                        self._allocated_tensors[handle] = _resized(self._allocated_tensors[handle],
+                                                                   self._axes[handle], data.tokens)
+            else:
+                for i, (handle, descr) in enumerate(zip(recv_handles, data)):
+                    self._allocated_tensors[handle] = descr.make_zeros()
+                    self._axes[handle] = token_axis(i)
+        yield tuple(self._allocated_tensors[handle] for handle in handles)
+
+
+def _resized(tensor: torch.Tensor, axis: int, tokens: int) -> torch.Tensor:
+    """``tensor`` with room for exactly ``tokens`` positions along ``axis``, the first ones kept."""
+    shape = list(tensor.shape)
+    keep = min(shape[axis], tokens)
+    shape[axis] = tokens
+    out = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
+    out.narrow(axis, 0, keep).copy_(tensor.narrow(axis, 0, keep))
+    return out
+
+
+def flat_handles(handles: Sequence) -> tuple:
+    """A session's handles as one flat tuple (``_allocate_cache`` yields one tuple per block)."""
+    return tuple(h for block in handles for h in (block if isinstance(block, (tuple, list)) else (block,)))
