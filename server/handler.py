@@ -53,7 +53,6 @@ class _Lease:
 
     pool: PagedKvPool
     handles: tuple
-    timeout: float
 
 
 _LEASE: ContextVar[Optional[_Lease]] = ContextVar("chainswarm_kv_lease", default=None)
@@ -147,8 +146,7 @@ class ChainswarmHandler(_PetalsHandler):
             held = max(1, int(batch_size)) * len(backends)
             self._kv.take(held)
             pool = backends[0].memory_cache
-            lease = _LEASE.set(_Lease(pool, flat_handles(handles), float(timeout or 0.0))
-                               if isinstance(pool, PagedKvPool) else None)
+            lease = _LEASE.set(_Lease(pool, flat_handles(handles)) if isinstance(pool, PagedKvPool) else None)
             try:
                 yield handles
             finally:
@@ -161,7 +159,7 @@ class ChainswarmHandler(_PetalsHandler):
         """Take the pages ``positions`` more positions of this task's petals session need from the server's pool."""
         lease = _LEASE.get()
         if lease is not None and positions:
-            await lease.pool.extend(lease.handles, positions, lease.timeout)
+            await lease.pool.extend(lease.handles, positions)
 
     def _put_into_session_queue(self, session_id: str, request) -> None:
         # rpc_push hands every received push to this helper, whether it wins the race or arrives late

@@ -71,7 +71,6 @@ class _Session:
     stack: contextlib.AsyncExitStack
     handles: tuple
     max_length: int
-    alloc_timeout: float = 0.0  # how long a step may wait for free pages (at least kv_pool.GROW_WAIT_S)
     position: int = 0
     last_step: int = 0
     opened: float = field(default_factory=time.monotonic)
@@ -89,11 +88,11 @@ class _Session:
         self.position -= positions
         self.last_step -= positions
 
-    async def grow(self, positions: int, pool, timeout: float) -> None:
-        """Take the pages ``positions`` more positions need from the server's pool (before the step runs)."""
+    async def grow(self, positions: int, pool) -> None:
+        """Give the session's cache the pages ``positions`` more positions need (before the step runs)."""
         if self.position + positions > self.max_length:
             raise ValueError(f"{self.position} + {positions} tokens exceed the session's max_length {self.max_length}")
-        await pool.extend(flat_handles(self.handles), positions, timeout)
+        await pool.extend(flat_handles(self.handles), positions)
 
 
 class _Span:
@@ -177,7 +176,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 if tuple(hidden.shape) != (1, tokens, span.hidden_size):
                     raise ValueError(f"session {sid!r}: expected hidden states (1, {tokens}, {span.hidden_size}), "
                                      f"got {tuple(hidden.shape)}")
-                await session.grow(tokens, span.pool, session.alloc_timeout)
+                await session.grow(tokens, span.pool)
                 steps.append((sid, session, hidden.to(span.backends[0].dtype)))
             except Exception as exc:
                 failed[sid] = _message(exc)
@@ -204,7 +203,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         except BaseException:
             await stack.aclose()
             raise
-        return _Session(stack, tuple(tuple(h) for h in handles), entry.max_length, float(entry.alloc_timeout or 0))
+        return _Session(stack, tuple(tuple(h) for h in handles), entry.max_length)
 
     def _infos(self, span: _Span, session: _Session) -> tuple:
         return tuple(InferenceMetadata(uid, session.position, handles, None)

@@ -101,7 +101,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             attach(orchestrator, engine, options.model_dir)
         app = create_app(orchestrator, engine, initial_peers=initial_peers, model_name=Path(options.model_dir).name,
                          api_keys=options.api_keys, stall_timeout_s=options.stall_timeout_s,
-                         route_wait_s=options.route_wait_s)
+                         route_wait_s=options.route_wait_s, grow_tokens=options.grow_tokens)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():

@@ -15,7 +15,7 @@ import pytest
 
 from swarm.control.orchestrator import QueueTimeout
 from swarm.engine.completion import ClientGone, CompletionFailed, CompletionRunner, Finished
-from swarm.engine.generation import GenerationResult
+from swarm.engine.generation import GenerationResult, StopGeneration
 from swarm.engine.sampling import SamplingParams
 from swarm.api.metrics import SwarmMetrics
 from swarm.engine.routing import SessionAborted
@@ -38,11 +38,18 @@ class FakeOrchestrator:
         self.step_s = 0.0
         self.running = {}  # request id -> session control (the orchestrator's registry)
         self.resumed, self.resume_fails = [], False
+        self.reserves, self.grows, self.room = [], [], 0  # reservations asked, growths asked, growths granted
+
+    def grow(self, request_id, more_tokens):
+        self.grows.append(more_tokens)
+        self.room -= 1
+        return self.room >= 0
 
     def prompt_hashes(self, ids):
         return []
 
-    async def acquire(self, client, input_tokens, max_new_tokens, *, page_hashes=()):
+    async def acquire(self, client, input_tokens, max_new_tokens, *, page_hashes=(), reserve=None):
+        self.reserves.append(reserve)
         try:
             await asyncio.sleep(self.grant_after)
         except asyncio.CancelledError:
@@ -52,10 +59,12 @@ class FakeOrchestrator:
         self.granted.append(grant.request_id)
         return grant
 
-    async def resume(self, request_id, client, input_tokens, max_new_tokens, *, timeout, page_hashes=()):
+    async def resume(self, request_id, client, input_tokens, max_new_tokens, *, timeout, page_hashes=(),
+                     reserve=None):
         """The real one requeues the running request in its place; the fake grants it again at once (or never:
         ``resume_fails``)."""
         self.resumed.append((request_id, input_tokens, max_new_tokens))
+        self.reserves.append(reserve)
         if self.resume_fails:
             raise QueueTimeout(f"no chain with room for the rest of the session within {timeout:.0f} s", 1.0)
         return FakeGrant(request_id, f"chain-resumed{len(self.resumed)}")
@@ -105,8 +114,11 @@ class FakeEngine:
         produced = list(prior.tokens) if prior is not None else []
         for i in range(int(n or 0)):
             time.sleep(0.02)
-            on_token(7 + len(produced))
             produced.append(7 + len(produced))
+            try:
+                on_token(produced[-1])
+            except StopGeneration as stop:  # as the real engine: the callback ended the answer at this token
+                return GenerationResult(produced, stop.finish_reason)
         if kind in ("stuck", "tokens-then-stuck"):
             self.release.wait(30)
             raise SessionAborted("released at teardown")
@@ -117,7 +129,8 @@ class FakeEngine:
 def run():
     engines = []
 
-    def drive(orchestrator, engine, *, disconnect_after: float | None = None, **options):
+    def drive(orchestrator, engine, *, disconnect_after: float | None = None, params=SamplingParams(8, 0.0),
+              **options):
         engines.append(engine)
         metrics = SwarmMetrics(orchestrator)
         runner = CompletionRunner(orchestrator, engine, metrics, poll_s=0.05, release_wait_s=0.3, **options)
@@ -128,7 +141,7 @@ def run():
 
         async def collect():
             items = []
-            async for item in runner.run("alice", [1, 2, 3], SamplingParams(8, 0.0), gone):
+            async for item in runner.run("alice", [1, 2, 3], params, gone):
                 items.append(item)
             return items
 
@@ -186,6 +199,32 @@ def test_no_chain_for_the_rest_within_the_route_wait_is_a_clear_503(run):
     out = run(orchestrator, FakeEngine("tokens-then-stuck:2"), stall_timeout_s=0.3, route_wait_s=7)
     assert isinstance(out["error"], QueueTimeout) and "rest of the session within 7 s" in str(out["error"])
     assert orchestrator.resumed == [("r0", 5, 6)]
+
+
+def test_an_answer_without_max_tokens_reserves_a_part_at_a_time_and_ends_at_length_when_its_chain_is_full(run):
+    """max_tokens omitted (SamplingParams.grows): the request reserves grow_tokens of output, asks for more each
+    time it has used them, and ends with finish_reason length at the first refusal; an explicit max_tokens
+    reserves all of it at once and never asks."""
+    orchestrator = FakeOrchestrator()
+    orchestrator.room = 1  # one growth granted, the next refused
+    out = run(orchestrator, FakeEngine("tokens:20"), params=SamplingParams(40, 0.0, grows=True), grow_tokens=6)
+    finished = out["items"][-1]
+    assert finished.finish_reason == "length" and len(finished.token_ids) == 12, out
+    assert orchestrator.reserves == [6] and orchestrator.grows == [6, 6] and orchestrator.finished == ["r0"]
+    plain = FakeOrchestrator()
+    out = run(plain, FakeEngine("tokens:8"), grow_tokens=6)
+    assert len(out["items"][-1].token_ids) == 8 and plain.reserves == [8] and not plain.grows
+
+
+def test_a_growing_answer_resumed_after_a_failure_reserves_from_where_it_stopped(run):
+    orchestrator = FakeOrchestrator()
+    orchestrator.room = 5
+    engine = FakeEngine("tokens-then-stuck:7", "tokens:5")
+    out = run(orchestrator, engine, params=SamplingParams(12, 0.0, grows=True), grow_tokens=4, stall_timeout_s=0.3)
+    assert out["items"][-1].token_ids == list(range(7, 19)), out
+    # 4 reserved, grown to 8 after 4 tokens; resumed after 7 with 4 more reserved (the rest is 5); grown at 11
+    assert orchestrator.reserves == [4, 4] and orchestrator.resumed == [("r0", 10, 5)]
+    assert orchestrator.grows == [4, 1]
 
 
 def test_the_default_stall_limit_follows_the_planned_step_time_within_bounds():

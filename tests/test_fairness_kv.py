@@ -82,3 +82,24 @@ def test_without_budgets_one_request_takes_one_slot():
     for i in range(5):
         s.submit(f"r{i}", "c", 400, 0.0, max_new_tokens=100)
     assert len(s.dispatch(0.0)) == 2
+
+
+def test_a_running_request_grows_its_reservation_only_into_free_room():
+    """CentralQueueScheduler.grow: an answer reserved in parts takes more of its chain's budget while the budget
+    has room, is refused (unchanged) when it has none or past max_length, and gives it all back at its end."""
+    s = make_scheduler("fcfs")
+    s.set_chains([ChainSpec("a", 10, decode_time=0.05, max_length=512, kv_tokens=160, servers=("s1",))])
+    s.submit("long", "c", 16, 0.0, max_new_tokens=16)  # 32 tokens
+    s.submit("other", "d", 16, 0.0, max_new_tokens=80)  # 96 tokens
+    assert {g.request_id for g in s.dispatch(0.0)} == {"long", "other"}
+    assert s.grow("long", 32)  # 64: 160 - 96 = 64 free
+    assert s.request("long").kv_tokens == 64 and s.request("long").max_new_tokens == 48
+    assert not s.grow("long", 1)  # 80 > the 64 left to it
+    assert s.request("long").kv_tokens == 64
+    s.on_finish("other", 1.0, output_tokens=80)
+    assert s.grow("long", 96) and s.request("long").kv_tokens == 160
+    assert not s.grow("long", 400)  # past max_length
+    s.submit("next", "d", 8, 1.0, max_new_tokens=8)
+    assert s.dispatch(1.0) == []  # the whole budget is the grown answer's
+    s.on_finish("long", 2.0, output_tokens=144)
+    assert [g.request_id for g in s.dispatch(2.0)] == ["next"]

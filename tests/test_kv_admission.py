@@ -112,3 +112,33 @@ def test_finished_sessions_give_their_tokens_back():
         await orch.stop()
 
     asyncio.run(scenario())
+
+
+def test_an_answer_without_max_tokens_reserves_in_parts_and_grows_only_into_room():
+    """max_tokens omitted: the rest of the session length is allowed on the servers (their paged pools hold only
+    what is used) while the orchestrator reserves a part (``reserve``) and grows it with ``grow``: such answers run
+    many at once where full max-length reservations would be refused outright, growth takes free budget only,
+    and the occupancy the servers are checked against follows the reservation."""
+    long = dataclasses.replace(TOKENS, max_length=8192)
+
+    async def scenario():
+        orch, _ = await _serving(long)
+        largest = max(c.capacity for c in orch.view.chains) * long.slot_tokens
+        with pytest.raises(ValueError, match="more than any chain"):
+            await orch.acquire("c", 40, long.max_length - 40, timeout=1.0)  # the whole rest, reserved at once
+        grants = [await orch.acquire(f"c{i}", 40, long.max_length - 40, reserve=24, timeout=1.0) for i in range(3)]
+        first = grants[0].request_id
+        assert orch.reserved_tokens(first) == 64 and orch.session_tokens(first) == long.max_length
+        assert orch.occupancy.weight(first) == 64
+        assert orch.grow(first, 64) and orch.reserved_tokens(first) == 128 == orch.occupancy.weight(first)
+        while orch.grow(first, 64):  # until its chain's budget is used up
+            assert orch.reserved_tokens(first) <= largest
+        assert any(e["event"] == "reservation_full" for e in orch.events)
+        held, pools = orch.occupancy.per_server(), orch.kv_pools()
+        assert all(held.get(n, 0) <= pools[n] for n in pools), (held, pools)
+        for g in grants:
+            orch.finish(g.request_id, 100)
+        assert orch.occupancy.per_server() == {}
+        await orch.stop()
+
+    asyncio.run(scenario())

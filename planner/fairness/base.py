@@ -345,6 +345,25 @@ class CentralQueueScheduler(DispatchRounds):
         self._on_done(req)
         del self._requests[request_id]
 
+    def grow(self, request_id: Hashable, more_tokens: int) -> bool:
+        """Extend a running request's output cap by ``more_tokens`` when its chain's KV
+        budget has room for the larger need (and the chain's max length allows it);
+        False leaves it unchanged.  A request without an explicit cap reserves its
+        output this way, a part at a time, instead of the rest of ``max_length``."""
+        req = self._get(request_id, "grow")
+        if req.state != "running" or more_tokens < 1:
+            raise InvalidEventError(f"grow for request {request_id!r}: not running, or nothing to add")
+        chain = self._chains.get(req.chain_id)
+        wanted = (req.max_new_tokens or 0) + int(more_tokens)
+        if chain is None or not chain.healthy or not chain.spec.fits(req.input_tokens, wanted):
+            return False
+        need = chain.spec.kv_need(req.input_tokens, wanted)
+        if chain.free_tokens is not None and need - req.kv_tokens > chain.free_tokens:
+            return False
+        chain.held_tokens += need - req.kv_tokens
+        req.kv_tokens, req.max_new_tokens = need, wanted
+        return True
+
     def on_failure(
         self,
         request_id: Hashable,

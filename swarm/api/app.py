@@ -70,14 +70,15 @@ class RequestIdMiddleware:
 
 def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, initial_peers: list[str],
                model_name: str, api_keys: dict[str, str] | None = None,
-               stall_timeout_s: float | None = None, route_wait_s: float = 120.0) -> FastAPI:
+               stall_timeout_s: float | None = None, route_wait_s: float = 120.0,
+               grow_tokens: int = 256) -> FastAPI:
     """Build the API around a started orchestrator (and its generation engine, if it proxies sessions)."""
     app = FastAPI(title="Chainswarm orchestrator", version="0.1.0",
                   description="Planned chains, JFFC dispatch and per-client fairness over a petals swarm.")
     metrics = SwarmMetrics(orchestrator, engine)
     auth = ClientAuth(api_keys, orchestrator.config.admin_clients)
     runner = (CompletionRunner(orchestrator, engine, metrics, stall_timeout_s=stall_timeout_s,
-                               route_wait_s=route_wait_s) if engine else None)
+                               route_wait_s=route_wait_s, grow_tokens=grow_tokens) if engine else None)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):

@@ -104,6 +104,7 @@ class OpenAIServing:
     def sampling(self, body, input_ids: list[int], max_tokens: int | None,
                  logprobs: int | None, grammar=None) -> list[SamplingParams]:
         room = self.max_length - len(input_ids)
+        grows = max_tokens is None  # to the end of the session length, reserved as it grows
         if max_tokens is None:
             if room < 1:
                 raise ApiError(400, "invalid_request", f"the prompt ({len(input_ids)} tokens) leaves no room in "
@@ -119,7 +120,7 @@ class OpenAIServing:
                                ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, top_k=body.top_k,
                                min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                eos_token_ids=(eos,) if isinstance(eos, int) else (), grammar=grammar,
-                               speculative=getattr(body, "speculative", True))
+                               speculative=getattr(body, "speculative", True), grows=grows)
                 for i in range(body.n)]
 
     # -- the n runs ------------------------------------------------------------------------------------

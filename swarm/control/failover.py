@@ -78,20 +78,21 @@ class Failover:
         return next((n for n, p in self.view.profiles.items() if p.peer_id == peer_id), None)
 
     async def resume(self, request_id: str, client_id: str, input_tokens: int, max_new_tokens: int, *,
-                     timeout: float, page_hashes=()) -> Grant:
+                     timeout: float, page_hashes=(), reserve: int | None = None) -> Grant:
         """The session ``request_id`` failed on its chain (a server died, its route could not be mended, or it
         stalled): its continuation — ``input_tokens`` = prompt + tokens delivered so far, ``max_new_tokens``
         left — goes back to the head of its client's queue in its original place (the router's ``requeue``;
         the tokens already generated stay charged), its KV reservation moves with it, and it waits up to
         ``timeout`` for a chain with room (:class:`QueueTimeout` after that: "no chain ... within N s").
-        Accepted work is not counted against the queue bounds again."""
+        Accepted work is not counted against the queue bounds again. ``reserve``: as :meth:`acquire`'s."""
         now = time.monotonic()
+        reserve = max_new_tokens if reserve is None else min(reserve, max_new_tokens)
         self.occupancy.release(request_id)
-        if not self.router.requeue(request_id, input_tokens, max_new_tokens, now):
+        if not self.router.requeue(request_id, input_tokens, reserve, now):
             self._ended(request_id)  # this router cannot keep its place: a new request at the back
             return await self.acquire(client_id, input_tokens, max_new_tokens, timeout=timeout,
-                                      page_hashes=page_hashes)
-        self._needs[request_id] = self.config.expect.kv_need(input_tokens, max_new_tokens)
+                                      page_hashes=page_hashes, reserve=reserve)
+        self._needs[request_id] = self._need(input_tokens, reserve, max_new_tokens)
         future = self._loop.create_future()
         self._waiters[request_id] = (future, tuple(page_hashes))
         self._event("session_requeued", request=request_id, client=client_id, tokens=input_tokens)

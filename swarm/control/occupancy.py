@@ -45,6 +45,11 @@ class Occupancy:
             kept += [(node, max(a, end), b)] if b > end else []
         self._held[request_id] = [seg for seg in kept if seg[2] > seg[1]] + list(spans)
 
+    def reweigh(self, request_id: str, weight: int) -> None:
+        """The session's reservation per block changed (an answer reserved in parts grew)."""
+        if request_id in self._weight:
+            self._weight[request_id] = max(1, int(weight))
+
     def release(self, request_id: str) -> bool:
         """The session ended; True when it was known."""
         self._chain.pop(request_id, None)

@@ -116,6 +116,10 @@ class OrchestratorOptions:
                                  help="a session whose server failed waits up to S seconds in its place in the "
                                  "queue for a chain with room for the rest of its answer, then fails with a 503 "
                                  "(default 120: outlasts a re-plan and a block load)")
+    grow_tokens: int = option(256, metavar="N",
+                              help="an answer without max_tokens may run to the end of the session length; its KV "
+                              "reservation covers N output tokens at a time and grows by N while its chain has room "
+                              "(otherwise the answer ends there, finish_reason length; default 256)")
     torch_dtype: str = option("float32", choices=DTYPES,
                               help="the swarm's serving dtype: the orchestrator's embeddings and LM head run in it and "
                               "only servers that compute in it are planned (default float32; mixing dtypes changes "

@@ -63,6 +63,11 @@ class Router:
         """The requests that start now, with their chain."""
         raise NotImplementedError
 
+    def grow(self, request_id: str, more_tokens: int) -> bool:
+        """Let a running request generate ``more_tokens`` more than it reserved, if its KV room allows (True here:
+        a router without a KV token budget reserves whole sessions)."""
+        return True
+
     def requeue(self, request_id: str, input_tokens: int, max_new_tokens: int, now: float) -> bool:
         """A running request's session failed: queue its continuation (``input_tokens`` = prompt + tokens so
         far, ``max_new_tokens`` left) in its old place. False: this router cannot (the caller submits anew)."""
@@ -149,6 +154,12 @@ class JffcRouter(Router):
 
     def dispatch(self, now):
         return self.scheduler.dispatch(now)
+
+    def grow(self, request_id, more_tokens):
+        try:
+            return self.scheduler.grow(request_id, more_tokens)
+        except FairnessError:
+            return False
 
     def requeue(self, request_id, input_tokens, max_new_tokens, now):
         """The scheduler's ``on_failure(requeue=True)``: the head of its client's queue with its original seq,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from planner.fairness.types import Grant
-from swarm.engine.generation import GenerationEngine, Progress, StopGeneration
+from swarm.engine.generation import GenerationEngine, Progress, ReservationFull, StopGeneration
 from swarm.engine.routing import Lease, NoRouteError, SessionControl, splice
 from swarm.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
 
@@ -122,6 +122,15 @@ class CompletionRunner:
     route_wait_s: float = 120.0
     poll_s: float = 0.5
     release_wait_s: float = 8.0  # how long a stopped session may take to release its servers
+    # An answer without max_tokens (SamplingParams.grows) reserves KV for this many output tokens at a time
+    grow_tokens: int = 256
+    grow_wait_s: float = 10.0  # the most a session thread waits for the event loop to answer a growth
+
+    def reserve(self, params: SamplingParams, delivered: int) -> int:
+        """Output tokens a session's KV reservation covers when it starts after ``delivered`` tokens: the rest of
+        ``max_new_tokens``, or for an answer without max_tokens at most ``grow_tokens`` (it grows later)."""
+        rest = params.max_new_tokens - delivered
+        return min(rest, self.grow_tokens) if params.grows else rest
 
     def stall_limit(self, chain_id: str, tokens: int) -> float:
         if self.stall_timeout_s is not None:
@@ -166,7 +175,8 @@ class CompletionRunner:
         while True:
             attempt += 1
             grant = await (self._wait(self.orchestrator.acquire(
-                client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes), client, is_disconnected)
+                client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes,
+                reserve=self.reserve(params, 0)), client, is_disconnected)
                 if grant is None else self._continue(grant, client, input_ids, params, prior, page_hashes,
                                                      is_disconnected))
             started = time.monotonic()
@@ -228,7 +238,8 @@ class CompletionRunner:
         when nothing was delivered: a continuation runs without prefix reuse)."""
         waiting = self.orchestrator.resume(
             grant.request_id, client, len(input_ids) + len(prior.tokens), params.max_new_tokens - len(prior.tokens),
-            timeout=self.route_wait_s, page_hashes=() if prior.tokens else page_hashes)
+            timeout=self.route_wait_s, page_hashes=() if prior.tokens else page_hashes,
+            reserve=self.reserve(params, len(prior.tokens)))
         return await self._wait(waiting, client, is_disconnected)
 
     async def _wait(self, waiting: Awaitable[Grant], client: str, is_disconnected) -> Grant:
@@ -264,6 +275,17 @@ class CompletionRunner:
 
         matcher = StopMatcher(params.stop) if params.stop else None
         generated: list[int] = list(prior.tokens) if prior is not None else []  # for the stop strings
+        reserved = [len(generated) + self.reserve(params, len(generated))]  # output tokens the KV reservation covers
+
+        def grow() -> None:  # session thread: the reservation is used up; more, or the answer ends here
+            more = min(self.grow_tokens, params.max_new_tokens - len(generated))
+
+            async def ask() -> bool:
+                return orchestrator.grow(grant.request_id, more)
+
+            if not asyncio.run_coroutine_threadsafe(ask(), loop).result(self.grow_wait_s):
+                raise ReservationFull()
+            reserved[0] += more
 
         def on_token(token: int) -> None:  # session thread -> event loop
             control.check()  # stopped from outside: end the session at this token
@@ -274,6 +296,8 @@ class CompletionRunner:
                 after = len(engine.decode(generated[:params.min_tokens - 1])) if params.min_tokens > 1 else 0
                 if matcher.check(engine.decode(generated), after)[1]:
                     raise StopGeneration()  # a stop string is complete: the request is done
+            if params.grows and reserved[0] <= len(generated) < params.max_new_tokens:
+                grow()  # before the next token: the reservation must cover it
 
         def on_prefix(reused: int) -> None:  # session thread, after the probe and before the prefill
             loop.call_soon_threadsafe(orchestrator.prefilled, grant.request_id, reused, len(input_ids),

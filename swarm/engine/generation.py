@@ -41,6 +41,15 @@ GENERATOR_IDLE_S = 120.0  # a chain's generator unused this long is closed when 
 class StopGeneration(Exception):
     """Raised by a token callback when the request is complete (a stop string matched): not a failure."""
 
+    finish_reason = "stop"
+
+
+class ReservationFull(StopGeneration):
+    """Raised by a token callback when an answer without max_tokens reached its KV reservation and its chain
+    has no room for more: the answer ends there, as at a length limit."""
+
+    finish_reason = "length"
+
 
 @dataclass
 class GenerationResult:
@@ -247,8 +256,8 @@ class GenerationEngine:
                 elif hasattr(provider, "renew_ticket"):  # same route, later: a fresh ticket for the reopen
                     provider.renew_ticket(lease)
                 resume()
-        except StopGeneration:  # a token callback completed the request (a stop string)
-            return result("stop")
+        except StopGeneration as stop:  # a token callback completed the request (a stop string, a full reservation)
+            return result(stop.finish_reason)
         return result("stop" if ended() else "length")
 
     def _generator(self, route: tuple) -> ChainGenerator:
@@ -308,8 +317,8 @@ class GenerationEngine:
         def on_token(token: int) -> None:
             try:
                 sink(token)
-            except StopGeneration:  # a stop string: the sequence is complete
-                stopped.append(token)
+            except StopGeneration as stop:  # a stop string or a full reservation: the sequence is complete
+                stopped.append(stop)
                 raise StopSequence() from None
 
         try:
@@ -324,7 +333,7 @@ class GenerationEngine:
                 try:
                     future.result(timeout=0.25)
                     if stopped:
-                        raise StopGeneration()
+                        raise stopped[0]
                     return
                 except concurrent.futures.TimeoutError:
                     if control is not None and control.aborted is not None:

@@ -62,6 +62,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()  # the tokens min_tokens blocks
     grammar: Grammar | None = None  # constrained decoding (swarm.engine.grammar)
     speculative: bool = True  # the orchestrator may draft and verify several tokens per step (when it speculates)
+    grows: bool = False  # no explicit max_tokens: KV is reserved a part at a time (CompletionRunner.grow_tokens)
 
     @property
     def plain_greedy(self) -> bool:
