@@ -1,35 +1,39 @@
-"""The server's KV pool: sessions admitted by the KV they declare, memory allocated by the page as they grow.
+"""The server's KV pool, allocated by the page as sessions grow.
 
-petals' ``MemoryCache`` allocates a session's whole ``max_length`` on every block it serves at session open and
+petals' ``MemoryCache`` reserves a session's whole ``max_length`` on every block it serves at session open and
 keeps it until the session ends, whatever the session really uses. :class:`PagedKvPool` keeps petals' byte
-budget, handles, runtime pipe and admission rule, and changes what is allocated:
+budget, handles and runtime pipe, and changes what a session holds:
 
-* **Open** (``allocate_cache``, connection handler): the session's declared ``max_length`` is *reserved* — a
-  session that could never fit is refused at once, one that does not fit now waits for others to end (petals'
-  allocation timeout), exactly as petals admits. This is the deadlock-free admission rule: an admitted session
-  can always grow to what it declared, so no two sessions can starve each other mid-generation (the orchestrator
-  declares each session's own need, prompt + ``max_tokens``, not the swarm's ``max_length``). The runtime creates
-  the session's cache tensors with room for 0 positions.
-* **Grow** (:meth:`PagedKvPool.extend`, connection handler, before a step is submitted): the session's tensors are
-  regrown to ⌈positions / :data:`PAGE_TOKENS`⌉ pages (at most its declared length) before the runtime runs the step.
-* **Roll back** (:meth:`PagedKvPool.rollback`): positions a verification pass rejected are forgotten, and the pages
-  past the session's new length are freed at once.
-* **End**: its memory and its reservation go back to the pool.
+* **Open** (``allocate_cache``, connection handler): ``max_length`` is an upper bound, checked against the pool
+  (a session that could never fit is refused at once), and nothing is reserved yet. The runtime creates the
+  session's cache tensors with room for 0 positions.
+* **Grow** (:meth:`PagedKvPool.extend`, connection handler, before a step is submitted): the session holds
+  ⌈positions / :data:`PAGE_TOKENS`⌉ pages on each of its blocks. The pages a step needs are taken from the pool
+  and the runtime regrows the session's tensors to exactly that many pages before it runs the step. When the pool
+  has no room the step waits at most :data:`GROW_WAIT_S` for pages to be freed, then fails with "KV pool full"
+  (the session's client goes on elsewhere, as after any failed step): a short, bounded wait, so sessions that
+  outgrew the pool together can never wait on each other.
+* **Roll back** (:meth:`PagedKvPool.rollback`): positions a verification pass rejected are forgotten, and the
+  pages past the session's new length go back to the pool at once.
+* **End**: every page goes back to the pool.
+
+Admission is the orchestrator's: it grants a session only while the KV tokens its chain's servers were planned
+for have room (prompt + ``max_tokens``, or a reservation grown in parts), so its sessions never outgrow a pool;
+a vanilla petals client declares up to ``max_length`` and holds only what it uses.
 
 A *block-page* — :data:`PAGE_TOKENS` positions of one sequence's keys and values on one block — is the unit of
-``rpc_info``'s page counters (:meth:`pages`): ``total`` (the pool), ``reserved`` (declared by open sessions),
-``free`` (``total - reserved``: what a new session may declare), ``used`` (allocated now) and ``peak`` (the most
-allocated at once). A session of batch ``b`` at ``n`` positions over ``m`` blocks uses ``b·m·⌈n/16⌉`` of them.
+``rpc_info``'s page counters (:meth:`pages`): a session of batch ``b`` at ``n`` positions over ``m`` blocks holds
+``b·m·⌈n/16⌉`` of them.
 
 Storage stays contiguous per session (what the attention kernels read): a session's tensors are reallocated
 with one more page and the old positions copied when it crosses a page boundary — an amortised copy of 1/16
 of its cache per token, no block tables. Pages are not shared between sessions; prefix reuse copies stored
-pages into a session (:mod:`server.prefix_cache`). Not done: over-committing reservations with preemption
-(vLLM's way to admit a vanilla petals client that declares 2,048 tokens and uses 60 without reserving 2,048).
+pages into a session (:mod:`server.prefix_cache`).
+
+petals' step loop (``iterate_rpc_inference``) still checks every step against the session's ``max_length``.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import logging
@@ -44,10 +48,11 @@ from swarm.model.compat import petals  # noqa: F401  (the shim must precede peta
 from hivemind.utils import TensorDescriptor
 from petals.data_structures import Handle
 from petals.server.memory_cache import AllocationFailed, MemoryCache
-from petals.utils.asyncio import shield_and_wait
 from swarm.trust.prefix import PAGE_TOKENS
 
 logger = logging.getLogger(__name__)
+
+GROW_WAIT_S = 1.0  # a step waits at most this long for free pages, then fails ("KV pool full")
 
 
 def token_axis(index: int) -> int:
@@ -74,11 +79,11 @@ class _Resize:
 class _Lease:
     """A session's hold on the pool (connection-handler side)."""
 
-    __slots__ = ("axes", "bytes_per_token", "max_tokens", "positions", "capacity")
+    __slots__ = ("axes", "bytes_per_token", "max_tokens", "positions", "pages")
 
     def __init__(self, axes: tuple, bytes_per_token: int, max_tokens: int):
         self.axes, self.bytes_per_token, self.max_tokens = axes, bytes_per_token, max_tokens
-        self.positions = self.capacity = 0  # positions written; positions the tensors hold (whole pages)
+        self.positions = self.pages = 0
 
 
 class PagedKvPool(MemoryCache):
@@ -89,8 +94,7 @@ class PagedKvPool(MemoryCache):
         self._leases: dict[tuple, _Lease] = {}  # connection-handler process: its own sessions, by handles
         self._axes: dict[Handle, int] = {}  # runtime: the positions' axis of every live tensor
         self._open = mp.Value(ctypes.c_int64, 0)  # sessions open, all handler processes
-        self._used = mp.Value(ctypes.c_int64, 0)  # bytes of the pages allocated now, all handler processes
-        self._peak = mp.Value(ctypes.c_int64, 0, lock=False)  # the most bytes allocated at once
+        self._peak = mp.Value(ctypes.c_int64, 0, lock=False)  # the most bytes held at once
 
     # ---- connection-handler side ----
     @contextlib.asynccontextmanager
@@ -104,81 +108,82 @@ class PagedKvPool(MemoryCache):
         if full > self.max_size_bytes:
             raise AllocationFailed(f"a session of {max_tokens} tokens needs {full} bytes of KV, more than this "
                                    f"server's whole pool ({self.max_size_bytes} bytes)")
-        if self.max_alloc_timeout is not None:
-            timeout = min(timeout, self.max_alloc_timeout)
-        reserving = asyncio.create_task(self._reserve(full, timeout))
-        await shield_and_wait(reserving)  # (petals' way: the memory lock must not be abandoned half-taken)
-        try:
-            empty = [_with_tokens(d, a, 0) for d, a in zip(descriptors, axes)]
-            async with super().allocate_cache(*empty, timeout=timeout) as handles:
-                key = tuple(handles)
-                self._leases[key] = _Lease(axes, full // max_tokens if max_tokens else 0, max_tokens)
+        empty = [_with_tokens(d, a, 0) for d, a in zip(descriptors, axes)]
+        async with super().allocate_cache(*empty, timeout=timeout) as handles:
+            key = tuple(handles)
+            self._leases[key] = _Lease(axes, full // max_tokens if max_tokens else 0, max_tokens)
+            with self._open.get_lock():
+                self._open.value += 1
+            try:
+                yield handles
+            finally:
+                lease = self._leases.pop(key)
+                self._give(lease.pages * PAGE_TOKENS * lease.bytes_per_token)
                 with self._open.get_lock():
-                    self._open.value += 1
-                try:
-                    yield handles
-                finally:
-                    lease = self._leases.pop(key)
-                    self._count_used(-lease.capacity * lease.bytes_per_token)
-                    with self._open.get_lock():
-                        self._open.value -= 1
-        finally:
-            with self._lock_metadata:
-                self.current_size_bytes -= full
-            self._memory_freed_event.set()
-
-    async def _reserve(self, nbytes: int, timeout: float) -> None:
-        async with self._wait_for_free_memory(nbytes, timeout):
-            with self._lock_metadata:
-                self.current_size_bytes += nbytes
+                    self._open.value -= 1
 
     async def extend(self, handles: Sequence[Handle], positions: int) -> None:
         """Make room for ``positions`` more positions of the session whose cache is ``handles`` (all its blocks'
-        handles, flat): its tensors grow to the pages they need (within its reservation, so this never waits);
-        raises ``ValueError`` past the session's ``max_length``."""
+        handles, flat), taking pages from the pool; raises ``AllocationFailed`` (pool full for :data:`GROW_WAIT_S`)
+        or ``ValueError`` (past the session's ``max_length``)."""
         lease = self._leases[tuple(handles)]
         wanted = lease.positions + int(positions)
         if wanted > lease.max_tokens:
             raise ValueError(f"{wanted} positions exceed the session's max_length {lease.max_tokens}")
+        pages = math.ceil(wanted / PAGE_TOKENS)
+        if pages > lease.pages:
+            more = (pages - lease.pages) * PAGE_TOKENS * lease.bytes_per_token
+            try:
+                async with self._wait_for_free_memory(more, GROW_WAIT_S):
+                    with self._lock_metadata:
+                        self.current_size_bytes += more
+                        self._peak.value = max(self._peak.value, self.current_size_bytes)
+            except AllocationFailed:
+                logger.warning("KV pool full: a step needing %d more pages failed", pages - lease.pages)
+                raise AllocationFailed(f"KV pool full: {pages - lease.pages} more pages needed, "
+                                       f"{self.pages(PAGE_TOKENS * lease.bytes_per_token)['free']} free "
+                                       f"after {GROW_WAIT_S:.0f} s") from None
+            self._resize(handles, lease, pages)
         lease.positions = wanted
-        if wanted > lease.capacity:
-            self._resize(handles, lease, min(lease.max_tokens, math.ceil(wanted / PAGE_TOKENS) * PAGE_TOKENS))
 
     def rollback(self, handles: Sequence[Handle], positions: int) -> None:
-        """Forget the session's last ``positions`` positions; the pages past its new length are freed."""
+        """Forget the session's last ``positions`` positions; pages past its new length go back to the pool."""
         lease = self._leases[tuple(handles)]
         if not 0 <= positions <= lease.positions:
             raise ValueError(f"cannot roll back {positions} of {lease.positions} positions")
         lease.positions -= positions
-        capacity = math.ceil(lease.positions / PAGE_TOKENS) * PAGE_TOKENS
-        if capacity < lease.capacity:
-            self._resize(handles, lease, capacity)
+        pages = math.ceil(lease.positions / PAGE_TOKENS)
+        if pages < lease.pages:
+            self._give((lease.pages - pages) * PAGE_TOKENS * lease.bytes_per_token)
+            self._resize(handles, lease, pages)
 
-    def _resize(self, handles: Sequence[Handle], lease: _Lease, capacity: int) -> None:
-        self._count_used((capacity - lease.capacity) * lease.bytes_per_token)
-        lease.capacity = capacity
+    def positions(self, handles: Sequence[Handle]) -> int:
+        """The positions the session whose cache is ``handles`` holds room for (this handler process's sessions)."""
+        return self._leases[tuple(handles)].positions
+
+    def _resize(self, handles: Sequence[Handle], lease: _Lease, pages: int) -> None:
+        lease.pages = pages
         with self._lock_metadata:
-            self._pipe_send.send((tuple(handles), _Resize(capacity)))
+            self._pipe_send.send((tuple(handles), _Resize(pages * PAGE_TOKENS)))
 
-    def _count_used(self, nbytes: int) -> None:
-        with self._used.get_lock():
-            self._used.value += nbytes
-            self._peak.value = max(self._peak.value, self._used.value)
+    def _give(self, nbytes: int) -> None:
+        if nbytes:
+            with self._lock_metadata:
+                self.current_size_bytes -= nbytes
+            self._memory_freed_event.set()
 
     @property
     def sessions_open(self) -> int:
-        """Sessions open (with or without pages yet), across all handler processes."""
+        """Sessions holding a lease (with or without pages yet), across all handler processes."""
         return int(self._open.value)
 
     def pages(self, page_bytes: int) -> dict:
-        """Block-pages of the pool (``page_bytes``: one block-page's size): total, reserved by open sessions, free
-        for new ones, used (allocated now) and the peak used."""
+        """Block-pages of the pool (``page_bytes``: one block-page's size): total, used, free and the peak used."""
         if not page_bytes:
-            return {"page_tokens": PAGE_TOKENS, "total": 0, "reserved": 0, "free": 0, "used": 0, "peak": 0}
-        total, reserved = self.max_size_bytes // page_bytes, -(-self.current_size_bytes // page_bytes)
-        return {"page_tokens": PAGE_TOKENS, "total": int(total), "reserved": int(reserved),
-                "free": int(max(0, total - reserved)), "used": int(-(-self._used.value // page_bytes)),
-                "peak": int(-(-self._peak.value // page_bytes))}
+            return {"page_tokens": PAGE_TOKENS, "total": 0, "used": 0, "free": 0, "peak": 0}
+        total, used = self.max_size_bytes // page_bytes, self.current_size_bytes // page_bytes
+        return {"page_tokens": PAGE_TOKENS, "total": int(total), "used": int(used), "free": int(total - used),
+                "peak": int(self._peak.value // page_bytes)}
 
     # ---- runtime side ----
     @contextlib.contextmanager

@@ -89,7 +89,7 @@ class _Session:
         self.last_step -= positions
 
     async def grow(self, positions: int, pool) -> None:
-        """Give the session's cache the pages ``positions`` more positions need (before the step runs)."""
+        """Take the pages ``positions`` more positions need from the server's pool (before the step runs)."""
         if self.position + positions > self.max_length:
             raise ValueError(f"{self.position} + {positions} tokens exceed the session's max_length {self.max_length}")
         await pool.extend(flat_handles(self.handles), positions)

@@ -147,9 +147,9 @@ def test_a_rollback_forgets_the_last_positions_and_cannot_go_past_the_last_step(
 
 def test_sessions_hold_kv_pages_as_they_grow_and_give_them_back_at_rollback_and_end(swarm, model):
     """The servers' paged KV pool (server/kv_pool.py), read from their own rpc_info counters: a session opened for
-    200 tokens reserves 200 (its declared length: admission) but is allocated no page until it steps, then
-    ⌈positions/16⌉ pages per block it passes; a rollback across a page boundary frees the page at once, the end of
-    the session everything. petals' own sessions (max_length 200) are allocated by the page the same way."""
+    200 tokens holds no page until it steps, then ⌈positions/16⌉ pages per block it passes; a rollback across a page
+    boundary gives the page back at once, the end of the session all of them. petals' own sessions (the client
+    declares max_length 200) hold pages the same way, not their max_length."""
     from swarm.engine.multi_client import ChainBatch
 
     manager = model.transformer.h.sequence_manager
@@ -158,26 +158,48 @@ def test_sessions_hold_kv_pages_as_they_grow_and_give_them_back_at_rollback_and_
     (peer, start, end), blocks = swarm.route[0], swarm.route[0][2] - swarm.route[0][1]
     pages = lambda: server_info(p2p, peer, f"{swarm.dht_prefix}.{start}")["chainswarm_kv"]["pages"]  # noqa: E731
     idle = pages()
-    assert idle["used"] == idle["reserved"] == 0 and idle["total"] > 0 and idle["free"] == idle["total"]
-    assert idle["page_tokens"] == 16
-    declared = -(-blocks * 200 // 16)  # 200 positions on each block, in block-pages
+    assert idle["used"] == 0 and idle["total"] > 0 and idle["free"] == idle["total"] and idle["page_tokens"] == 16
     with ChainBatch(p2p, swarm.route, manager.block_uids) as batch:
         assert not batch.step({"s": torch.randn(1, 5, hidden)}, {"s": 200})[1]
-        now = pages()
-        assert now["used"] == blocks and now["reserved"] == declared and now["free"] == idle["total"] - declared
+        assert pages()["used"] == blocks  # 5 positions: one page on each block
         assert not batch.step({"s": torch.randn(1, 12, hidden)})[1]
         assert pages()["used"] == 2 * blocks  # 17 positions
         assert not batch.step({"s": torch.randn(1, 1, hidden)}, rollbacks={"s": 2})[1]
-        assert pages()["used"] == blocks  # 17 - 2 + 1 = 16 positions: the second page was freed
-    wait_for(lambda: pages()["used"] == pages()["reserved"] == 0, 5, what="everything back when the stream closes")
+        assert pages()["used"] == blocks  # 17 - 2 + 1 = 16 positions: the second page went back
+        assert pages()["free"] == idle["total"] - blocks
+    wait_for(lambda: pages()["used"] == 0, 5, what="every page back in the pool when the stream closes")
     with model.transformer.h.inference_session(max_length=200) as session:
         session.step(torch.randn(1, 20, hidden))
-        assert pages()["used"] == 2 * blocks and pages()["reserved"] == declared  # petals' path: 20 positions
+        assert pages()["used"] == 2 * blocks  # petals' path: 20 positions, not 200
         for _ in range(13):
             session.step(torch.randn(1, 1, hidden))
         assert pages()["used"] == 3 * blocks and pages()["peak"] >= 3 * blocks  # 33 positions
-    wait_for(lambda: pages()["used"] == pages()["reserved"] == 0, 5,
-             what="everything back when the petals session ends")
+    wait_for(lambda: pages()["used"] == 0, 5, what="every page back in the pool when the petals session ends")
+
+
+def test_a_step_the_pool_has_no_pages_for_fails_fast_and_alone(swarm, model):
+    """Sessions that together outgrow a server's pool (each one fits): the step that finds no free page fails
+    within about a second with "KV pool full" (no session waits on another), and the others go on."""
+    from server.kv_pool import GROW_WAIT_S
+    from swarm.engine.multi_client import ChainBatch
+
+    manager = model.transformer.h.sequence_manager
+    hidden = model.config.hidden_size
+    p2p = manager.state.p2p
+    (peer, start, end), blocks = swarm.route[0], swarm.route[0][2] - swarm.route[0][1]
+    pool = server_info(p2p, peer, f"{swarm.dht_prefix}.{start}")["chainswarm_kv"]["pages"]
+    length = 120  # positions per session: 8 pages on each block
+    count = pool["total"] // (blocks * 8) + 1  # one session more than the pool holds
+    sids = [f"s{i}" for i in range(count)]
+    with ChainBatch(p2p, swarm.route, manager.block_uids) as batch:
+        for sid in sids[:-1]:
+            assert not batch.step({sid: torch.randn(1, length, hidden)}, {sid: 128})[1]
+        began = time.monotonic()
+        outputs, failed = batch.step({sids[-1]: torch.randn(1, length, hidden)}, {sids[-1]: 128})
+        assert set(failed) == {sids[-1]} and "KV pool full" in failed[sids[-1]].reason, failed
+        assert time.monotonic() - began < GROW_WAIT_S + 5
+        outputs, failed = batch.step({sid: torch.randn(1, 1, hidden) for sid in sids[:2]})
+        assert not failed and set(outputs) == set(sids[:2])  # 121 positions: within the pages they hold
 
 
 def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, model):
