@@ -64,7 +64,8 @@ def local(smollm2_dir):
 def swarm(smollm2_dir):
     with LocalSwarm(smollm2_dir) as swarm:
         swarm.add_orchestrator(expected_rate=0.5, max_length=MAX_LENGTH, expected_input_tokens=64,
-                               expected_output_tokens=16, refresh_s=0.5, api_keys=KEYS, max_queue_per_client=6)
+                               expected_output_tokens=16, refresh_s=0.5, api_keys=KEYS, max_queue_per_client=6,
+                               grow_tokens=2)  # a chat without max_tokens reserves 2 output tokens at a time
         nodes = [swarm.add_node(node_id=f"n{i}", memory_gb=0.24, wait=False, declared_profile=DECLARED)
                  for i in range(2)]
         for node in nodes:
@@ -95,6 +96,15 @@ def test_chat_completion_answers_through_the_chat_template(client, local):
     assert choice.finish_reason == "stop"  # the template's end token ended it before max_tokens
     assert reply.usage.prompt_tokens == local.prompt_ids(local.chat_text(QUESTION)).shape[1]
     assert 0 < reply.usage.completion_tokens <= 24
+
+
+def test_a_chat_without_max_tokens_grows_its_reservation_and_answers_in_full(client, local):
+    """No max_tokens: the answer may run to the end of the session length, its KV reserved 2 tokens at a time
+    (--grow-tokens 2); it grows past them and ends at the template's end token, as local greedy decoding does."""
+    reply = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.content == local.greedy(local.chat_text(QUESTION), 64)
+    assert choice.finish_reason == "stop" and reply.usage.completion_tokens > 2 * 2  # two growths at least
 
 
 def test_chat_stream_with_usage_equals_the_plain_answer(client, local):
