@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from planner.dispatch import make_dispatcher
+from planner.token_dispatch import TokenJFFC
 from planner.service_model import ChainService, chain_services, has_batching, path_service
 from experiments.sim.simulator import Jobs, SimResult
 
@@ -97,20 +98,29 @@ class SharedServers:
 
 def simulate_shared_chains(services: Sequence[ChainService], rates: Sequence[float], capacities: Sequence[int],
                            jobs: Jobs, policy: str = "jffc", *, num_servers: int, seed: int = 0,
-                           service_matrix: np.ndarray | None = None) -> SimResult:
+                           service_matrix: np.ndarray | None = None, kv_budgets: Sequence[int] | None = None,
+                           needs: Sequence[int] | None = None) -> SimResult:
     """Simulate ``jobs`` on chains (index = dispatch order, ``rates`` nonincreasing as the dispatchers
     require) whose service depends on occupancy: a job of size r needs r·T_k(1) seconds alone on chain k
-    (``service_matrix[i, k]`` instead, when given) and progresses at speed T_k(1)/T_k(n(t))."""
+    (``service_matrix[i, k]`` instead, when given) and progresses at speed T_k(1)/T_k(n(t)).
+
+    With ``kv_budgets`` (KV tokens per block of each chain) and ``needs`` (each job's KV tokens), jobs are
+    admitted by tokens as the orchestrator admits them (:class:`planner.token_dispatch.TokenJFFC`; JFFC only)."""
     caps = [int(c) for c in capacities]
     if not (len(services) == len(caps) == len(rates)) or not caps or sum(caps) == 0:
         raise ValueError("need one service, rate and capacity per chain, and some capacity")
+    if (kv_budgets is None) != (needs is None) or (kv_budgets is not None and policy != "jffc"):
+        raise ValueError("token admission needs both kv_budgets and needs, under jffc")
     n = len(jobs)
     solo = [s.solo for s in services]
     sizes = jobs.sizes.tolist()
     durations = None if service_matrix is None else np.asarray(service_matrix, dtype=np.float64).tolist()
     arrivals = jobs.arrivals.tolist()
     start, finish, chain_of = [0.0] * n, [0.0] * n, [-1] * n
-    disp = make_dispatcher(policy, list(rates), caps, seed=seed)
+    if kv_budgets is not None:
+        disp = _TokenAdmission(TokenJFFC(list(rates), caps, list(kv_budgets)), [int(x) for x in needs])
+    else:
+        disp = _SlotAdmission(make_dispatcher(policy, list(rates), caps, seed=seed))
     engine = SharedServers(num_servers)
     heap: list = []
     push, pop = heapq.heappush, heapq.heappop
@@ -131,9 +141,8 @@ def simulate_shared_chains(services: Sequence[ChainService], rates: Sequence[flo
             finish[job] = t
             for when, other in engine.finish(job, t):
                 push(heap, (when, other, chain_of[other]))
-            started = disp.complete(k)
-            if started is not None:
-                begin(started.job, k, t)
+            for started in disp.complete(k, job):
+                begin(started.job, started.chain, t)
         else:
             k = disp.arrive(i)
             if k is not None:
@@ -143,14 +152,44 @@ def simulate_shared_chains(services: Sequence[ChainService], rates: Sequence[flo
     return SimResult(jobs.arrivals.copy(), np.asarray(start), np.asarray(finish), np.asarray(chain_of))
 
 
+class _SlotAdmission:
+    """A :mod:`planner.dispatch` dispatcher behind the interface the loop above uses."""
+
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
+
+    def arrive(self, job: int) -> int | None:
+        return self.dispatcher.arrive(job)
+
+    def complete(self, chain: int, job: int) -> list:
+        started = self.dispatcher.complete(chain)
+        return [] if started is None else [started]
+
+
+class _TokenAdmission:
+    """:class:`TokenJFFC` behind the interface the loop above uses (each job's need looked up)."""
+
+    def __init__(self, dispatcher: TokenJFFC, needs: list[int]):
+        self.dispatcher, self.needs = dispatcher, needs
+
+    def arrive(self, job: int) -> int | None:
+        return self.dispatcher.arrive(job, self.needs[job])
+
+    def complete(self, chain: int, job: int) -> list:
+        return self.dispatcher.complete(chain, self.needs[job])
+
+
 def simulate_plan(chains: Sequence, servers: Sequence, jobs: Jobs, policy: str = "jffc", *, seed: int = 0,
-                  service_matrix: np.ndarray | None = None) -> SimResult:
+                  service_matrix: np.ndarray | None = None, slot_tokens: int | None = None,
+                  needs: Sequence[int] | None = None) -> SimResult:
     """:func:`simulate_shared_chains` on planner chains (their order and rates) over planner ``servers``
     (whose ``batch`` and ``decode_time_s`` drive the speeds; the chains may come from a plan made with other
-    server models, e.g. a plan made blind to batching run on batching servers)."""
+    server models, e.g. a plan made blind to batching run on batching servers). With ``slot_tokens`` and
+    ``needs``, admission by tokens as the orchestrator's: chain k's budget is c_k · ``slot_tokens``."""
+    budgets = None if slot_tokens is None else [ch.capacity * int(slot_tokens) for ch in chains]
     return simulate_shared_chains(chain_services(chains, servers), [ch.rate for ch in chains],
                                   [ch.capacity for ch in chains], jobs, policy, num_servers=len(servers),
-                                  seed=seed, service_matrix=service_matrix)
+                                  seed=seed, service_matrix=service_matrix, kv_budgets=budgets, needs=needs)
 
 
 class RequestClock:
