@@ -34,12 +34,14 @@ petals' step loop (``iterate_rpc_inference``) still checks every step against th
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
 import math
 import multiprocessing as mp
 import os
+import time
 from typing import AsyncContextManager, Sequence
 
 import torch
@@ -133,16 +135,14 @@ class PagedKvPool(MemoryCache):
         pages = math.ceil(wanted / PAGE_TOKENS)
         if pages > lease.pages:
             more = (pages - lease.pages) * PAGE_TOKENS * lease.bytes_per_token
-            try:
-                async with self._wait_for_free_memory(more, GROW_WAIT_S):
-                    with self._lock_metadata:
-                        self.current_size_bytes += more
-                        self._peak.value = max(self._peak.value, self.current_size_bytes)
-            except AllocationFailed:
-                logger.warning("KV pool full: a step needing %d more pages failed", pages - lease.pages)
-                raise AllocationFailed(f"KV pool full: {pages - lease.pages} more pages needed, "
-                                       f"{self.pages(PAGE_TOKENS * lease.bytes_per_token)['free']} free "
-                                       f"after {GROW_WAIT_S:.0f} s") from None
+            deadline = time.monotonic() + GROW_WAIT_S
+            while not self._take(more):  # polled: no lock or executor thread is held while it waits
+                if time.monotonic() >= deadline:
+                    logger.warning("KV pool full: a step needing %d more pages failed", pages - lease.pages)
+                    raise AllocationFailed(f"KV pool full: {pages - lease.pages} more pages needed, "
+                                           f"{self.pages(PAGE_TOKENS * lease.bytes_per_token)['free']} free "
+                                           f"after {GROW_WAIT_S:.0f} s")
+                await asyncio.sleep(0.02)
             self._resize(handles, lease, pages)
         lease.positions = wanted
 
@@ -165,6 +165,15 @@ class PagedKvPool(MemoryCache):
         lease.pages = pages
         with self._lock_metadata:
             self._pipe_send.send((tuple(handles), _Resize(pages * PAGE_TOKENS)))
+
+    def _take(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more as held if the pool has them (one short critical section, all processes)."""
+        with self._lock_metadata:
+            if self.current_size_bytes + nbytes > self.max_size_bytes:
+                return False
+            self.current_size_bytes += nbytes
+            self._peak.value = max(self._peak.value, self.current_size_bytes)
+            return True
 
     def _give(self, nbytes: int) -> None:
         if nbytes:
