@@ -10,8 +10,11 @@
   a session served on ``m`` blocks holds ``m`` block-slots, the unit of the orchestrator's ``cache_slots``),
   next to the slots its KV pool was sized for.
 
-Both counters are reported in petals' ``rpc_info`` (keys ``chainswarm_pushes`` and ``chainswarm_kv``), so a
-client, a test or an operator can read what the server itself sees.
+* grows each petals session's KV by the page before petals runs its step (the server's pool is a
+  :class:`~server.kv_pool.PagedKvPool`, installed by :func:`install`).
+
+Both counters, and the pool's pages, are reported in petals' ``rpc_info`` (keys ``chainswarm_pushes`` and
+``chainswarm_kv``), so a client, a test or an operator can read what the server itself sees.
 
 The class keeps petals' name ``TransformerConnectionHandler``, because hivemind registers RPCs under the
 class name and clients call ``TransformerConnectionHandler.rpc_*``; any ``rpc_*`` method a later subclass
