@@ -38,6 +38,7 @@ from petals.data_structures import InferenceMetadata
 from petals.server.backend import TransformerBackend, _MergedInferenceStep
 from petals.server.task_pool import PrioritizedTaskPool, Task, _move_to_device_if_tensor
 from petals.utils.misc import DUMMY_INT64
+from server.kv_pool import fit_pages
 from swarm.model.block import DecoderBlock, Segment, token_positions
 from swarm.model.families import install_server_hooks
 
@@ -283,6 +284,7 @@ class BatchedInferenceStep:
             if self._layers.get(info.uid) is None:
                 raise ValueError(f"block {info.uid} cannot run in a batched pass")
             pos = info.prefix_length + _offset(backend, info.cache_handles)
+            fit_pages(backend.memory_cache, info.cache_handles, pos + t)
             with backend.memory_cache.use_cache(*info.cache_handles) as tensors:
                 capacity = tensors[0].shape[-1]
                 if tensors[0].shape[0] != b:

@@ -9,12 +9,14 @@ budget, handles and runtime pipe, and changes what a session holds:
   session's cache tensors with room for 0 positions.
 * **Grow** (:meth:`PagedKvPool.extend`, connection handler, before a step is submitted): the session holds
   ⌈positions / :data:`PAGE_TOKENS`⌉ pages on each of its blocks. The pages a step needs are taken from the pool
-  and the runtime regrows the session's tensors to exactly that many pages before it runs the step. When the pool
+  and the runtime regrows the session's tensors to exactly that many pages before it runs the step
+  (:meth:`PagedKvPool.fit`, called by the backends' step code). When the pool
   has no room the step waits at most :data:`GROW_WAIT_S` for pages to be freed, then fails with "KV pool full"
   (the session's client goes on elsewhere, as after any failed step): a short, bounded wait, so sessions that
   outgrew the pool together can never wait on each other.
 * **Roll back** (:meth:`PagedKvPool.rollback`): positions a verification pass rejected are forgotten, and the
-  pages past the session's new length go back to the pool at once.
+  pages past the session's new length go back to the pool at once (the runtime shrinks the tensors at the
+  session's next step).
 * **End**: every page goes back to the pool.
 
 Admission is the orchestrator's: it grants a session only while the KV tokens its chain's servers were planned
@@ -42,7 +44,7 @@ import math
 import multiprocessing as mp
 import os
 import time
-from typing import AsyncContextManager, Sequence
+from typing import AsyncContextManager, Optional, Sequence
 
 import torch
 
@@ -69,22 +71,13 @@ def _with_tokens(descr: TensorDescriptor, axis: int, tokens: int) -> TensorDescr
     return TensorDescriptor(tuple(shape), dtype=descr.dtype, device=descr.device)
 
 
-class _Resize:
-    """A pipe message to the runtime: regrow these handles' tensors to ``tokens`` positions."""
-
-    __slots__ = ("tokens",)
-
-    def __init__(self, tokens: int):
-        self.tokens = tokens
-
-
 class _Lease:
     """A session's hold on the pool (connection-handler side)."""
 
-    __slots__ = ("axes", "bytes_per_token", "max_tokens", "positions", "pages")
+    __slots__ = ("bytes_per_token", "max_tokens", "positions", "pages")
 
-    def __init__(self, axes: tuple, bytes_per_token: int, max_tokens: int):
-        self.axes, self.bytes_per_token, self.max_tokens = axes, bytes_per_token, max_tokens
+    def __init__(self, bytes_per_token: int, max_tokens: int):
+        self.bytes_per_token, self.max_tokens = bytes_per_token, max_tokens
         self.positions = self.pages = 0
 
 
@@ -113,7 +106,7 @@ class PagedKvPool(MemoryCache):
         empty = [_with_tokens(d, a, 0) for d, a in zip(descriptors, axes)]
         async with super().allocate_cache(*empty, timeout=timeout) as handles:
             key = tuple(handles)
-            self._leases[key] = _Lease(axes, full // max_tokens if max_tokens else 0, max_tokens)
+            self._leases[key] = _Lease(full // max_tokens if max_tokens else 0, max_tokens)
             with self._open.get_lock():
                 self._open.value += 1
             try:
@@ -123,6 +116,19 @@ class PagedKvPool(MemoryCache):
                 self._give(lease.pages * PAGE_TOKENS * lease.bytes_per_token)
                 with self._open.get_lock():
                     self._open.value -= 1
+
+    @contextlib.asynccontextmanager
+    async def _wait_for_free_memory(self, alloc_size: int, timeout: Optional[float]):
+        """petals' wait for memory, skipped for what this pool allocates at open (nothing): petals takes a process-
+        shared lock there through hivemind's ``enter_asynchronously``, and when its allocation timeout fires while
+        the executor thread still waits for that lock, the thread takes the lock later and never gives it back —
+        from then on every allocation on the server hangs (petals 2.2 shields its allocations from outer
+        cancellation, not from this inner timeout)."""
+        if alloc_size == 0:
+            yield
+            return
+        async with super()._wait_for_free_memory(alloc_size, timeout):
+            yield
 
     async def extend(self, handles: Sequence[Handle], positions: int) -> None:
         """Make room for ``positions`` more positions of the session whose cache is ``handles`` (all its blocks'
@@ -143,7 +149,7 @@ class PagedKvPool(MemoryCache):
                                            f"{self.pages(PAGE_TOKENS * lease.bytes_per_token)['free']} free "
                                            f"after {GROW_WAIT_S:.0f} s")
                 await asyncio.sleep(0.02)
-            self._resize(handles, lease, pages)
+            lease.pages = pages
         lease.positions = wanted
 
     def rollback(self, handles: Sequence[Handle], positions: int) -> None:
@@ -155,16 +161,7 @@ class PagedKvPool(MemoryCache):
         pages = math.ceil(lease.positions / PAGE_TOKENS)
         if pages < lease.pages:
             self._give((lease.pages - pages) * PAGE_TOKENS * lease.bytes_per_token)
-            self._resize(handles, lease, pages)
-
-    def positions(self, handles: Sequence[Handle]) -> int:
-        """The positions the session whose cache is ``handles`` holds room for (this handler process's sessions)."""
-        return self._leases[tuple(handles)].positions
-
-    def _resize(self, handles: Sequence[Handle], lease: _Lease, pages: int) -> None:
-        lease.pages = pages
-        with self._lock_metadata:
-            self._pipe_send.send((tuple(handles), _Resize(pages * PAGE_TOKENS)))
+            lease.pages = pages
 
     def _take(self, nbytes: int) -> bool:
         """Count ``nbytes`` more as held if the pool has them (one short critical section, all processes)."""
@@ -198,22 +195,33 @@ class PagedKvPool(MemoryCache):
     @contextlib.contextmanager
     def use_cache(self, *handles: Handle) -> Sequence[torch.Tensor]:
         assert os.getpid() == self.runtime_pid, "use_cache runs in the runtime process"
-        while self._pipe_recv.poll():  # creations, resizes and deletions, in the order the handlers sent them
+        self._receive()
+        yield tuple(self._allocated_tensors[handle] for handle in handles)
+
+    def fit(self, handles: Sequence[Handle], positions: int) -> None:
+        """Runtime, before a step: the tensors of ``handles`` hold exactly the pages ``positions`` need (grown, or
+        shrunk after a rollback), their first positions kept. The handler took those pages from the pool when it
+        accepted the step; nothing travels through petals' pipe for it (whose reader, this runtime, drains it only
+        when it runs a step: a handler that sent one message per page would block on a full pipe)."""
+        self._receive()
+        capacity = math.ceil(positions / PAGE_TOKENS) * PAGE_TOKENS
+        for handle in handles:
+            tensor, axis = self._allocated_tensors[handle], self._axes[handle]
+            if tensor.shape[axis] != capacity:
+                self._allocated_tensors[handle] = _resized(tensor, axis, capacity)
+
+    def _receive(self) -> None:
+        """Apply the handlers' creations and deletions, in the order they sent them."""
+        while self._pipe_recv.poll():
             recv_handles, data = self._pipe_recv.recv()
             if data is None:
                 for handle in recv_handles:
                     self._allocated_tensors.pop(handle, None)
                     self._axes.pop(handle, None)
-            elif isinstance(data, _Resize):
-                for handle in recv_handles:
-                    if handle in self._allocated_tensors:
-                        self._allocated_tensors[handle] = _resized(self._allocated_tensors[handle],
-                                                                   self._axes[handle], data.tokens)
             else:
                 for i, (handle, descr) in enumerate(zip(recv_handles, data)):
                     self._allocated_tensors[handle] = descr.make_zeros()
                     self._axes[handle] = token_axis(i)
-        yield tuple(self._allocated_tensors[handle] for handle in handles)
 
 
 def _resized(tensor: torch.Tensor, axis: int, tokens: int) -> torch.Tensor:
@@ -224,6 +232,13 @@ def _resized(tensor: torch.Tensor, axis: int, tokens: int) -> torch.Tensor:
     out = torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)
     out.narrow(axis, 0, keep).copy_(tensor.narrow(axis, 0, keep))
     return out
+
+
+def fit_pages(cache, handles: Sequence[Handle], positions: int) -> None:
+    """Runtime, before a step of ``positions`` positions: :meth:`PagedKvPool.fit` when ``cache`` is paged (an
+    in-process ``MemoryCache``, as the batch profile uses, allocates whole lengths)."""
+    if isinstance(cache, PagedKvPool):
+        cache.fit(handles, positions)
 
 
 def flat_handles(handles: Sequence) -> tuple:

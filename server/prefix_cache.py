@@ -41,7 +41,7 @@ from petals.utils.misc import DUMMY_INT64
 
 from server import failpoints
 from server.handler import ChainswarmHandler
-from server.kv_pool import token_axis
+from server.kv_pool import fit_pages, token_axis
 from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes
 
 logger = logging.getLogger(__name__)
@@ -229,6 +229,8 @@ class PrefixBackend(ModelBackend):
         if isinstance(inference_info, PrefixOp):
             return self._run_op(hidden_states, inference_info)
         offset = self._offsets.get(inference_info.cache_handles, 0)
+        fit_pages(self.memory_cache, inference_info.cache_handles,
+                  inference_info.prefix_length + offset + hidden_states.shape[1])
         if offset:
             inference_info = dataclasses.replace(inference_info,
                                                  prefix_length=inference_info.prefix_length + offset)
@@ -258,6 +260,7 @@ class PrefixBackend(ModelBackend):
             return (torch.minimum(hidden_states, torch.full_like(hidden_states, float(held))),)
         if kind == "load":
             hashes, = args
+            fit_pages(self.memory_cache, info.cache_handles, len(hashes) * page)
             with self.memory_cache.use_cache(*info.cache_handles) as tensors:
                 if tensors[0].shape[0] != 1:
                     raise PrefixMissing(f"{MISSING_MESSAGE}: prefix reuse needs batch size 1")

@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -122,8 +123,9 @@ def _stats(times: list[list[float]], start: float, wall: float) -> dict:
     ttfts = [1000 * (t[0] - start) for t in times if t]
     total = sum(len(t) for t in times)
     return {"sessions": len(times), "tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
-            "per_token_ms_median": statistics.median(gaps), "per_token_ms_p95": _percentile(gaps, 0.95),
-            "ttft_ms_median": statistics.median(ttfts), "ttft_ms_sorted": sorted(ttfts)}
+            "per_token_ms_median": statistics.median(gaps) if gaps else None,  # (none: every session failed)
+            "per_token_ms_p95": _percentile(gaps, 0.95) if gaps else None,
+            "ttft_ms_median": statistics.median(ttfts) if ttfts else None, "ttft_ms_sorted": sorted(ttfts)}
 
 
 def run_chain_generator(generator, tokenizer, sessions: int, tokens: int) -> dict:
@@ -144,6 +146,7 @@ def run_chain_generator(generator, tokenizer, sessions: int, tokens: int) -> dic
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.append(repr(exc))
             outputs.append(None)
+            print(f"[bench_batching] a ChainGenerator session failed: {exc!r}", file=sys.stderr, flush=True)
     wall = time.perf_counter() - start
     return dict(_stats(stamps, start, wall), errors=errors, outputs=outputs,
                 mean_batch=(generator.stepped_sequences - stepped) / max(1, generator.steps - steps))
