@@ -39,6 +39,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from experiments.bench.runtime import DTYPE, _Stamps
@@ -276,11 +277,16 @@ def run_http(url: str, sessions: int, tokens: int) -> dict:
     counts = [0] * sessions
     errors: list = []
 
+    run = uuid.uuid4().hex[:8]
+
     def one(i: int) -> None:
         body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0, "stop": None}
         barrier.wait()
         try:
-            response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": f"bench{i % 4}"},
+            # a client of its own per request and run: speculative decoding (on by default) drafts from a
+            # client's own recent outputs, and the same prompts recur across the runs, so shared ids would let a
+            # request copy its earlier answer (1 session at 4.5x) instead of measuring distinct users' traffic
+            response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": f"bench-{run}-{i}"},
                                   timeout=600)
             response.raise_for_status()
             doc = response.json()
