@@ -89,9 +89,8 @@ class _Session:
         self.last_step -= positions
 
     async def grow(self, positions: int, pool) -> None:
-        """Take the pages ``positions`` more positions need from the server's pool (before the step runs)."""
-        if self.position + positions > self.max_length:
-            raise ValueError(f"{self.position} + {positions} tokens exceed the session's max_length {self.max_length}")
+        """Take the pages ``positions`` more positions need from the server's pool (before the step runs); the pool
+        refuses a step past the session's ``max_length``."""
         await pool.extend(flat_handles(self.handles), positions)
 
 

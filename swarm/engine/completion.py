@@ -275,9 +275,10 @@ class CompletionRunner:
 
         matcher = StopMatcher(params.stop) if params.stop else None
         generated: list[int] = list(prior.tokens) if prior is not None else []  # for the stop strings
-        reserved = [len(generated) + self.reserve(params, len(generated))]  # output tokens the KV reservation covers
+        reserved = len(generated) + self.reserve(params, len(generated))  # output tokens the KV reservation covers
 
         def grow() -> None:  # session thread: the reservation is used up; more, or the answer ends here
+            nonlocal reserved
             more = min(self.grow_tokens, params.max_new_tokens - len(generated))
 
             async def ask() -> bool:
@@ -285,7 +286,7 @@ class CompletionRunner:
 
             if not asyncio.run_coroutine_threadsafe(ask(), loop).result(self.grow_wait_s):
                 raise ReservationFull()
-            reserved[0] += more
+            reserved += more
 
         def on_token(token: int) -> None:  # session thread -> event loop
             control.check()  # stopped from outside: end the session at this token
@@ -296,7 +297,7 @@ class CompletionRunner:
                 after = len(engine.decode(generated[:params.min_tokens - 1])) if params.min_tokens > 1 else 0
                 if matcher.check(engine.decode(generated), after)[1]:
                     raise StopGeneration()  # a stop string is complete: the request is done
-            if params.grows and reserved[0] <= len(generated) < params.max_new_tokens:
+            if params.grows and reserved <= len(generated) < params.max_new_tokens:
                 grow()  # before the next token: the reservation must cover it
 
         def on_prefix(reused: int) -> None:  # session thread, after the probe and before the prefill
