@@ -419,12 +419,14 @@ def test_sentencepiece_tokenizer_matches_llama_cpp_algorithm(tmp_path):
 
 def test_llama3_ignore_merges_words(tmp_path):
     """A vocabulary word that plain BPE merges would split: llama.cpp (ignore merges) gives one token. The
-    converter lists such words, marks tokenizer.json (honoured by tokenizers >= 0.19) and, on tokenizers
-    0.14, those words are the only ones that differ; ordinary words use the merges."""
-    import tokenizers
+    converter lists such words and marks tokenizer.json; the loaded tokenizer gives that one token on the
+    pinned tokenizers 0.14 too (its own pre-tokenizer step), inside text and with the right offsets, while
+    ordinary and unreachable words still use the merges; llguidance reads the same rule."""
     from transformers import PreTrainedTokenizerFast
 
-    from swarm.model.gguf_tokenizer import build_tokenizer, ignore_merges_words
+    from swarm.engine.grammar import ll_tokenizer
+    from swarm.model.gguf_tokenizer import build_tokenizer, finish_tokenizer_files, ignore_merges_words
+    from swarm.model.tokenizer import load_tokenizer, native_ignore_merges
 
     vocab = byte_level_tokenizer()
     extra = "Ġzebrafox"  # in the vocabulary, but no merge forms it
@@ -438,14 +440,23 @@ def test_llama3_ignore_merges_words(tmp_path):
     for text in (" quick", " hello"):  # reachable words: one token either way
         assert len(tokenizer(text).input_ids) == 1
     tokenizer.save_pretrained(tmp_path)
-    from swarm.model.gguf_tokenizer import finish_tokenizer_files
-
     finish_tokenizer_files(tmp_path, meta)
     assert json.loads((tmp_path / "tokenizer.json").read_text())["model"]["ignore_merges"] is True
-    reloaded = PreTrainedTokenizerFast.from_pretrained(tmp_path)
-    ids = reloaded(" zebrafox").input_ids
-    assert reloaded.decode(ids) == " zebrafox"
-    if tuple(int(x) for x in tokenizers.__version__.split(".")[:2]) >= (0, 19):
-        assert ids == [word_id]
-    else:  # tokenizers 0.14 (transformers 4.34's pin) has no ignore-merges: the documented difference
-        assert ids != [word_id] and len(ids) > 1
+    plain = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded(" zebrafox").input_ids == [word_id]
+    if not native_ignore_merges():  # what the pinned tokenizers gives without the added step
+        assert len(plain(" zebrafox").input_ids) > 1
+    text = "a zebrafox and zebrafoxes, quick hello 12345 zebrafox!"
+    enc = loaded(text, return_offsets_mapping=True)
+    assert enc.input_ids.count(word_id) == 2 and loaded.decode(enc.input_ids) == text
+    pieces = [text[a:b] for a, b in enc.offset_mapping]
+    assert "".join(pieces) == text and pieces[1] == " zebrafox" and pieces[-2] == " zebrafox"
+    # everything but the two whole words is exactly what plain BPE gives
+    assert loaded("zebrafoxes, quick hello 12345").input_ids == plain("zebrafoxes, quick hello 12345").input_ids
+    for sample in TEXTS:
+        ids = loaded(sample).input_ids
+        assert loaded.decode(ids) == sample
+    # llguidance (structured outputs) is handed the rule too
+    ll = ll_tokenizer(loaded)
+    assert ll.tokenize_str(" zebrafox") == [word_id]

@@ -33,9 +33,9 @@ VOCAB = 49_152
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
+    from swarm.model.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_dir)
+    return load_tokenizer(smollm2_dir)
 
 
 def decode_with(chooser: TokenChooser, tokenizer, steps: int, seed: int, scale: float = 4.0) -> tuple[list[int], bool]:

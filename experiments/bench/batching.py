@@ -201,13 +201,13 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
     time its two servers (with their p2pd daemons) spent per generated token: what the servers' throughput
     would be if they, not the shared cores, were the limit (as on volunteer machines of their own)."""
     import torch
-    from transformers import AutoTokenizer
+    from swarm.model.tokenizer import load_tokenizer
 
     from server.local_swarm import LocalSwarm
     from swarm.engine.batching import ChainGenerator
     from swarm.engine.petals_client import open_distributed_model
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     with contextlib.ExitStack() as stack:
         chainswarm = stack.enter_context(LocalSwarm(model_dir, open_sessions=True))  # vanilla petals clients
         chainswarm.add_orchestrator(expected_rate=0.2, max_length=MAX_LENGTH, expected_input_tokens=32,
@@ -303,12 +303,12 @@ def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress) -> d
     """The product's path with default options: an orchestrator (``chainswarm orchestrator`` defaults: token KV
     admission, continuous batching) and two nodes of :data:`HTTP_NODE_GB` with default options; ``counts``
     concurrent ``/v1/completions``, best of ``repeats`` per point; answers compared with local greedy."""
-    from transformers import AutoTokenizer
+    from swarm.model.tokenizer import load_tokenizer
 
     from experiments.live.demo import _reference
     from server.local_swarm import LocalSwarm
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     expected = {}
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -40,9 +40,11 @@ def prompt_of(topic: str) -> str:
 def references(model_dir: str) -> dict[tuple[str, int], str]:
     """The greedy text of every (topic, length) the clients ask, from local transformers (the ground truth)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    from swarm.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     out = {}
     for topic in TOPICS:

@@ -108,13 +108,13 @@ def _budgets(model_dir: str, servers: int, max_length: int) -> list[float]:
 
 def bench_split(model_dir: str, servers: int, tokens: int, repeats: int, progress) -> dict:
     import httpx
-    from transformers import AutoTokenizer
+    from swarm.model.tokenizer import load_tokenizer
 
     from client.direct import DirectSwarmModel
     from server.local_swarm import LocalSwarm
     from swarm.engine.petals_client import open_distributed_model
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     max_length = 256
     results = {}

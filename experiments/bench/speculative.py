@@ -185,7 +185,7 @@ def _node_gb(path: str) -> float:
 def bench(path: str, counts: list[int], tokens: int, seed: int, progress) -> dict:
     import httpx
     import torch
-    from transformers import AutoTokenizer
+    from swarm.model.tokenizer import load_tokenizer
 
     import wan
     from server.local_swarm import LocalSwarm
@@ -215,7 +215,7 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress) -> dic
                                "per_token_ratio": on["per_token_s"] / off["per_token_s"],
                                "throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"]})
                 progress.update()
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
         vanilla = {}
         with open_distributed_model(path, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
                                     torch_dtype=torch.float32) as model:

@@ -169,9 +169,9 @@ class Prompts:
     """Prompt texts of an exact token length for the experiment tokenizer (deterministic)."""
 
     def __init__(self, model_dir: str, seed: int = 0):
-        from transformers import AutoTokenizer
+        from swarm.model.tokenizer import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         rng = np.random.default_rng(seed)
         ids = rng.integers(300, self.tokenizer.vocab_size - 1, size=4096).tolist()
         self.base = self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -131,7 +131,7 @@ def _print_plan(status: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import httpx
-    from transformers import AutoTokenizer
+    from swarm.model.tokenizer import load_tokenizer
 
     from client import SwarmClient
     from server.local_swarm import LocalSwarm, SwarmStartError
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[demo] {exc}\n[demo] run 'chainswarm demo --tiny' to use a random-weight model instead")
         return 2
     budgets = _budgets_gb(model_dir, args.max_length, BUDGET_FACTORS["tiny" if args.tiny else "real"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     prompt = _prompt(args, tokenizer)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     tokens, reference_kind = _reference(model_dir, ids, args.max_new_tokens, tokenizer.eos_token_id)

@@ -96,11 +96,11 @@ class GenerationEngine:
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
                  batch_sessions: int = 16, speculation=None):
-        from transformers import AutoTokenizer
+        from swarm.model.tokenizer import load_tokenizer
 
         from swarm.model.compat import petals
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             model_dir, initial_peers=list(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries,
             show_route=False, torch_dtype=getattr(torch, torch_dtype), request_timeout=request_timeout,

@@ -31,6 +31,8 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
+from swarm.model.tokenizer import tokenizer_json
+
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How the JSON of every grammar is spelled (llguidance's JSON options)."""
 
@@ -59,7 +61,9 @@ def ll_tokenizer(hf_tokenizer):
         if found is None:
             llg = _llguidance()
             try:
-                found = llg.hf.from_tokenizer(hf_tokenizer)
+                if not getattr(hf_tokenizer, "is_fast", False):
+                    raise ValueError("only fast tokenizers are supported")
+                found = llg.LLTokenizer(tokenizer_json(hf_tokenizer), eos_token=hf_tokenizer.eos_token_id)
             except Exception as exc:
                 raise GrammarError(f"this model's tokenizer cannot be used for constrained decoding: {exc}") from exc
             _tokenizers[hf_tokenizer] = found

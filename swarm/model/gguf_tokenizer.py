@@ -11,10 +11,9 @@ ids. This module turns those into a :class:`transformers.PreTrainedTokenizerFast
   the names llama.cpp treats identically); Llama 3's ``llama-bpe`` split (numbers in runs of up to 3); and
   Qwen2's (``qwen2``: numbers one by one). Llama 3 also uses BPE "ignore merges": a word that is itself in the
   vocabulary is one token. tokenizers 0.14 has no such switch, so the written ``tokenizer.json`` carries
-  ``"ignore_merges": true`` (honoured by tokenizers >= 0.19, ignored by 0.14) and
-  :func:`ignore_merges_words` lists the words where it matters (vocabulary words that plain BPE splits and
-  that the pre-tokenizer emits whole; 588 of Llama 3's 128,000): with tokenizers 0.14 only those words
-  tokenize differently from llama.cpp (still round-tripping exactly); their count is recorded in
+  ``"ignore_merges": true`` (honoured by tokenizers >= 0.19) and :mod:`swarm.model.tokenizer` applies it on
+  0.14 when it loads the folder; :func:`ignore_merges_words` lists the words where it matters (vocabulary
+  words that plain BPE splits and that the pre-tokenizer emits whole; 588 of Llama 3's 128,000), recorded in
   ``chainswarm_model.json``.
 * ``llama`` (SentencePiece BPE, e.g. Gemma 3, Llama 2, Mistral v0.x) with byte fallback: BPE merges are derived
   from the scores (a pair merges into a piece with the piece's score, highest first — llama.cpp's order),
@@ -237,7 +236,7 @@ def build_tokenizer(meta: dict[str, Any], model_max_length: int | None = None, *
 def ignore_merges_words(meta: dict[str, Any]) -> list[str]:
     """The words (as text) where BPE "ignore merges" changes the result: normal vocabulary entries that plain
     BPE merges would split and that the pre-tokenizer can emit whole. Everywhere else plain BPE and
-    ignore-merges BPE agree, so these are the only words tokenizers 0.14 encodes differently from llama.cpp."""
+    ignore-merges BPE agree, so these are the only words plain BPE encodes differently from llama.cpp."""
     from tokenizers import decoders, models, pre_tokenizers
 
     tokens = list(meta["tokenizer.ggml.tokens"])
@@ -257,7 +256,7 @@ def ignore_merges_words(meta: dict[str, Any]) -> list[str]:
 
 def finish_tokenizer_files(out: str | Path, meta: dict[str, Any]) -> None:
     """What tokenizers 0.14 cannot write: ``"ignore_merges": true`` for Llama 3's pre-tokenizer (a newer
-    tokenizers honours it; 0.14 ignores the key)."""
+    tokenizers honours it; on 0.14 :func:`swarm.model.tokenizer.load_tokenizer` applies it)."""
     if meta.get("tokenizer.ggml.pre") in IGNORE_MERGES and meta.get("tokenizer.ggml.model") == "gpt2":
         path = Path(out) / "tokenizer.json"
         doc = json.loads(path.read_text(encoding="utf-8"))

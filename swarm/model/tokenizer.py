@@ -1,0 +1,90 @@
+"""Load a model folder's tokenizer, with what the pinned tokenizers release lacks.
+
+Llama 3's byte-level BPE uses *ignore merges*: a pre-tokenized word that is itself in the vocabulary becomes
+that one token, whatever the merges would do (llama.cpp and tokenizers >= 0.19 both apply it when
+``tokenizer.json``'s model says ``"ignore_merges": true``). transformers 4.34 pins tokenizers 0.14, which
+reads and ignores that key, so 588 of Llama 3's words would encode to several tokens instead of one. Here a
+last pre-tokenizer step applies the rule on 0.14: it assigns each word its tokens itself, the word's own id
+when the word is in the vocabulary, otherwise the BPE model's tokens for it (tokenizers then skips the model
+for words that already have tokens). Offsets, added tokens and decoding are unchanged.
+
+The step is a Python object, so a tokenizer carrying it cannot be saved or copied; load a fresh one from the
+folder, and hand libraries that read the Rust tokenizer's JSON (llguidance) :func:`tokenizer_json` instead.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def native_ignore_merges() -> bool:
+    """Whether the installed tokenizers honours ``"ignore_merges"`` itself (0.19 and later)."""
+    import tokenizers
+
+    return tuple(int(x) for x in tokenizers.__version__.split(".")[:2]) >= (0, 19)
+
+
+def wants_ignore_merges(model_dir: str | Path) -> bool:
+    """Whether the folder's ``tokenizer.json`` asks for the ignore-merges rule."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return False
+    return bool(json.loads(path.read_text(encoding="utf-8")).get("model", {}).get("ignore_merges"))
+
+
+class _WholeWords:
+    """The ignore-merges rule as a pre-tokenizer step: every word gets its tokens here."""
+
+    def __init__(self, backend):
+        self.vocab = backend.get_vocab(with_added_tokens=False)
+        self.bpe = backend.model
+
+    def _word(self, word):
+        from tokenizers import Token
+
+        text = str(word)
+        token_id = self.vocab.get(text)
+        if token_id is not None:
+            return [Token(token_id, text, (0, len(text.encode("utf-8"))))]  # byte offsets, as the model gives
+        return self.bpe.tokenize(text)
+
+    def pre_tokenize(self, pretok) -> None:
+        pretok.tokenize(self._word)
+
+
+def apply_ignore_merges(tokenizer) -> None:
+    """Make a fast tokenizer follow the ignore-merges rule (a no-op where tokenizers already does)."""
+    from tokenizers import pre_tokenizers
+
+    if native_ignore_merges():
+        return
+    backend = tokenizer.backend_tokenizer
+    doc = json.loads(backend.to_str())
+    doc["model"]["ignore_merges"] = True
+    tokenizer.chainswarm_tokenizer_json = json.dumps(doc, ensure_ascii=False)
+    steps = [backend.pre_tokenizer] if backend.pre_tokenizer is not None else []
+    backend.pre_tokenizer = pre_tokenizers.Sequence([*steps, pre_tokenizers.PreTokenizer.custom(_WholeWords(backend))])
+
+
+def tokenizer_json(tokenizer) -> str:
+    """The fast tokenizer's ``tokenizer.json`` text, as a current tokenizers release would read it (with
+    ``"ignore_merges": true`` where :func:`apply_ignore_merges` applied the rule)."""
+    saved = getattr(tokenizer, "chainswarm_tokenizer_json", None)
+    if saved is not None:
+        return saved
+    from copy import copy
+
+    backend = copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
+def load_tokenizer(model_dir: str | Path):
+    """``AutoTokenizer.from_pretrained(model_dir)``, following the folder's ignore-merges rule."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if getattr(tokenizer, "is_fast", False) and wants_ignore_merges(model_dir):
+        apply_ignore_merges(tokenizer)
+    return tokenizer
