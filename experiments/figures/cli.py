@@ -1,6 +1,6 @@
 """``chainswarm simulate``: run the model-driven simulations and regenerate the paper figures and report.
 
-    chainswarm simulate fig3|...|fig9|all|fairness|fig8-batching|churn [--runs N] [--jobs N] [--quick] [--out DIR] [--replot]
+    chainswarm simulate fig3|...|fig9|all|fairness|fig8-batching|churn|kv-lengths [--runs N] [--jobs N] [--quick] [--out DIR] [--replot]
 
 Each figure writes ``<out>/figN.json`` (every number), ``<out>/figN.png`` and ``<out>/sections/figN.md``,
 then ``<out>/REPORT.md`` is reassembled from all sections present. ``--replot`` recomputes nothing: it
@@ -8,7 +8,8 @@ re-renders the PNGs and sections from the JSON already in ``<out>`` and reassemb
 ``fairness`` is delegated to ``experiments.figures.fairness.run_cli(args)`` (options it does not share with
 the figures pass through), ``fig8-batching`` (Fig. 8 with batching servers, not part of ``all``) to
 ``experiments.figures.batching.run_cli(args)``, ``churn`` (re-planning while servers join and leave) to
-``experiments.figures.churn.run_cli(args)``.
+``experiments.figures.churn.run_cli(args)``, ``kv-lengths`` (admission by KV tokens on the Azure trace's own lengths)
+to ``experiments.figures.kv_lengths.run_cli(args)``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from experiments.paths import RESULTS
 
-TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "all", "fairness", "fig8-batching", "churn")
+TARGETS = ("fig3", "fig4", "fig5", "fig6", "fig7", "fig8", "fig9", "all", "fairness", "fig8-batching", "churn",
+           "kv-lengths")
 DEFAULT_OUT = RESULTS
 
 
@@ -61,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
         from experiments.figures import batching as fig_batching
 
         return fig_batching.run_cli(args)
+    if args.target == "kv-lengths":
+        from experiments.figures import kv_lengths as fig_kv_lengths
+
+        return fig_kv_lengths.run_cli(args)
     if args.target == "churn":
         from experiments.figures.churn import run_cli
         from experiments.report import report
