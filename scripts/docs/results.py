@@ -8,7 +8,7 @@
 * ``tables/*.md``: tables rendered from the JSON, included by the hand-written pages (``--8<--``, pymdownx.snippets)
   so that no page restates a measured number by hand: ``batching.md`` (``bench_batching.json``),
   ``device_check.md`` (``device_check_h200.json``), ``runtime.md`` (``bench_runtime.json``), ``soak.md``
-  (``bench_soak.json``), ``headline.md``;
+  (``bench_soak.json``), ``kv_lengths.md`` (``kv_lengths.json``), ``headline.md``;
 * ``results.md``: the headline table and every generated table on one page.
 
 :func:`headline` is the source of the README's "Headline results" table; ``tests/test_docs.py`` checks that the
@@ -142,6 +142,44 @@ def soak_table() -> str:
     t = d["summary"]["total"]
     out.append(_row(["**total**", f"**{t['requests']:,}**", f"**{t['answered']:,}**", f"{t['refused']:,}", t["failed"],
                      f"**{t['lost']}**", ""]))
+    return "\n".join(out) + "\n"
+
+
+# -- kv_lengths.json ----------------------------------------------------------------------------------------------
+
+def kv_lengths_table() -> str:
+    """Admission by KV tokens on the Azure trace's own lengths, at the planned rate (``chainswarm simulate
+    kv-lengths``)."""
+    d = load("kv_lengths.json")
+    cfg = d["config"]
+    point = min(d["points"], key=lambda p: abs(p["rate"] - d["plan_rate"]))
+    st, plans = point["stats"], cfg["plans"]
+    c_fit = plans["tokens"]["c"]
+    best_c, best = min([(c_fit, st["tokens"])] + [(int(c), s) for c, s in st["sweep"].items()],
+                       key=lambda cs: cs[1]["mean"])
+    chains = lambda n: f"{n} chain{'s' if n > 1 else ''}"  # noqa: E731
+    rows = [(f"max-length slots ({cfg['max_length']:,} tokens)", f"c = {plans['max-length']['c']}, "
+             + chains(len(plans["max-length"]["chains"])), st["max-length slots"]),
+            (f"expected-length slots ({cfg['slot_tokens']:,} tokens)", f"c = {c_fit}, "
+             + chains(len(plans["tokens"]["chains"])), st["expected-length slots"]),
+            ("tokens", f"c = {c_fit}, " + chains(len(plans["tokens"]["chains"])), st["tokens"]),
+            ("tokens, best c of the sweep", f"c = {best_c}, " + chains(cfg["sweep"][str(best_c)]["chains"]), best)]
+    out = [f"`chainswarm simulate kv-lengths` ([kv_lengths.json](results/kv_lengths.json), "
+           f"[section](results/sections/kv_lengths.md)): {d['runs']} runs × {d['num_jobs']:,} jobs per rate, at the "
+           f"planned λ = {point['rate']:g} req/s. Needs per request (prompt + output in {cfg['page_tokens']}-token pages): "
+           f"mean {cfg['trace']['mean_need']:,.0f}, median {cfg['trace']['median_need']:,.0f}, "
+           f"max {cfg['trace']['max_need']:,}.", "",
+           _row(["admission", "plan", "mean response (s)", "P95 (s)", "wait, short / long requests (s)",
+                 "KV held ÷ the chains' KV", "sessions started over their chain's KV"]), _row(["---"] * 7)]
+    for name, plan, s in rows:
+        out.append(_row([name, plan, f"{s['mean']:.1f}", f"{s['p95']:.1f}",
+                         f"{s['waiting_short']:.2f} / {s['waiting_long']:.2f}", f"{s['kv_use']:.0%}",
+                         f"{s['over_budget_starts']:.1%}"]))
+    tuned = cfg["tuned_token_plan"]
+    out += ["", f"Short requests: at most one slot ({cfg['slot_tokens']:,} tokens), "
+            f"{cfg['trace']['short_share']:.0%} of the trace. The planner's tuned c = {tuned['c']} gives a largest "
+            f"chain budget of {tuned['largest_budget']:,} tokens, and would refuse "
+            f"{tuned['refused_by_tuned_plan']:.1%} of the trace's requests."]
     return "\n".join(out) + "\n"
 
 
@@ -406,6 +444,7 @@ def write(out_dir: Path) -> None:
                  "verification.md": verification_table().replace("](results/", "](reference/results/"),
                  "speculative.md": speculative_table().replace("](results/", "](reference/results/"),
                  "verification_steps.md": verification_steps_table().replace("](results/", "](reference/results/"),
+                 "kv_lengths.md": kv_lengths_table().replace("](results/", "](reference/results/"),
                  "speculative_gemma3.md": speculative_table(
                      GEMMA_SPECULATIVE, GEMMA_COMMAND).replace("](results/", "](reference/results/"),
                  "headline.md": headline_table("reference/results/", "")}
@@ -427,6 +466,7 @@ def write(out_dir: Path) -> None:
             "[plot](results/bench_soak.png)); see [Liveness](../liveness.md).", "", soak_table(), "",
             "## Spot checks", "", "Honest spreads (`scripts/spread_check.py`):", "", verification_spread_table(), "",
             verification_table(), "",
+            "## KV memory by the token", "", kv_lengths_table(), "",
             "## Speculative decoding", "", speculative_table(), "", speculative_table(GEMMA_SPECULATIVE, GEMMA_COMMAND), "",
             "## Report sections", "",
             *(f"* [{p.stem}](results/sections/{p.name})" for p in sorted((RESULTS / "sections").glob("*.md"))), ""]
