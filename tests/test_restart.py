@@ -78,7 +78,8 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
         flood = admin_status(url)["clients"]["flood"]
         assert flood["service"] > 0 and flood["deficit"] != 0.0
         # the snapshot (at most ~1 s old) holds exactly these counters
-        wait_for(lambda: dict(json.loads((state_dir / "fairness.json").read_text())["scheduler"]["service"])
+        snapshot = state_dir / "fairness.json"  # written atomically, first within ~1 s of the first request
+        wait_for(lambda: snapshot.exists() and dict(json.loads(snapshot.read_text())["scheduler"]["service"])
                  .get("flood") == flood["service"], 10, what="fairness snapshot")
         history = {p.name: len(p.info.get("history", [])) for p in nodes}
         # the servers' DHT addresses, which a restarted orchestrator dials at once
