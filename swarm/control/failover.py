@@ -92,7 +92,7 @@ class Failover:
             self._ended(request_id)  # this router cannot keep its place: a new request at the back
             return await self.acquire(client_id, input_tokens, max_new_tokens, timeout=timeout,
                                       page_hashes=page_hashes, reserve=reserve)
-        self._needs[request_id] = self._need(input_tokens, reserve, max_new_tokens)
+        self.reservations.open(request_id, input_tokens, reserve, max_new_tokens)
         future = self._loop.create_future()
         self._waiters[request_id] = (future, tuple(page_hashes))
         self._event("session_requeued", request=request_id, client=client_id, tokens=input_tokens)

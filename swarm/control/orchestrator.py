@@ -39,6 +39,7 @@ from swarm.control.failover import Failover, LeaseOps
 from swarm.trust.identity import Identity, KeyPins
 from swarm.trust.verification import CheckPolicy, Ledger
 from swarm.control.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
+from swarm.control.reservations import Reservations
 from swarm.control.occupancy import Occupancy, blocks_of, fit_capacities
 from swarm.control.planning import RoutableChain
 from swarm.control.prefix_view import PrefixView
@@ -101,7 +102,7 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         self._probing: set[str] = set()
         self.occupancy = Occupancy()  # KV block-slots each running session holds, whatever its plan
         # request id -> (KV tokens per block it reserves now, the most it may reach: its servers' max_length)
-        self._needs: dict[str, tuple[int, int]] = {}
+        self.reservations = Reservations(config.expect)  # each admitted session's KV tokens per block
         self.running: dict[str, Any] = {}  # request id -> its session's control (proxied sessions; peer_failed)
         self._ready: list[RoutableChain] = []
         self._slot_freed = asyncio.Event()
@@ -389,18 +390,6 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
             return planning.planned_step_s(self.chain(chain_id), self.view.profiles, self.view.published, tokens)
         return 0.0
 
-    def _fits(self, input_tokens: int, max_new_tokens: int, reserve: int) -> None:
-        expect = self.config.expect
-        limit = expect.max_length
-        if input_tokens + max_new_tokens > limit:
-            raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the "
-                             f"swarm's maximum session length of {limit} tokens")
-        need = expect.kv_need(input_tokens, reserve)
-        largest = max((c.capacity * expect.slot_tokens for c in self.view.chains), default=None)
-        if expect.kv_admission == "tokens" and largest is not None and need > largest:
-            raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) needs {need} KV "
-                             f"tokens per block, more than any chain of the current plan holds ({largest})")
-
     def kv_pools(self) -> dict[str, int]:
         """KV tokens each assigned server's session pool holds (its cache_slots × slot size, per block, as told)."""
         return {node: a.cache_slots * a.slot_size for node, a in self.view.published.items()}
@@ -411,33 +400,28 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         grown = self.router.grow(request_id, more_tokens)
         if not grown:
             self._event("reservation_full", request=request_id, tokens=more_tokens)
-        elif request_id in self._needs:
-            reserved, bound = self._needs[request_id]
-            self._needs[request_id] = (min(bound, self.config.expect.kv_need(0, reserved + more_tokens)), bound)
-            self.occupancy.reweigh(request_id, self._needs[request_id][0])
+        else:
+            reserved = self.reservations.grow(request_id, more_tokens)
+            if reserved is not None:
+                self.occupancy.reweigh(request_id, reserved)
         return grown
-
-    def _need(self, input_tokens: int, reserve: int, max_new_tokens: int) -> tuple[int, int]:
-        """(KV tokens per block reserved now, the most the session may reach) for a request."""
-        expect = self.config.expect
-        return expect.kv_need(input_tokens, reserve), expect.kv_need(input_tokens, max_new_tokens)
 
     def reserved_tokens(self, request_id: str) -> int:
         """KV tokens per block the session ``request_id`` holds in the orchestrator's accounting now (its
         reservation: grows with :meth:`grow`)."""
-        return self._needs.get(request_id, (self.config.expect.max_length,))[0]
+        return self.reservations.reserved(request_id)
 
     def session_tokens(self, request_id: str) -> int:
         """KV tokens per block the session ``request_id`` reserves on its servers (its own need with token
         admission, ``max_length`` with slots)."""
-        return self._needs.get(request_id, (0, self.config.expect.max_length))[1]
+        return self.reservations.bound(request_id)
 
     async def acquire(self, client_id: str, input_tokens: int, max_new_tokens: int, *,
                       timeout: float | None = None, page_hashes=(), reserve: int | None = None) -> Grant:
         """Queue a request with the router and wait for its grant (chain or path). ``reserve``: the output tokens
         its KV reservation covers at first (default all of ``max_new_tokens``; more with :meth:`grow`)."""
         reserve = max_new_tokens if reserve is None else min(reserve, max_new_tokens)
-        self._fits(input_tokens, max_new_tokens, reserve)
+        self.reservations.check(input_tokens, max_new_tokens, reserve, self.view.chains)
         if self.view.plan is None:
             self._refused(client_id, "no plan")
             raise NoChainsError(f"no chains: {self.view.plan_error or 'no plan yet'}")
@@ -448,7 +432,7 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
             self._refused(client_id, "queue full")
             raise QueueFull(f"{bound}; retry later", self.retry_after_s(waiting))
         request_id = uuid.uuid4().hex
-        self._needs[request_id] = self._need(input_tokens, reserve, max_new_tokens)
+        self.reservations.open(request_id, input_tokens, reserve, max_new_tokens)
         future = self._loop.create_future()
         page_hashes = tuple(page_hashes)
         self.router.submit(request_id, client_id, input_tokens, reserve, page_hashes, time.monotonic())
@@ -485,7 +469,7 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         self._ended(request_id)
 
     def _ended(self, request_id: str) -> None:
-        self._needs.pop(request_id, None)
+        self.reservations.close(request_id)
         if self.occupancy.release(request_id):
             self._refit()  # its slots are free, on whichever servers it held them
         else:

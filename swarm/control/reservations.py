@@ -1,0 +1,54 @@
+"""The KV reservations of the sessions the orchestrator admitted, in KV tokens per block.
+
+A request's reservation is a pair: what it holds now in the orchestrator's accounting — its prompt plus the
+output tokens its reservation covers (all of ``max_tokens``, or ``--grow-tokens`` at a time for an answer that
+grows) — and the most it may reach, its prompt plus ``max_tokens`` (the session's ``max_length`` on its
+servers, whose paged pools hold only what it uses). Both are in whole pages (``Expectations.kv_need``); with
+``--kv-admission slots`` both are ``max_length``, the papers' fixed-length sessions.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class Reservations:
+    def __init__(self, expect):
+        self.expect = expect  # swarm.control.planning.Expectations
+        self._held: dict[str, tuple[int, int]] = {}  # request id -> (reserved now, bound)
+
+    def check(self, input_tokens: int, max_new_tokens: int, reserve: int, chains: Iterable) -> None:
+        """Refuse (``ValueError``, the 400's text) a request no session may be or no chain of the plan can
+        ever hold: past ``max_length``, or a first reservation larger than every chain's KV budget."""
+        expect = self.expect
+        if input_tokens + max_new_tokens > expect.max_length:
+            raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the "
+                             f"swarm's maximum session length of {expect.max_length} tokens")
+        need = expect.kv_need(input_tokens, reserve)
+        largest = max((c.capacity * expect.slot_tokens for c in chains), default=None)
+        if expect.kv_admission == "tokens" and largest is not None and need > largest:
+            raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) needs {need} KV "
+                             f"tokens per block, more than any chain of the current plan holds ({largest})")
+
+    def open(self, request_id: str, input_tokens: int, reserve: int, max_new_tokens: int) -> None:
+        """A request queued (or re-queued from where it stopped) with ``reserve`` output tokens covered."""
+        self._held[request_id] = (self.expect.kv_need(input_tokens, reserve),
+                                  self.expect.kv_need(input_tokens, max_new_tokens))
+
+    def grow(self, request_id: str, more_tokens: int) -> int | None:
+        """Cover ``more_tokens`` more output (never past the bound): the new reservation, None if unknown."""
+        if request_id not in self._held:
+            return None
+        reserved, bound = self._held[request_id]
+        self._held[request_id] = (min(bound, self.expect.kv_need(0, reserved + more_tokens)), bound)
+        return self._held[request_id][0]
+
+    def reserved(self, request_id: str) -> int:
+        """KV tokens per block the session holds in the accounting now (``max_length`` if unknown)."""
+        return self._held.get(request_id, (self.expect.max_length,))[0]
+
+    def bound(self, request_id: str) -> int:
+        """KV tokens per block the session may reach on its servers (``max_length`` if unknown)."""
+        return self._held.get(request_id, (0, self.expect.max_length))[1]
+
+    def close(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
