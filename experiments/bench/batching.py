@@ -39,19 +39,11 @@ import statistics
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
+from experiments.bench.http_throughput import HTTP_LAYOUTS, PROMPTS, _store_http, _together, bench_http
 from experiments.bench.runtime import DTYPE, _Stamps
 
-PROMPTS = [
-    "The history of the bicycle begins in the early nineteenth century, when",
-    "Once upon a time, in a small village by the sea, there lived",
-    "The three primary colours are",
-    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes the air pressure is lower, so",
-    "A short list of fruits:",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-]
 SETUPS = ("vanilla_petals", "chainswarm_batched")
 MULTI = "chainswarm_multi"  # Chainswarm's ChainGenerator: multi-session streams + one LM head per step
 MAX_LENGTH = 256
@@ -102,19 +94,6 @@ def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool
 
     start, wall = _together(sessions, one, barrier)
     return dict(_stats([st.times for st in stamps], start, wall), errors=errors, outputs=outputs)
-
-
-def _together(sessions: int, one, barrier: threading.Barrier) -> tuple[float, float]:
-    """Run ``one(i)`` for every session in its own thread, released together by ``barrier`` (``sessions + 1``
-    parties, the last one ours); returns when the clock started and how long they all took."""
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    return start, time.perf_counter() - start
 
 
 def _stats(times: list[list[float]], start: float, wall: float) -> dict:
@@ -264,82 +243,6 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
     return results
 
 
-HTTP_NODE_GB = 0.3  # the layout users start with: two 0.3 GB servers (SmolLM2 float32: 15 + 15 blocks)
-
-
-def run_http(url: str, sessions: int, tokens: int) -> dict:
-    """``sessions`` concurrent ``POST /v1/completions`` (greedy, ``max_tokens=tokens``) through the orchestrator:
-    aggregate tokens/s over the wall time, and the texts."""
-    import httpx
-
-    barrier = threading.Barrier(sessions + 1)
-    texts: list = [None] * sessions
-    counts = [0] * sessions
-    errors: list = []
-
-    run = uuid.uuid4().hex[:8]
-
-    def one(i: int) -> None:
-        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0, "stop": None}
-        barrier.wait()
-        try:
-            # a client of its own per request and run: speculative decoding (on by default) drafts from a
-            # client's own recent outputs, and the same prompts recur across the runs, so shared ids would let a
-            # request copy its earlier answer (1 session at 4.5x) instead of measuring distinct users' traffic
-            response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": f"bench-{run}-{i}"},
-                                  timeout=600)
-            response.raise_for_status()
-            doc = response.json()
-            texts[i], counts[i] = doc["choices"][0]["text"], doc["usage"]["completion_tokens"]
-        except Exception as exc:  # noqa: BLE001 - reported in the results
-            errors.append(repr(exc))
-
-    _, wall = _together(sessions, one, barrier)
-    return {"sessions": sessions, "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
-            "texts": texts, "errors": errors}
-
-
-def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress) -> dict:
-    """The product's path with default options: an orchestrator (``chainswarm orchestrator`` defaults: token KV
-    admission, continuous batching) and two nodes of :data:`HTTP_NODE_GB` with default options; ``counts``
-    concurrent ``/v1/completions``, best of ``repeats`` per point; answers compared with local greedy."""
-    from swarm.model.tokenizer import load_tokenizer
-
-    from experiments.live.demo import _reference
-    from server.local_swarm import LocalSwarm
-
-    tokenizer = load_tokenizer(model_dir)
-    expected = {}
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out, _ = _reference(model_dir, ids, tokens, tokenizer.eos_token_id)
-        expected[prompt] = tokenizer.decode(out, skip_special_tokens=True)
-    with LocalSwarm(model_dir) as swarm:
-        swarm.add_orchestrator(torch_dtype=DTYPE)  # every planning and admission option at its default
-        nodes = [swarm.add_node(node_id=f"h{i}", memory_gb=HTTP_NODE_GB, wait=False, torch_dtype=DTYPE)
-                 for i in range(2)]
-        for node in nodes:
-            swarm.wait_profiled(node, timeout=300)
-        status = swarm.wait_chains_ready(timeout=300)
-        url = swarm.orchestrator.info["url"]
-        run_http(url, 2, 4)  # warm-up
-        rows = []
-        for n in counts:
-            progress.set_postfix_str(f"http × {n}")
-            runs = [run_http(url, n, tokens) for _ in range(repeats)]
-            best = max(runs, key=lambda r: r["tokens_per_s"])
-            best["same_text_as_local_greedy"] = all(t == expected[PROMPTS[i % len(PROMPTS)]]
-                                                    for i, t in enumerate(best["texts"]))
-            best["tokens_per_s_all"] = [r["tokens_per_s"] for r in runs]
-            rows.append(best)
-            progress.update()
-    one = next((r["tokens_per_s"] for r in rows if r["sessions"] == 1), None)
-    for row in rows:
-        row["vs_one_session"] = row["tokens_per_s"] / one if one else None
-    return {"node_memory_gb": HTTP_NODE_GB, "chains": status["chains"], "plan": {
-        k: status["plan"].get(k) for k in ("c", "tuning", "total_capacity")}, "rows": rows}
-
-
 def step_profile(model_dir: str, sizes=(1, 2, 4, 8, 16)) -> dict:
     """In-process decode step over 15 blocks: seconds per batch size (batched, sequential) and the top
     operators of one batched step of 8 sessions (torch.profiler, self CPU time)."""
@@ -433,9 +336,11 @@ def markdown(report: dict) -> str:
                      f"{row['ttft_ratio']:.2f} | {row['same_tokens_as_vanilla']} | "
                      f"{base['server_cpu_ms_per_token']:.1f} / {row['server_cpu_ms_per_token']:.1f} | "
                      f"{row['server_cpu_ratio']:.2f} |")
-    http = report.get("http")
-    if http:
-        lines += ["", f"HTTP API with default options (orchestrator defaults, two nodes of {http['node_memory_gb']} GB; "
+    for http in [report.get("http"), *report.get("http_layouts", {}).values()]:
+        if not http:
+            continue
+        nodes = HTTP_LAYOUTS[http.get("layout", "user")]
+        lines += ["", f"HTTP API with default options (orchestrator defaults, {nodes}; "
                   "aggregate tokens/s of concurrent /v1/completions):", "",
                   "| sessions | tok/s | × one session | same text as local greedy |", "|---|---|---|---|"]
         for row in http["rows"]:
@@ -461,6 +366,10 @@ def main(argv=None) -> int:
                         help="intra-op threads of every process (servers and client alike; default 1: two servers "
                         "and the client share this machine's cores, and idle OpenMP threads spin)")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG and print the table from --out")
+    parser.add_argument("--http-layouts", default="user,demo",
+                        help="server layouts of the HTTP measurement (user: two 0.3 GB nodes; demo: make demo's four)")
+    parser.add_argument("--only-http", default=None, metavar="LAYOUT",
+                        help="measure only the HTTP path on LAYOUT and store it into --out's existing report")
     args = parser.parse_args(argv)
     if args.replot:
         report = json.loads(Path(args.out).read_text())
@@ -474,7 +383,15 @@ def main(argv=None) -> int:
 
     model_dir = args.model or str(ensure_model(DEFAULT_MODEL, DTYPE))
     counts = [int(s) for s in args.sessions.split(",")]
-    progress = tqdm(total=3 * len(counts) + 1, desc="bench_batching")
+    layouts = args.http_layouts.split(",") if args.http_layouts else []
+    if args.only_http:
+        report = json.loads(Path(args.out).read_text())
+        with tqdm(total=len(counts), desc=f"bench_batching http {args.only_http}") as progress:
+            _store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, args.only_http))
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(markdown(report))
+        return 0
+    progress = tqdm(total=(2 + len(layouts)) * len(counts) + 1, desc="bench_batching")
     import torch
 
     torch.set_num_threads(args.torch_threads)
@@ -485,7 +402,8 @@ def main(argv=None) -> int:
               "results": bench_servers(model_dir, counts, args.tokens, args.max_batch, args.repeats, progress)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report["http"] = bench_http(model_dir, counts, args.tokens, args.repeats, progress)
+    for layout in layouts:
+        _store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, layout))
     out.write_text(json.dumps(report, indent=2))  # kept even if the profile below fails
     progress.set_postfix_str("step profile")
     report["step_profile"] = step_profile(model_dir)

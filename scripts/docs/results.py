@@ -76,6 +76,24 @@ def batching_table() -> str:
     return "\n".join(out) + "\n"
 
 
+def http_table() -> str:
+    """The HTTP rows of bench_batching.json: every layout measured, tokens/s ÷ one session."""
+    bench = load("bench_batching.json")
+    vanilla = _by_sessions(bench["results"]["vanilla_petals"])
+    layouts = [bench["http"], *bench.get("http_layouts", {}).values()]
+    out = [_row(["server layout", "chains", "sessions", "tok/s", "× one session", "× vanilla petals (2 × 0.3 GB)",
+                 "same text as local greedy"]), _row(["---"] * 7)]
+    for http in layouts:
+        name = {"user": "two nodes of 0.3 GB", "demo": "`make demo`'s four nodes"}[http.get("layout", "user")]
+        chains = " ; ".join("→".join(c["servers"]) for c in http["chains"])
+        for r in http["rows"]:
+            v = vanilla.get(r["sessions"]) if http.get("layout", "user") == "user" else None
+            out.append(_row([name, chains, r["sessions"], f"{r['tokens_per_s']:.1f}", f"{r['vs_one_session']:.2f}",
+                             f"{r['tokens_per_s'] / v['tokens_per_s']:.2f}" if v else "",
+                             "yes" if r["same_text_as_local_greedy"] else "**no**"]))
+    return "\n".join(out) + "\n"
+
+
 # -- device_check_h200.json -------------------------------------------------------------------------------------
 
 def device_check_table() -> str:
@@ -437,7 +455,7 @@ def write(out_dir: Path) -> None:
     tables = out_dir / "tables"
     tables.mkdir(exist_ok=True)
     # tables/*.md are included into pages in docs/ (one level up from reference/): links are relative to the page
-    generated = {"batching.md": batching_table(), "device_check.md": device_check_table().replace(
+    generated = {"batching.md": batching_table(), "batching_http.md": http_table(), "device_check.md": device_check_table().replace(
                      "](results/", "](reference/results/"),
                  "runtime.md": runtime_table(), "soak.md": soak_table(), "chaos.md": chaos_table(), "chaos_waves.md": chaos_waves_table(),
                  "verification_spread.md": verification_spread_table(),
@@ -458,6 +476,7 @@ def write(out_dir: Path) -> None:
             "## Batching benchmark", "", "`python -m experiments.bench.batching` "
             "([bench_batching.json](results/bench_batching.json), [plot](results/bench_batching.png)); see "
             "[Batched servers](../batching.md#the-benchmark).", "", batching_table(), "",
+            "Through the HTTP API with default options:", "", http_table(), "",
             "## GPU check", "", device_check_table(), "",
             "## Runtime against vanilla petals", "", "`python -m experiments.bench.runtime` "
             "([bench_runtime.json](results/bench_runtime.json)); see [Runtime measurements](../runtime.md).", "",
