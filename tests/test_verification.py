@@ -202,6 +202,7 @@ MEMORY_GB = 0.7  # every node holds SmolLM2's 30 float32 blocks: one-server chai
 
 
 @pytest.mark.swarm
+@pytest.mark.alone  # the checks' CPU budget decides how many run: nothing may run beside it
 def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smollm2_dir, tmp_path):
     from experiments.live import adversaries
     from real_model import greedy_reference

@@ -13,6 +13,8 @@ import pytest
 import wan
 from wan import EchoServers, WanConfig, WanEmulator, measure_rtt
 
+pytestmark = pytest.mark.alone  # measures emulated RTTs against tolerances: nothing may run beside it
+
 RTT_S0, RTT_S1, RTT_S0_S1 = 40.0, 80.0, 20.0
 
 

@@ -19,7 +19,7 @@ from server.local_swarm import LocalSwarm
 from wan import WanConfig
 from helpers import wait_for
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.alone]  # measures RTTs: nothing may run beside it
 
 RTT_A, RTT_B, RTT_AB = 40.0, 70.0, 20.0
 MAX_LENGTH = 256
