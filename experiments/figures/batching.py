@@ -197,28 +197,15 @@ def run_cli(args) -> int:
     """``chainswarm simulate fig8-batching [--quick] [--runs N] [--workers N] [--out DIR] [--replot]``."""
     import sys
 
-    from experiments.report import batching as fig_batching_report, report
+    from experiments.figures.common import run_figure_cli
+    from experiments.report import batching as fig_batching_report
 
-    out = Path(args.out)
-    path = out / f"{NAME}.json"
-    if args.replot:
-        if not path.exists():
-            print(f"chainswarm simulate: --replot: no {path.name} in {out}", file=sys.stderr)
-            return 2
-        data = json.loads(path.read_text())
-    else:
+    def compute() -> dict:
         quick = bool(args.quick)
         settings = Settings(runs=args.runs or (2 if quick else DEFAULT_RUNS),
                             num_jobs=2_000 if quick else DEFAULT_JOBS, quick=quick,
                             workers=args.workers or (1 if quick else min(2, os.cpu_count() or 1)),
                             progress=not args.no_progress and sys.stderr.isatty(), comm_model=args.comm_model)
-        data = fig8_batching(settings)
-        out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1) + "\n")
-    plot(data, out / f"{NAME}.png")
-    text = fig_batching_report.section(data)
-    (out / "sections").mkdir(parents=True, exist_ok=True)
-    (out / "sections" / f"{NAME}.md").write_text(text)
-    report.assemble(out)
-    print(text)
-    return 0
+        return fig8_batching(settings)
+
+    return run_figure_cli(args, NAME, compute, plot, fig_batching_report.section)

@@ -92,3 +92,34 @@ def _map(fn: Callable, args: list, settings: Settings, desc: str) -> list:
         with ProcessPoolExecutor(max_workers=settings.workers) as pool:
             return list(_bar(pool.map(fn, args), settings, desc, total=len(args)))
     return [fn(a) for a in _bar(args, settings, desc)]
+
+
+def run_figure_cli(args, name: str, compute: Callable[[], dict], plot: Callable[[dict, Any], None],
+                   section: Callable[[dict], str]) -> int:
+    """The CLI of one simulated figure: compute ``name``.json into ``args.out`` (with ``args.replot``: read it),
+    draw ``name``.png, write the report section ``sections/name.md``, reassemble REPORT.md and print the
+    section."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from experiments.report import report
+
+    out = Path(args.out)
+    path = out / f"{name}.json"
+    if args.replot:
+        if not path.exists():
+            print(f"chainswarm simulate: --replot: no {path.name} in {out}", file=sys.stderr)
+            return 2
+        data = json.loads(path.read_text())
+    else:
+        data = compute()
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+    plot(data, out / f"{name}.png")
+    text = section(data)
+    (out / "sections").mkdir(parents=True, exist_ok=True)
+    (out / "sections" / f"{name}.md").write_text(text)
+    report.assemble(out)
+    print(text)
+    return 0

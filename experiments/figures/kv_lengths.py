@@ -30,7 +30,6 @@ divided by λ. :mod:`experiments.report.kv_lengths` writes the section from the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -329,27 +328,14 @@ def run_cli(args) -> int:
     """``chainswarm simulate kv-lengths [--quick] [--runs N] [--jobs N] [--out DIR] [--replot]``."""
     import sys
 
-    from experiments.report import kv_lengths as kv_report, report
+    from experiments.figures.common import run_figure_cli
+    from experiments.report import kv_lengths as kv_report
 
-    out = Path(args.out)
-    path = out / f"{NAME}.json"
-    if args.replot:
-        if not path.exists():
-            print(f"chainswarm simulate: --replot: no {path.name} in {out}", file=sys.stderr)
-            return 2
-        data = json.loads(path.read_text())
-    else:
+    def compute() -> dict:
         quick = bool(args.quick)
         settings = Settings(runs=args.runs or (1 if quick else DEFAULT_RUNS),
                             num_jobs=getattr(args, "jobs", None) or (2_000 if quick else DEFAULT_JOBS), quick=quick,
                             progress=not args.no_progress and sys.stderr.isatty())
-        data = kv_lengths(settings)
-        out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1) + "\n")
-    plot(data, out / f"{NAME}.png")
-    text = kv_report.section(data)
-    (out / "sections").mkdir(parents=True, exist_ok=True)
-    (out / "sections" / f"{NAME}.md").write_text(text)
-    report.assemble(out)
-    print(text)
-    return 0
+        return kv_lengths(settings)
+
+    return run_figure_cli(args, NAME, compute, plot, kv_report.section)
