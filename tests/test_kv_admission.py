@@ -90,6 +90,9 @@ def test_a_request_no_chain_can_hold_is_refused_at_once_and_one_that_fits_is_gra
         orch, _ = await _serving(long)
         largest = max(c.capacity for c in orch.view.chains) * long.slot_tokens
         assert largest < long.max_length  # these servers cannot hold a max-length session on any chain
+        # the operator is told: a warning event with the plan, and the status document's longest session
+        assert any(e["event"] == "plan_short_sessions" and e["longest"] == largest for e in orch.events)
+        assert orch.status()["plan"]["longest_session_tokens"] == largest
         with pytest.raises(ValueError, match="more than any chain of the current plan holds"):
             await orch.acquire("c", largest, 16, timeout=1.0)
         grant = await orch.acquire("c", largest - 32, 16, timeout=1.0)  # fits the largest chain: granted

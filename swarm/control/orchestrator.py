@@ -291,6 +291,12 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         self._event("plan", plan_id=plan_id, kept_ranges=kept, c=new_plan.c, servers=sorted(live),
                     chains=[[list(ch.servers), ch.capacity] for ch in new_plan.chains],
                     on_old_ranges=on_old_ranges)
+        longest = self.reservations.longest(new_plan.chains)
+        if longest is not None and longest < self.config.expect.max_length:
+            logger.warning("plan %s: no chain holds a %d-token session (the longest is %d tokens); longer requests "
+                           "get a 400", plan_id, self.config.expect.max_length, longest)
+            self._event("plan_short_sessions", plan_id=plan_id, longest=longest,
+                        max_length=self.config.expect.max_length)
 
     async def _publish_assignments(self) -> None:
         ttl, prefix = self.config.assignment_ttl_s, self.config.dht_prefix

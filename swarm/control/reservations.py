@@ -16,6 +16,18 @@ class Reservations:
         self.expect = expect  # swarm.control.planning.Expectations
         self._held: dict[str, tuple[int, int]] = {}  # request id -> (reserved now, bound)
 
+    def longest(self, chains: Iterable) -> int | None:
+        """KV tokens per block of the largest first reservation some chain of the plan can hold (its budget
+        c_k · slot_tokens with token admission, at most ``max_length``; ``max_length`` with slots); None
+        without chains. Under ``max_length``, longer requests get a 400 (the planner's c and the expected
+        lengths decide the budgets: ``--expected-input-tokens`` / ``--expected-output-tokens``)."""
+        budgets = [c.capacity * self.expect.slot_tokens for c in chains]
+        if not budgets:
+            return None
+        if self.expect.kv_admission != "tokens":
+            return self.expect.max_length
+        return min(self.expect.max_length, max(budgets))
+
     def check(self, input_tokens: int, max_new_tokens: int, reserve: int, chains: Iterable) -> None:
         """Refuse (``ValueError``, the 400's text) a request no session may be or no chain of the plan can
         ever hold: past ``max_length``, or a first reservation larger than every chain's KV budget."""
@@ -24,7 +36,7 @@ class Reservations:
             raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the "
                              f"swarm's maximum session length of {expect.max_length} tokens")
         need = expect.kv_need(input_tokens, reserve)
-        largest = max((c.capacity * expect.slot_tokens for c in chains), default=None)
+        largest = self.longest(chains)
         if expect.kv_admission == "tokens" and largest is not None and need > largest:
             raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) needs {need} KV "
                              f"tokens per block, more than any chain of the current plan holds ({largest})")

@@ -26,6 +26,7 @@ def swarm_status(orch: Any, detail: bool = True) -> dict[str, Any]:
         "router": orch.config.router,
         "plan": None if view.plan is None else {"plan_id": view.plan_id, "kept_ranges": view.plan_kept_ranges,
                                                 "replans": orch.replans, "inputs": view.plan_inputs,
+                                                "longest_session_tokens": orch.reservations.longest(view.chains),
                                                 **view.plan.to_dict()},
         "plan_error": view.plan_error,
         "transition": orch.transition.status(view),  # make-before-break: who still serves the replaced plan
