@@ -50,11 +50,10 @@ def smollm2_dir():
 def pytest_terminal_summary(terminalreporter):
     from browser import missing
 
-    ran = any(getattr(item, "get_closest_marker", lambda _: None)("browser")
-              for item in getattr(terminalreporter.config, "_chainswarm_items", ()))
-    # under pytest-xdist the controller collects nothing: the workers' reports carry the markers
-    ran = ran or any("browser" in getattr(report, "keywords", {})
-                     for reports in terminalreporter.stats.values() for report in reports)
+    # the reports of the tests that were run or skipped (under pytest-xdist the controller collects nothing: the
+    # workers' reports carry the markers; deselected items are not reports)
+    ran = any(isinstance(report, pytest.TestReport) and report.when == "setup" and "browser" in report.keywords
+              for reports in terminalreporter.stats.values() for report in reports)
     if not ran:
         return
     reason = missing()
@@ -67,17 +66,16 @@ def pytest_terminal_summary(terminalreporter):
 # `make test` runs the suite on both cores (pytest-xdist, -n 2 --dist loadfile), which hands out test files in
 # collection order: the longest files go first, so that none starts last and runs alone at the end (the order of
 # their durations in a full run).
-LONGEST_FIRST = ("test_real_model_swarm.py", "test_live_experiments.py", "test_chaos.py", "test_failpoints.py",
-                 "test_tools_api.py", "test_batched_sessions_real.py", "test_openai_api.py", "test_batching_swarm.py",
-                 "test_restart.py", "test_runtime.py", "test_structured_outputs.py", "test_server_node.py",
-                 "test_demo.py", "test_cli.py", "test_replan_occupancy.py", "test_browser.py", "test_hostile_peer.py",
-                 "test_gemma3_real.py", "test_family_swarm.py", "test_prefix_reuse.py", "test_api_schema.py")
+LONGEST_FIRST = ("test_real_model_swarm.py", "test_live_experiments.py", "test_chaos.py", "test_tools_api.py",
+                 "test_batched_sessions_real.py", "test_openai_api.py", "test_batching_swarm.py", "test_restart.py",
+                 "test_runtime.py", "test_structured_outputs.py", "test_server_node.py", "test_demo.py", "test_cli.py",
+                 "test_replan_occupancy.py", "test_browser.py", "test_hostile_peer.py", "test_gemma3_real.py",
+                 "test_family_swarm.py", "test_prefix_reuse.py", "test_api_schema.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
-    config._chainswarm_items = list(items)
 
 
 # -- a suite that always ends with its summary, and says what the machine looked like when a test failed --------
