@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.bench.http_throughput import HTTP_LAYOUTS, PROMPTS, _store_http, _together, bench_http
+from experiments.bench.http_throughput import HTTP_LAYOUTS, PROMPTS, store_http, together, bench_http
 from experiments.bench.runtime import DTYPE, _Stamps
 
 SETUPS = ("vanilla_petals", "chainswarm_batched")
@@ -92,7 +92,7 @@ def run_sessions(model, tokenizer, sessions: int, tokens: int, blocks_only: bool
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.append(repr(exc))
 
-    start, wall = _together(sessions, one, barrier)
+    start, wall = together(sessions, one, barrier)
     return dict(_stats([st.times for st in stamps], start, wall), errors=errors, outputs=outputs)
 
 
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     if args.only_http:
         report = json.loads(Path(args.out).read_text())
         with tqdm(total=len(counts), desc=f"bench_batching http {args.only_http}") as progress:
-            _store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, args.only_http))
+            store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, args.only_http))
         Path(args.out).write_text(json.dumps(report, indent=2))
         print(markdown(report))
         return 0
@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for layout in layouts:
-        _store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, layout))
+        store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, layout))
     out.write_text(json.dumps(report, indent=2))  # kept even if the profile below fails
     progress.set_postfix_str("step profile")
     report["step_profile"] = step_profile(model_dir)

@@ -24,7 +24,7 @@ PROMPTS = [
 ]
 
 
-def _together(sessions: int, one, barrier: threading.Barrier) -> tuple[float, float]:
+def together(sessions: int, one, barrier: threading.Barrier) -> tuple[float, float]:
     """Run ``one(i)`` for every session in its own thread, released together by ``barrier`` (``sessions + 1``
     parties, the last one ours); returns when the clock started and how long they all took."""
     threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
@@ -78,7 +78,7 @@ def run_http(url: str, sessions: int, tokens: int) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.append(repr(exc))
 
-    _, wall = _together(sessions, one, barrier)
+    _, wall = together(sessions, one, barrier)
     return {"sessions": sessions, "tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
             "texts": texts, "errors": errors}
 
@@ -127,7 +127,7 @@ def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress, layo
         k: status["plan"].get(k) for k in ("c", "tuning", "total_capacity")}, "rows": rows}
 
 
-def _store_http(report: dict, http: dict) -> None:
+def store_http(report: dict, http: dict) -> None:
     """The user layout's rows are ``report["http"]`` (the headline); other layouts go to ``http_layouts``."""
     if http["layout"] == "user":
         report["http"] = http

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.bench.batching import _together
+from experiments.bench.http_throughput import together
 from experiments.bench.cli import add_common, model_dir, replotted
 
 DTYPE = "float32"
@@ -129,7 +129,7 @@ def run_point(url: str, workload: str, sessions: int, tokens: int, speculative: 
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.append(repr(exc))
 
-    _, wall = _together(sessions, one, barrier)
+    _, wall = together(sessions, one, barrier)
     drafted, accepted, steps = (_metric(url, n) - b for n, b in zip(names, before))
     done = [r for r in results if r is not None]
     emitted = sum(len(r["stamps"]) for r in done)  # streamed chunks: one per token (stop strings aside)

@@ -101,7 +101,6 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         self.probe = DhtPing(dht)
         self._probing: set[str] = set()
         self.occupancy = Occupancy()  # KV block-slots each running session holds, whatever its plan
-        # request id -> (KV tokens per block it reserves now, the most it may reach: its servers' max_length)
         self.reservations = Reservations(config.expect)  # each admitted session's KV tokens per block
         self.running: dict[str, Any] = {}  # request id -> its session's control (proxied sessions; peer_failed)
         self._ready: list[RoutableChain] = []

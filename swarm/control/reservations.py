@@ -36,8 +36,8 @@ class Reservations:
             raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the "
                              f"swarm's maximum session length of {expect.max_length} tokens")
         need = expect.kv_need(input_tokens, reserve)
-        largest = self.longest(chains)
-        if expect.kv_admission == "tokens" and largest is not None and need > largest:
+        largest = self.longest(chains)  # max_length with slots, which every need equals: never refused here
+        if largest is not None and need > largest:
             raise ValueError(f"prompt ({input_tokens} tokens) + max_tokens ({max_new_tokens}) needs {need} KV "
                              f"tokens per block, more than any chain of the current plan holds ({largest})")
 

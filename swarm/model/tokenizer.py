@@ -36,16 +36,16 @@ class _WholeWords:
     """The ignore-merges rule as a pre-tokenizer step: every word gets its tokens here."""
 
     def __init__(self, backend):
-        self.vocab = backend.get_vocab(with_added_tokens=False)
-        self.bpe = backend.model
-
-    def _word(self, word):
         from tokenizers import Token
 
+        self.vocab = backend.get_vocab(with_added_tokens=False)
+        self.bpe, self.token = backend.model, Token
+
+    def _word(self, word):  # once per word of every text encoded
         text = str(word)
         token_id = self.vocab.get(text)
         if token_id is not None:
-            return [Token(token_id, text, (0, len(text.encode("utf-8"))))]  # byte offsets, as the model gives
+            return [self.token(token_id, text, (0, len(text.encode("utf-8"))))]  # byte offsets, as the model gives
         return self.bpe.tokenize(text)
 
     def pre_tokenize(self, pretok) -> None:
