@@ -38,6 +38,7 @@ import numpy as np
 
 from experiments.figures.common import Settings, _bar, _jsonable
 from experiments.sim.simulator import DEFAULT_WARMUP, Jobs, load_trace
+from swarm.control.planning import KV_PAGE as PAGE  # the orchestrator's reservation unit, tokens
 
 NAME = "kv_lengths"
 MODES = ("max-length slots", "expected-length slots", "tokens")
@@ -45,7 +46,6 @@ DEFAULT_RATES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
 QUICK_RATES = (0.1, 0.2, 0.3)
 DEFAULT_RUNS, DEFAULT_JOBS = 10, 10_000
 MAX_LENGTH = 8192
-PAGE = 16
 PLAN_RATE, TARGET_LOAD = 0.2, 0.7
 NUM_SERVERS, ETA, SCENARIO_SEED = 20, 0.2, 0
 MEAN_INPUT, MEAN_OUTPUT = 2048.0, 28.0
