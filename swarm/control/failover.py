@@ -28,18 +28,21 @@ logger = logging.getLogger(__name__)
 
 
 class Failover:
-    def report_failure(self, peer_id: str) -> None:
-        """The orchestrator's own session (or probe) saw ``peer_id`` fail: exclude its server now and rebuild
-        chains without it."""
+    def report_failure(self, peer_id: str, *, confirmed: bool = False) -> None:
+        """The orchestrator's own session saw ``peer_id`` fail (or, ``confirmed``, its probe cannot reach it):
+        exclude its server now and rebuild chains without it."""
         node = self._node_of(peer_id)
         if node is None or node in self.suspects:
             return
         assignment = self.view.published.get(node)
-        if assignment is not None and not server_matches(self.view.profiles.get(node), assignment):
+        if not confirmed and assignment is not None and not server_matches(self.view.profiles.get(node), assignment):
             # it is moving to its range of a newer plan (draining, loading): its sessions fail by design, and
             # excluding it would shrink the plan again and move the next survivor (the chaos soak saw that cascade
-            # take the swarm below the model). A server that dies while moving is dropped when its record expires.
+            # take the swarm below the model). But a server that died while moving would stay in the chains it
+            # served until its record expires, and every session sent there would wait out a step timeout: the
+            # probe tells the two apart, and excludes it if it cannot be reached.
             self._event("failure_while_moving", node=node, peer_id=peer_id)
+            self._check_reachable(peer_id)
             return
         self.suspects[node] = time.monotonic()
         self.claims.forget(node)
@@ -56,14 +59,19 @@ class Failover:
             return
         if self.claims.claim(node, client_id, time.monotonic()):
             self.report_failure(peer_id)
-        elif peer_id not in self._probing and self._loop is not None:
+        else:
+            self._check_reachable(peer_id)
+
+    def _check_reachable(self, peer_id: str) -> None:
+        """Probe ``peer_id`` in the background (once at a time); it is excluded if it cannot be reached."""
+        if peer_id not in self._probing and self._loop is not None:
             self._probing.add(peer_id)
             self._loop.create_task(self._probe(peer_id))
 
     async def _probe(self, peer_id: str) -> None:
         try:
             if not await asyncio.to_thread(self.probe.reachable, peer_id):
-                self.report_failure(peer_id)
+                self.report_failure(peer_id, confirmed=True)
             else:
                 self._event("failure_claim_refuted", peer_id=peer_id)
         finally:
@@ -112,6 +120,7 @@ class Failover:
         for peer in failed_peers:
             if older and self._moved(peer, start, end):  # its sessions fail by design: not a failure
                 self._event("failure_after_a_move", chain=chain_id, peer_id=peer)
+                self._check_reachable(peer)  # unless it is also dead (then the probe excludes it)
             elif claimant is None:
                 self.report_failure(peer)
             else:

@@ -253,6 +253,8 @@ class GenerationEngine:
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
                 if not exc.missing and exc.peer_id is not None and provider is not None:
                     lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
+                    if control is not None:
+                        control.progress()  # as in _reroute: the session moved off the failed server
                 elif hasattr(provider, "renew_ticket"):  # same route, later: a fresh ticket for the reopen
                     provider.renew_ticket(lease)
                 resume()
@@ -287,7 +289,10 @@ class GenerationEngine:
         deadline = time.monotonic() + self.request_timeout
         while True:
             try:
-                return splice(lease.route, provider.reroute(lease, start, end, [failed_peer]))
+                route = splice(lease.route, provider.reroute(lease, start, end, [failed_peer]))
+                if control is not None:  # the session moved off the failed server: its no-progress clock restarts,
+                    control.progress()  # or the step timeout that found the failure would leave it no time to resume
+                return route
             except NoRouteError:
                 if time.monotonic() > deadline:
                     raise
