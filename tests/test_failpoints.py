@@ -18,10 +18,7 @@ import pytest
 from helpers import wait_for
 from server.local_swarm import LocalSwarm
 
-# alone: run beside another swarm test on the 2 cores (load average 7), a session whose server was killed was
-# blamed on a live server whose stream timed out and sent back to the dead one until it gave up ("no progress"):
-# a liveness weakness under CPU starvation that the parallel phase exposed (docs/tests.md)
-pytestmark = [pytest.mark.swarm, pytest.mark.alone]
+pytestmark = pytest.mark.swarm
 
 MAX_LENGTH = 512
 MEMORY_GB = 0.24  # GiB per node: half the float32 model plus a few sessions -> two chains of two hops
