@@ -3,7 +3,7 @@ streamed) on the real model while a server is SIGKILLed, one joins and one is st
 answered, completely and with local transformers' text; nothing is cut after its first token.
 
 The timing targets (P99 within 3x, the 30 s windows) are the full run's (`python -m experiments.bench.chaos`):
-on 2 shared cores and a 50 s run they say more about the machine than about the swarm, so only the
+on 2 shared cores and a 40 s run they say more about the machine than about the swarm, so only the
 every-answer targets are asserted here.
 """
 import json
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.swarm
 
 def test_kill_join_and_stop_under_load_lose_and_change_no_answer(tmp_path, smollm2_dir):
     out = tmp_path / "chaos.json"
-    main(["--model", str(smollm2_dir), "--servers", "4", "--min-servers", "3", "--load", "0.5", "--baseline-s", "15",
-          "--chaos-s", "50", "--gap", "12", "16", "--out", str(out)])
+    main(["--model", str(smollm2_dir), "--servers", "4", "--min-servers", "3", "--load", "0.5", "--baseline-s", "8",
+          "--chaos-s", "40", "--gap", "8", "10", "--out", str(out)])
     report = json.loads(out.read_text())
     summary = report["summary"]
     assert [e["kind"] for e in summary["events"]][:3] == ["kill", "join", "stop"]

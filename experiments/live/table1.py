@@ -60,7 +60,7 @@ FULL_SCALING = dict(time_scale=0.12, offset=700, num_requests=100)
 
 def settings(quick: bool) -> dict:
     if quick:
-        return {"num_servers": 3, "scaling": lc.Scaling(time_scale=2.0, num_requests=12, max_output=12),
+        return {"num_servers": 3, "scaling": lc.Scaling(time_scale=2.0, num_requests=12, max_output=6),
                 "seed": 0}
     return {"num_servers": NUM_SERVERS, "scaling": lc.Scaling(**FULL_SCALING), "seed": 0}
 
@@ -223,7 +223,7 @@ def _warm_up(driver, prompts) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="3 servers, 12 requests (the smoke test)")
+    parser.add_argument("--quick", action="store_true", help="3 servers, 12 requests of at most 6 output tokens (the smoke test)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--configs", default=",".join(CONFIGS))
