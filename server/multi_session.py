@@ -38,7 +38,8 @@ from petals.utils.misc import DUMMY_INT64  # noqa: E402
 from server import failpoints, tickets as server_tickets  # noqa: E402
 from server.batching import BatchingTaskPool, Cohort  # noqa: E402
 from server.kv_pool import flat_handles  # noqa: E402
-from swarm.engine import multi_wire
+from swarm.engine import multi_wire  # noqa: E402
+from swarm.trust.prefix import PAGE_TOKENS  # noqa: E402
 from swarm.trust import tickets  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class _Session:
     position: int = 0
     last_step: int = 0
     opened: float = field(default_factory=time.monotonic)
+    save: Optional[multi_wire.Prefix] = None  # the prompt's pages, stored after the first step (when allowed)
 
     def rollback(self, positions: int, pool) -> None:
         """Forget the last ``positions`` positions (drafted tokens a verification pass rejected): attention reads only
@@ -136,6 +138,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 message = multi_wire.decode(metadata, len(request.tensors))
                 _count("messages")
                 yield await self._multi_step(span, sessions, message, request.tensors)
+                await self._save_prefixes(span, sessions)  # after the reply: off the sessions' critical path
                 if failpoints.armed() and any(session.position for session in sessions.values()):
                     failpoints.hit("between_steps")
         finally:
@@ -191,7 +194,8 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         return runtime_pb2.ExpertResponse(tensors=serialized, metadata=MSGPackSerializer.dumps({"failed": failed}))
 
     async def _open(self, span: _Span, entry: multi_wire.Open) -> _Session:
-        server_tickets.check({tickets.META_KEY: entry.ticket} if entry.ticket is not None else {}, span.uids)
+        ticket = server_tickets.check({tickets.META_KEY: entry.ticket} if entry.ticket is not None else {},
+                                      span.uids)
         if entry.max_length > self.inference_max_length:
             raise ValueError(f"Cannot allocate KV cache for {entry.max_length} tokens, "
                              f"max = {self.inference_max_length}")
@@ -199,10 +203,34 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         try:
             handles = await stack.enter_async_context(self._allocate_cache(
                 span.backends, batch_size=1, max_length=entry.max_length, timeout=entry.alloc_timeout))
+            session = _Session(stack, tuple(tuple(h) for h in handles), entry.max_length)
+            prefix = entry.prefix
+            if prefix is not None:
+                if prefix.load:  # the stored pages into the new cache; the session starts after them
+                    tokens = prefix.load * PAGE_TOKENS
+                    await session.grow(tokens, span.pool)
+                    await self._run_op(span.backends, session.handles, ("load", list(prefix.hashes[:prefix.load])))
+                    await self._run_op(span.backends, session.handles, ("forget",))  # positions are explicit here
+                    session.position = tokens
+                if server_tickets.pages_allowed(ticket, prefix.hashes):
+                    session.save = prefix
         except BaseException:
             await stack.aclose()
             raise
-        return _Session(stack, tuple(tuple(h) for h in handles), entry.max_length)
+        return session
+
+    async def _save_prefixes(self, span: _Span, sessions: dict) -> None:
+        """Store the new full pages of the sessions whose first step (their prompt) just ran."""
+        for session in list(sessions.values()):
+            prefix = session.save
+            if prefix is None or session.position <= prefix.load * PAGE_TOKENS:
+                continue
+            session.save = None
+            try:
+                await self._run_op(span.backends, session.handles,
+                                   ("save", list(prefix.hashes), prefix.load, session.position))
+            except Exception as exc:  # never fail a session because the cache could not take its pages
+                logger.warning("could not store prefix pages: %s", exc)
 
     def _infos(self, span: _Span, session: _Session) -> tuple:
         return tuple(InferenceMetadata(uid, session.position, handles, None)

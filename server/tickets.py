@@ -248,14 +248,19 @@ class TicketHandler(PrefixHandler):
         return await super().rpc_prefix_probe(request, context)
 
     def _may_store_pages(self, hashes: Sequence[bytes]) -> bool:
-        if GATE.open:
-            return True
-        ticket = _TICKET.get()
-        if ticket is not None and ticket.pages is not None and ticket.pages == tickets.pages_digest(hashes):
-            return True
-        logger.info("not storing prefix pages: the session's ticket does not name these page hashes (%s)",
-                    "no ticket" if ticket is None else "no pages" if ticket.pages is None else "other pages")
-        return False
+        return pages_allowed(_TICKET.get(), hashes)
+
+
+def pages_allowed(ticket: Optional[Ticket], hashes: Sequence[bytes]) -> bool:
+    """Whether a session with ``ticket`` may store prefix pages under ``hashes``: only those its ticket names
+    (any, while the gate is open)."""
+    if GATE.open:
+        return True
+    if ticket is not None and ticket.pages is not None and ticket.pages == tickets.pages_digest(hashes):
+        return True
+    logger.info("not storing prefix pages: the session's ticket does not name these page hashes (%s)",
+                "no ticket" if ticket is None else "no pages" if ticket.pages is None else "other pages")
+    return False
 
 
 TicketHandler.__name__ = TicketHandler.__qualname__ = "TransformerConnectionHandler"

@@ -90,6 +90,10 @@ def test_a_bad_step_fails_its_own_session_and_the_others_go_on(swarm, model):
     ({"step": [["s", 1], ["s", 1]]}, 2, "once per message"),
     ({"step": [["s", 1, -2]]}, 1, "rollback >= 0"),
     ({"close": ["x" * 100]}, 0, "session name"),
+    ({"open": [["s", 64, None, 0.0, {"page": 8, "hashes": []}]]}, 0, "a prefix is"),
+    ({"open": [["s", 64, None, 0.0, {"page": 16, "hashes": [b"x" * 15]}]]}, 0, "16 bytes"),
+    ({"open": [["s", 32, None, 0.0, {"page": 16, "hashes": [b"x" * 16, b"y" * 16], "load": 2}]]}, 0,
+     "below max_length"),
 ])
 def test_a_malformed_message_closes_the_stream_with_its_reason(swarm, model, metadata, tensors, reason):
     stream = _stream(model, swarm)

@@ -123,6 +123,49 @@ def run_direct(engine, route, ids, hashes, max_new_tokens=10):
     return engine.generate(lease, None, ids, SamplingParams(max_new_tokens, temperature=0), page_hashes=hashes)
 
 
+def test_multi_session_streams_load_and_store_prompt_pages(swarm, engine):
+    """(First in the module: the servers' stores are empty, nothing is pinned.) The batched path's prefix reuse on the wire (``swarm.engine.multi_wire.Prefix``): a session that opens with
+    its prompt's hashes has the prompt's full pages stored after its prefill; one that loads them sends only the
+    positions after them and gets the hidden states the full prefill gave there, and the same decode step after;
+    a session that asks for pages nobody holds fails alone, with the missing-pages message."""
+    from swarm.engine.multi_client import ChainBatch
+    from swarm.engine.multi_wire import Prefix
+    from swarm.trust import tickets
+
+    manager = engine.model.transformer.h.sequence_manager
+    route = route_of(swarm, "left", "right")
+    ids = engine.encode(SHARED + "Question: which ship came first?")
+    hashes = protocol.prompt_hashes(ids, protocol.namespace_root(os.urandom(8), swarm.dht_prefix))
+    elsewhere = protocol.prompt_hashes(ids, protocol.namespace_root(os.urandom(8), swarm.dht_prefix))
+    load = (len(ids) - 1) // 16
+    assert load >= 2
+    with torch.inference_mode():
+        hidden = engine.model.transformer.word_embeddings(torch.tensor([ids + [ids[-1]]]))
+    prompt, decode = hidden[:, :-1], hidden[:, -1:]
+
+    def ticket(page_hashes):
+        return tickets.mint(engine.test_identity, request_id=os.urandom(4).hex(), chain_id="test", route=route,
+                            max_length=MAX_LENGTH, page_hashes=page_hashes)
+
+    with ChainBatch(manager.state.p2p, route, manager.block_uids) as batch:
+        full, failed = batch.step({"full": prompt}, {"full": MAX_LENGTH}, {"full": ticket(hashes)},
+                                  prefixes={"full": Prefix(tuple(hashes))})
+        assert not failed
+        full_next, failed = batch.step({"full": decode})
+        assert not failed
+        reused, failed = batch.step({"reused": prompt[:, load * 16:]}, {"reused": MAX_LENGTH},
+                                    {"reused": ticket(hashes)}, prefixes={"reused": Prefix(tuple(hashes), load)})
+        assert not failed
+        torch.testing.assert_close(reused["reused"], full["full"][:, load * 16:], atol=1e-4, rtol=1e-4)
+        reused_next, failed = batch.step({"reused": decode})
+        assert not failed
+        torch.testing.assert_close(reused_next["reused"], full_next["full"], atol=1e-4, rtol=1e-4)
+        outputs, failed = batch.step({"gone": prompt[:, 16:], "reused": decode}, {"gone": MAX_LENGTH},
+                                     {"gone": ticket(elsewhere)}, prefixes={"gone": Prefix(tuple(elsewhere), 1)})
+        assert set(failed) == {"gone"} and protocol.MISSING_MESSAGE in failed["gone"].reason, failed
+        assert set(outputs) == {"reused"}
+
+
 def test_reuse_gives_the_same_tokens_as_no_reuse_and_transformers(swarm, reference):
     first, head1 = complete(swarm, SHARED + "Question: who kept the diary?")
     assert head1["reused"] == 0 and head1["prefill"] > 0
@@ -289,9 +332,28 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
     asyncio.run(scenario())
 
 
+def test_a_session_that_reuses_a_prefix_is_batched_and_speculates(swarm, reference):
+    """Through the HTTP API: a prompt whose pages are stored (the shared document) with a copy-heavy question, sent
+    twice; the second reuses the stored pages on the batched path, where its decode steps carry drafted tokens,
+    and its answer is the reference's. (Before the failover test, which kills a server; the shared pages are in
+    the stores by now.)"""
+    def drafted() -> float:
+        metrics = httpx.get(f"{swarm.url}/metrics").text
+        return sum(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("chainswarm_speculative_drafted_tokens"))
+
+    prompt = SHARED + "Colours in order: " + "red, green, blue, yellow. " * 4
+    first, _ = complete(swarm, prompt, max_tokens=16)
+    before = drafted()
+    again, head = complete(swarm, prompt, max_tokens=16)
+    assert head["reused"] >= 32
+    assert again["choices"][0]["text"] == first["choices"][0]["text"] == reference(prompt, 16)[1]
+    assert drafted() > before
+
+
 def test_failover_of_a_prefix_hit_session_restarts_from_the_full_tokens(swarm, reference):
-    """Last in the module: kills a server. A session that reused a prefix cannot replay petals' history on a
-    replacement (it lacks the reused positions), so the engine restarts it from prompt + tokens so far."""
+    """Last in the module: kills a server. A session that reused a prefix cannot be replayed on a replacement
+    server (it lacks the reused positions), so the engine restarts it from prompt + tokens so far."""
     import threading
 
     prompt = SHARED + "Question: tell the whole story of the harbour, the storm and the fire, in detail."

@@ -25,9 +25,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from swarm.model.kernels import linear
+from swarm.engine import multi_wire
 from swarm.engine.multi_client import ChainBatch, ChainBatchError
 from swarm.engine.routing import RouteSpan
 from swarm.engine.sampling import TokenChooser
+from swarm.trust.prefix import PAGE_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class _Sequence:
     drafts: Optional[object] = None  # swarm.engine.speculative.SessionDrafts: speculative decoding
     draft: list[int] = field(default_factory=list)  # the drafted tokens of the step in flight
     rollback: int = 0  # positions the servers forget before the next step (the last step's rejected drafts)
+    prefix: Optional[multi_wire.Prefix] = None  # prompt-prefix reuse: the pages its servers load and store
 
 
 class ChainGenerator:
@@ -110,7 +113,8 @@ class ChainGenerator:
 
     def submit(self, input_ids: Sequence[int], max_new_tokens: int, *, eos_token_id: Optional[int] = None,
                on_token: Optional[Callable[[int], None]] = None, processor: Optional[Callable] = None,
-               ticket: Optional[bytes] = None, recorder=None, drafts=None) -> Future:
+               ticket: Optional[bytes] = None, recorder=None, drafts=None,
+               prefix: Optional[multi_wire.Prefix] = None) -> Future:
         """Queue one generation; the future's result is its generated token ids.
 
         ``on_token(token)`` is called for every token; if it raises :class:`StopSequence` the sequence is complete,
@@ -118,10 +122,14 @@ class ChainGenerator:
         (a transformers logits processor, e.g. :class:`swarm.engine.sampling.TokenChooser`) adjusts the scores before the
         greedy pick. ``recorder`` (:class:`swarm.engine.recording.SpanRecorder`) keeps its spans' hidden states for
         a spot check. With ``drafts`` (:class:`swarm.engine.speculative.SessionDrafts`) each decode step also carries
-        the tokens it drafts; the chain verifies them in the same pass (see :meth:`_choose`). A sequence the swarm
-        could not complete fails with :class:`SequenceFailed`."""
+        the tokens it drafts; the chain verifies them in the same pass (see :meth:`_choose`). With ``prefix``
+        (:class:`swarm.engine.multi_wire.Prefix`) every server loads the prompt's first ``prefix.load`` pages from its
+        prefix store and the prefill sends only the positions after them; the servers store the prompt's new full
+        pages after it. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a generation needs at least one input token and max_new_tokens >= 1")
+        if prefix is not None and prefix.load * PAGE_TOKENS >= len(input_ids):
+            raise ValueError("a reused prefix must leave at least one prompt position to compute")
         vocab = self.model.transformer.word_embeddings.num_embeddings
         if not all(isinstance(t, int) and 0 <= t < vocab for t in input_ids):
             raise ValueError(f"token ids must be integers in [0, {vocab})")
@@ -132,7 +140,7 @@ class ChainGenerator:
                 raise RuntimeError(f"the chain generator is closed{f': {self._broken}' if self._broken else ''}")
             self._waiting.append(_Sequence(f"s{next(self._ids)}", list(input_ids), int(max_new_tokens),
                                            eos_token_id, on_token, processor, ticket, future, recorder=recorder,
-                                           drafts=drafts))
+                                           drafts=drafts, prefix=prefix))
             self._cv.notify()
         return future
 
@@ -218,7 +226,12 @@ class ChainGenerator:
     @torch.inference_mode()
     def _step(self, admitted: list[_Sequence]) -> None:
         embed = self.model.transformer.word_embeddings
-        inputs = {s.sid: embed(torch.tensor([s.input_ids])) for s in admitted}
+        inputs = {}
+        for s in admitted:  # a prefill: the prompt after the pages its servers load
+            skip = s.prefix.load * PAGE_TOKENS if s.prefix is not None else 0
+            if skip and s.recorder is not None:
+                s.recorder.skip_prefix(skip)
+            inputs[s.sid] = embed(torch.tensor([s.input_ids[skip:]]))
         rollbacks = {}
         drafting = sum(s.drafts is not None for s in self._running.values())
         room = max(0, self.step_positions - len(self._running) - len(admitted))
@@ -235,7 +248,8 @@ class ChainGenerator:
         self.batch.recorders.update((s.sid, s.recorder) for s in admitted if s.recorder is not None)
         masks = TokenChooser.prepare_async(s.processor for s in self._running.values())  # grammar masks, meanwhile
         try:
-            outputs, failed = self.batch.step(inputs, opens, tickets, rollbacks)
+            outputs, failed = self.batch.step(inputs, opens, tickets, rollbacks,
+                                              {s.sid: s.prefix for s in admitted if s.prefix is not None})
         finally:
             if masks is not None:
                 masks.exception()  # wait: no chooser is used while its mask is being computed

@@ -5,12 +5,13 @@ session runs in its own worker thread and routes on its own lease (``swarm.engin
 proceed concurrently on different chains. Generated tokens are reported as they appear, for streaming
 and for per-token fairness charging.
 
-Sessions on the same chain are batched (``batch_sessions`` > 0, the default): a session without prefix reuse
-joins the chain's :class:`swarm.engine.batching.ChainGenerator`, which steps all of that chain's sessions together —
-one multi-session message per server and step, one batched pass on each server, one LM-head pass here — with
-the same tokens (greedy, or the request's own sampling). If the batched path fails (a server that dies, or
-a server without multi-session streams), the session goes on from the tokens it has on petals' own
-per-session path, failing over as every session does.
+Sessions on the same chain are batched (``batch_sessions`` > 0, the default): a session joins the chain's
+:class:`swarm.engine.batching.ChainGenerator`, which steps all of that chain's sessions together — one
+multi-session message per server and step, one batched pass on each server, one LM-head pass here — with the
+same tokens (greedy, or the request's own sampling), its prompt's held pages loaded by the servers (prefix
+reuse) and its decode steps carrying drafted tokens (speculative decoding). If the batched path fails (a server
+that dies, pages evicted since the probe, a server without multi-session streams), the session goes on from the
+tokens it has on petals' own per-session path, without reuse or drafts, failing over as every session does.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import torch
 
 from swarm.engine.batching import ChainGenerator, SequenceFailed, StopSequence
 from swarm.engine.multi_client import ChainBatch
-from swarm.trust.prefix import PAGE_TOKENS, reusable_pages
+from swarm.engine.multi_wire import Prefix
+from swarm.trust.prefix import MISSING_MESSAGE as PREFIX_MISSING, PAGE_TOKENS, reusable_pages
 from swarm.engine.sampling import SamplingParams, TokenChooser, TokenLogprob
 from swarm.engine.routing import (
     Lease, LeaseProvider, NoRouteError, PrefixPlan, PrefixSessionFailed, SessionControl, install, probe_route,
@@ -228,7 +230,7 @@ class GenerationEngine:
             return result("stop" if ended() else "length")
         try:
             try:
-                if plan is None and self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
+                if self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
                         # a seeded sampled request does not speculate: how many tokens are drafted depends on what
                         # else runs (they share a step's positions) and decides which random draws it uses, and
@@ -236,13 +238,17 @@ class GenerationEngine:
                         seeded = params.seed is not None and chooser is not None and params.temperature > 0
                         drafts = (self.speculation.session(client)
                                   if self.speculation is not None and params.speculative and not seeded else None)
-                        self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts)
+                        self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts,
+                                          plan)
                     except SequenceFailed as exc:
                         self.fallbacks += 1
                         logger.warning("a batched session continues on its own: %s", exc)
                         if exc.unsupported:
                             self._unbatched.add(tuple(lease.route))
-                        if exc.peer_id is not None and provider is not None:
+                        if PREFIX_MISSING in str(exc):  # the pages were evicted since the probe: no server fault
+                            if hasattr(provider, "renew_ticket"):
+                                provider.renew_ticket(lease)
+                        elif exc.peer_id is not None and provider is not None:
                             lease.route = self._reroute(lease, provider, exc.peer_id, control)  # its blocks only
                         elif hasattr(provider, "renew_ticket"):
                             provider.renew_ticket(lease)
@@ -314,8 +320,9 @@ class GenerationEngine:
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None,
-                     ignore_eos: bool = False, recorder=None, drafts=None) -> None:
-        """Run the session in its chain's batch (blocking). Raises :class:`SequenceFailed` to fall back."""
+                     ignore_eos: bool = False, recorder=None, drafts=None, plan: PrefixPlan | None = None) -> None:
+        """Run the session in its chain's batch (blocking), reusing ``plan``'s prompt pages. Raises
+        :class:`SequenceFailed` to fall back."""
         generator = self._generator(tuple(lease.route))
         stopped = []
 
@@ -329,7 +336,8 @@ class GenerationEngine:
         try:
             future = generator.submit(input_ids, max_new_tokens, eos_token_id=None if ignore_eos else self.eos_token_id,
                                       on_token=on_token, processor=chooser, ticket=lease.ticket, recorder=recorder,
-                                      drafts=drafts)
+                                      drafts=drafts, prefix=None if plan is None else Prefix(tuple(plan.hashes),
+                                                                                             plan.load_pages))
         except RuntimeError as exc:  # closed meanwhile
             raise SequenceFailed(str(exc), []) from exc
         unwatch = control.watch_peers(generator.peer_failed) if control is not None else None

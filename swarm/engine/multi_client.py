@@ -118,9 +118,11 @@ class ChainBatch:
         self.recorders: dict = {}
 
     def step(self, inputs: Mapping[str, torch.Tensor], opens: Mapping[str, int] = (),
-             tickets: Mapping[str, bytes] = (), rollbacks: Mapping[str, int] = ()
+             tickets: Mapping[str, bytes] = (), rollbacks: Mapping[str, int] = (),
+             prefixes: Mapping[str, multi_wire.Prefix] = ()
              ) -> tuple[dict[str, torch.Tensor], dict[str, SessionFailure]]:
-        """Open ``opens`` (session -> max_length), then run ``inputs`` (session -> hidden ``(1, n, H)``) through
+        """Open ``opens`` (session -> max_length; with ``prefixes[sid]``, its prompt pages: the servers load the held
+        ones and store the rest after the first step), then run ``inputs`` (session -> hidden ``(1, n, H)``) through
         the chain, each session first forgetting ``rollbacks[sid]`` of its last positions on every server (the
         drafts its previous step rejected). Returns (outputs of the last block by session, failed sessions -> the
         server and its reason)."""
@@ -128,7 +130,7 @@ class ChainBatch:
             raise RuntimeError("the chain batch is closed")
         if self._failed_peer is not None:
             raise ChainBatchError(self._failed_peer, "the server is known to have failed")
-        opens, tickets = dict(opens), dict(tickets)
+        opens, tickets, prefixes = dict(opens), dict(tickets), dict(prefixes)
         for sid in opens:
             if sid in self.open_sessions:
                 raise ValueError(f"session {sid!r} is already open")
@@ -139,8 +141,8 @@ class ChainBatch:
             recorder = self.recorders.get(sid)
             if recorder is not None:
                 recorder.rollback(n)
-        self._inflight = RemoteExpertWorker.run_coroutine(self._step(dict(inputs), opens, tickets, rollbacks),
-                                                          return_future=True)
+        self._inflight = RemoteExpertWorker.run_coroutine(
+            self._step(dict(inputs), opens, tickets, rollbacks, prefixes), return_future=True)
         try:
             return self._inflight.result()
         except concurrent.futures.CancelledError:
@@ -167,11 +169,13 @@ class ChainBatch:
                 self.open_sessions.discard(sid)
                 self._closing.add(sid)
 
-    async def _step(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict) -> tuple[dict, dict]:
+    async def _step(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict,
+                    prefixes: dict) -> tuple[dict, dict]:
         failed: dict[str, SessionFailure] = {}
         hidden = dict(inputs)
         closes, self._closing = sorted(self._closing), set()
-        new = [multi_wire.Open(sid, int(length), tickets.get(sid), self.alloc_timeout) for sid, length in opens.items()]
+        new = [multi_wire.Open(sid, int(length), tickets.get(sid), self.alloc_timeout, prefixes.get(sid))
+               for sid, length in opens.items()]
         self.open_sessions.update(opens)
         for stream in self.streams:
             order = list(hidden)  # the sessions still going (those failed upstream are not in it)

@@ -10,12 +10,15 @@ A request is a hivemind ``ExpertRequest``:
 
 * ``uid``: the span's block uids joined by spaces (petals' ``CHAIN_DELIMITER``), the same in every message of
   the stream (later messages may leave it empty);
-* ``metadata`` (msgpack): ``{"open": [[sid, max_length, ticket or None, alloc_timeout], ...],
+* ``metadata`` (msgpack): ``{"open": [[sid, max_length, ticket or None, alloc_timeout(, prefix)], ...],
   "step": [[sid, tokens] or [sid, tokens, rollback], ...], "close": [sid, ...]}`` — closes are applied first (a
   new session may take the memory a finished one leaves), then opens, then steps; ``sid`` names a session within
   this stream. ``rollback`` (speculative decoding, :mod:`swarm.engine.speculative`): before its step, the session
   forgets its last ``rollback`` positions (the drafted tokens the previous pass rejected); a rollback past the
-  positions of the session's previous step is refused;
+  positions of the session's previous step is refused. ``prefix`` (prompt-prefix reuse, :mod:`swarm.trust.prefix`)
+  is ``{"page": 16, "hashes": [...], "load": n}``: the server copies the first ``n`` pages it holds into the new
+  session's cache (the session then starts at position ``n · page``; the first step sends only the positions after
+  them) and stores the prompt's new full pages after that first step;
 * ``tensors``: one hidden-state tensor ``(1, tokens, hidden)`` per step entry, in order.
 
 The reply (``ExpertResponse``) carries one tensor per step entry that succeeded, in order, and metadata
@@ -26,6 +29,8 @@ petals) answer the call with an error; clients then use one petals session per s
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from swarm.trust.prefix import PAGE_TOKENS, check_hashes
 
 RPC = "TransformerConnectionHandler.rpc_multi_inference"
 MAX_SESSIONS = 256  # sessions open at once in one stream
@@ -38,11 +43,23 @@ class MultiWireError(ValueError):
 
 
 @dataclass(frozen=True)
+class Prefix:
+    """A session's prompt pages: ``hashes`` of its full pages, the first ``load`` of them held by the server."""
+
+    hashes: tuple[bytes, ...]
+    load: int = 0
+
+    def to_wire(self) -> dict:
+        return {"page": PAGE_TOKENS, "hashes": list(self.hashes), "load": self.load}
+
+
+@dataclass(frozen=True)
 class Open:
     sid: str
     max_length: int
     ticket: bytes | None = None
     alloc_timeout: float = 0.0
+    prefix: Prefix | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,20 @@ def _sid(value) -> str:
     return value
 
 
+def _prefix(value, max_length: int) -> Prefix:
+    if not isinstance(value, dict) or value.get("page") != PAGE_TOKENS:
+        raise MultiWireError(f"a prefix is {{'page': {PAGE_TOKENS}, 'hashes': [...], 'load': n}}")
+    try:
+        hashes = check_hashes(value.get("hashes", []))
+    except ValueError as exc:
+        raise MultiWireError(str(exc)) from None
+    load = value.get("load", 0)
+    if (not isinstance(load, int) or isinstance(load, bool) or not 0 <= load <= len(hashes)
+            or load * PAGE_TOKENS >= max_length):
+        raise MultiWireError(f"a prefix's load must be an integer in [0, {len(hashes)}] below max_length")
+    return Prefix(tuple(hashes), load)
+
+
 def _step_entry(sid: str, tokens: int, rollback: int = 0) -> list:
     """One step entry: ``[sid, tokens]``, or ``[sid, tokens, rollback]`` when positions are taken back (a rollback
     of 0 is left out, so a stream without speculation sends what servers before it understood)."""
@@ -66,7 +97,8 @@ def _step_entry(sid: str, tokens: int, rollback: int = 0) -> list:
 
 def encode(opens=(), steps=(), closes=()) -> dict:
     """The metadata of one request (``steps`` as (sid, tokens) or (sid, tokens, rollback) tuples)."""
-    return {"open": [[o.sid, o.max_length, o.ticket, o.alloc_timeout] for o in opens],
+    return {"open": [[o.sid, o.max_length, o.ticket, o.alloc_timeout] + ([o.prefix.to_wire()] if o.prefix else [])
+                     for o in opens],
             "step": [_step_entry(*step) for step in steps], "close": list(closes)}
 
 
@@ -81,16 +113,17 @@ def decode(metadata, tensors: int) -> Request:
         raise MultiWireError(f"at most {MAX_SESSIONS} entries of each kind per message")
     opens = []
     for entry in raw_opens:
-        if not isinstance(entry, list) or len(entry) != 4:
-            raise MultiWireError("an open entry is [sid, max_length, ticket, alloc_timeout]")
-        sid, max_length, ticket, alloc_timeout = entry
+        if not isinstance(entry, list) or len(entry) not in (4, 5):
+            raise MultiWireError("an open entry is [sid, max_length, ticket, alloc_timeout] or [..., prefix]")
+        sid, max_length, ticket, alloc_timeout = entry[:4]
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
             raise MultiWireError(f"max_length must be a positive integer, got {max_length!r}")
         if ticket is not None and not isinstance(ticket, bytes):
             raise MultiWireError("a ticket must be bytes")
         if not isinstance(alloc_timeout, (int, float)) or not 0 <= alloc_timeout <= MAX_ALLOC_TIMEOUT_S:
             raise MultiWireError(f"alloc_timeout must be within 0-{MAX_ALLOC_TIMEOUT_S} s")
-        opens.append(Open(_sid(sid), max_length, ticket, float(alloc_timeout)))
+        prefix = _prefix(entry[4], max_length) if len(entry) == 5 else None
+        opens.append(Open(_sid(sid), max_length, ticket, float(alloc_timeout), prefix))
     steps = []
     for entry in raw_steps:
         if (not isinstance(entry, list) or len(entry) not in (2, 3)
