@@ -18,13 +18,15 @@ import pytest
 from helpers import wait_for
 from server.local_swarm import LocalSwarm
 
-pytestmark = pytest.mark.swarm
+# alone: beside the hostile-servers test (load average 6-8), the joining server killed as it loads its range still
+# fails: steps to servers that are moving between ranges time out (20 s) instead of failing at once, and the
+# no-progress watchdog gives up after 4 attempts (docs/tests.md)
+pytestmark = [pytest.mark.swarm, pytest.mark.alone]
 
 MAX_LENGTH = 512
 MEMORY_GB = 0.24  # GiB per node: half the float32 model plus a few sessions -> two chains of two hops
 DECLARED = {"prefill_s": 2e-4, "decode_s": 2e-3, "rtt_s": 0.002}
-# under one prefix page (16 tokens): a prompt with a full page takes petals' single-session path when prefix reuse is
-# on, which does not speculate; this one takes the batched path, whose drafts (its own repetition) the model accepts
+# a copy-heavy prompt: its decode steps carry drafts (its own repetition) that the model accepts
 COPY_PROMPT = "red, green, blue, red, green, blue, red,"
 PREFIX_PROMPT = (" ".join(f"Note {i}: the committee reviewed the budget and the schedule of the bridge." for i in range(6))
                  + "\nIn one sentence, the committee")
