@@ -30,7 +30,7 @@ from typing import Any
 from swarm.model.checkpoint import dht_prefix_for
 from swarm.runtime.process import stop_process_group
 
-_PRELOAD = ["swarm.model.compat", "petals.server.server", "server.runner", "swarm.runtime.dht", "server.node", "swarm.service"]
+_PRELOAD = ["swarm.model.compat", "torch._dynamo", "petals.server.server", "server.runner", "swarm.runtime.dht", "server.node", "swarm.service"]
 
 # ChainswarmServer keyword arguments (the rest of add_node's options are petals Server kwargs).
 _NODE_OPTIONS = ("check_period", "assignment_poll", "drain_timeout", "profile_ttl_factor", "rtt_period",
