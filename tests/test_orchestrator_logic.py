@@ -3,6 +3,7 @@
 (The same orchestrator runs against real server processes in tests/test_runtime.py.)
 """
 import asyncio
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -286,6 +287,43 @@ def test_a_server_that_dies_while_moving_is_excluded_once_the_probe_cannot_reach
         assert node in orch.suspects and orch.probe.probed == [peer]
         await orch.refresh()
         assert all(peer not in [p for p, _, _ in c.route] for c in orch.view.chains)
+        await orch.stop()
+
+    run(scenario())
+
+
+def test_a_dht_read_that_hangs_does_not_stop_the_control_loop():
+    """A refresh whose DHT read of the server records never returns goes on with the records it read last time
+    (bounded, swarm.runtime.bounded): a server reported failed meanwhile is still planned out at once, and the hung
+    read is not started again but picked up when it returns."""
+    import threading
+
+    async def scenario():
+        orch, dht = await serving_orchestrator()
+        peer = orch.view.chains[0].route[0][0]
+        release, reads = threading.Event(), []
+        original = dht.get
+
+        def hanging_get(*args, **kwargs):
+            reads.append(1)
+            release.wait(30)
+            return original(*args, **kwargs)
+
+        dht.get = hanging_get
+        orch._profiles_read.timeout_s = 0.2
+        orch.report_failure(peer)
+        began = time.monotonic()
+        await orch.refresh()
+        await orch.refresh()
+        # (the control loop refreshes too, at the failure report: at least these two waits ran out)
+        assert time.monotonic() - began < 5 and orch._profiles_read.timeouts >= 2 and len(reads) == 1
+        assert orch.view.chains and all(peer not in [p for p, _, _ in c.route] for c in orch.view.chains)
+        timeouts = orch._profiles_read.timeouts
+        dht.get = original
+        release.set()
+        await orch.refresh()  # the hung read's answer, then fresh ones
+        await orch.refresh()
+        assert len(reads) == 1 and orch._profiles_read.timeouts == timeouts
         await orch.stop()
 
     run(scenario())

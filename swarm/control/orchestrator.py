@@ -50,6 +50,9 @@ from swarm.control.spot_checks import SpotCheckHooks
 from swarm.control.status import swarm_status
 from swarm.control.transition import Transition
 from swarm.control.view import OrchestratorConfig, SwarmView
+from swarm.runtime.bounded import BoundedCall, CallTimeout
+
+DHT_CALL_S = 15.0  # the longest the control loop waits for one DHT read or write (it goes on in its thread)
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "QueueTimeout", "UnknownLeaseError",
            "LeaseRecord", "LeaseMisuse"]
@@ -99,6 +102,10 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         self.suspects: dict[str, float] = {}
         self.claims = FailureClaims()  # lease holders' failure reports, excluded only when confirmed
         self.probe = DhtPing(dht)
+        # the control loop's DHT calls, each bounded: one that hangs must not stop re-plans and failover
+        self._profiles_read, self._reports_read, self._publish = (
+            BoundedCall(what, DHT_CALL_S) for what in ("reading the server records", "reading the prefix reports",
+                                                       "publishing the assignments"))
         self._probing: set[str] = set()
         self.occupancy = Occupancy()  # KV block-slots each running session holds, whatever its plan
         self.reservations = Reservations(config.expect)  # each admitted session's KV tokens per block
@@ -178,8 +185,12 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
 
     # -- membership, planning, assignments ---------------------------------------------------------------
     async def refresh(self) -> None:
-        claims = await asyncio.to_thread(records.fetch_profile_claims, self.dht, self.config.dht_prefix)
-        profiles = self._pinned_profiles(claims)
+        try:
+            claims = await self._profiles_read(records.fetch_profile_claims, self.dht, self.config.dht_prefix)
+            profiles = self._pinned_profiles(claims)
+        except CallTimeout as exc:  # plan on the records read last time (the suspects still apply)
+            logger.warning("refresh: %s", exc)
+            profiles = self.view.profiles
         now = time.monotonic()
         for node, since in list(self.suspects.items()):
             if node not in profiles or now - since > self.config.suspect_s:
@@ -199,12 +210,15 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         for kind, data in self.transition.advance(self.view, self._compose, now):
             self._event(kind, **data)
             self._published_at = 0.0  # tell the released servers now
-        if now - self._published_at > self.config.assignment_ttl_s / 3:
-            await self._publish_assignments()
-        if self.prefix.enabled:
-            reports = await asyncio.to_thread(prefix_protocol.fetch_reports, self.dht, self.config.dht_prefix,
-                                              dict(self.pins.pins))
-            self.prefix.apply_reports(reports, live=set(profiles))
+        try:
+            if now - self._published_at > self.config.assignment_ttl_s / 3:
+                await self._publish_assignments()
+            if self.prefix.enabled:
+                reports = await self._reports_read(prefix_protocol.fetch_reports, self.dht, self.config.dht_prefix,
+                                                   dict(self.pins.pins))
+                self.prefix.apply_reports(reports, live=set(profiles))
+        except CallTimeout as exc:  # the chains below are still brought up to date
+            logger.warning("refresh: %s", exc)
         self._update_chains()
         self.expire_leases()
         self.router.forget_idle(now, self.config.forget_idle_s)
@@ -309,7 +323,7 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
             for node, assignment in items:
                 records.publish_assignment(self.dht, prefix, node, assignment, ttl, owner)
 
-        await asyncio.to_thread(publish)
+        await self._publish(publish)
         self._published_at = time.monotonic()
 
     def _update_chains(self) -> None:
