@@ -3,6 +3,11 @@
 A petals server owns a DHT process, its p2pd daemon, handler processes and threads. Each peer therefore
 runs in its own process group, follows its launcher (a watchdog kills the whole group when the launcher
 dies) and turns SIGTERM into a normal exit so that ``finally`` blocks shut petals down cleanly.
+
+Peers forked from one parent (``server.local_swarm``'s forkserver, which has imported hivemind) also inherit
+hivemind's process-wide ``MPFuture`` locks: one peer SIGKILLed while it held one (a failpoint, the chaos soak, a
+crash) would block every other peer's DHT calls and every later peer's start, for good. Each peer therefore
+takes locks of its own (:func:`own_mpfuture_locks`); its own DHT and handler processes share them.
 """
 from __future__ import annotations
 
@@ -15,6 +20,15 @@ import time
 from typing import Callable
 
 
+def own_mpfuture_locks() -> None:
+    """Replace the ``MPFuture`` locks this process inherited with its own (when hivemind is already imported: a
+    fresh import makes fresh ones). Call it before the process makes any ``MPFuture`` (hivemind's
+    ``MPFuture.reset_backend``)."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()
+
+
 def become_group_leader(launcher_pid: int, poll_s: float = 1.0, *, child_of_launcher: bool = False) -> None:
     """Make this process a process-group leader that exits cleanly on SIGTERM and dies with its launcher.
 
@@ -23,6 +37,7 @@ def become_group_leader(launcher_pid: int, poll_s: float = 1.0, *, child_of_laun
     ``kill(pid, 0)``).
     """
     os.setpgrp()
+    own_mpfuture_locks()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:  # a launcher that gives up on it sees where it hung (diagnostics never stop a peer from starting)
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)

@@ -1,0 +1,53 @@
+"""Process hygiene of peers forked from one parent (swarm.runtime.process): a peer SIGKILLed while it held one of
+hivemind's process-wide ``MPFuture`` locks blocks no other peer.
+
+The locks are class attributes made when hivemind is imported, so every process forked after that import (the
+LocalSwarm forkserver's peers) shares them. A failpoint run caught it: a joining server killed as it loaded its range
+left the orchestrator's DHT reads and writes hanging for minutes, and the next test's DHT never started.
+"""
+import multiprocessing as mp
+import os
+import signal
+
+from hivemind.utils.mpfuture import MPFuture
+
+from swarm.runtime.process import become_group_leader
+
+
+def _die_holding_the_lock() -> None:
+    MPFuture._update_lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _try_the_lock(own: bool, launcher: int, answer) -> None:
+    if own:
+        become_group_leader(launcher)  # what every peer process does first
+    answer.send(MPFuture._update_lock.acquire(timeout=2.0))
+
+
+def _peer_after_a_killed_one(own: bool) -> bool:
+    ctx = mp.get_context("fork")
+    MPFuture._update_lock = ctx.Lock()  # the lock both children inherit (a fresh one each time)
+    victim = ctx.Process(target=_die_holding_the_lock)
+    victim.start()
+    victim.join(10)
+    assert victim.exitcode == -signal.SIGKILL
+    receive, send = ctx.Pipe(duplex=False)
+    peer = ctx.Process(target=_try_the_lock, args=(own, os.getpid(), send))
+    peer.start()
+    try:
+        assert receive.poll(10)
+        return receive.recv()
+    finally:
+        peer.join(10)
+        if peer.is_alive():
+            peer.kill()
+
+
+def test_a_peer_killed_holding_an_mpfuture_lock_blocks_no_other_peer():
+    saved = MPFuture._update_lock  # this process's own lock is never taken by a victim
+    try:
+        assert _peer_after_a_killed_one(own=True)  # a peer takes locks of its own: not blocked
+        assert not _peer_after_a_killed_one(own=False)  # the hazard itself: the inherited lock stays held
+    finally:
+        MPFuture._update_lock = saved
