@@ -323,8 +323,10 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
             for node, assignment in items:
                 records.publish_assignment(self.dht, prefix, node, assignment, ttl, owner)
 
+        fresh = self._publish.idle  # else the call still running from a refresh ago sends older assignments
         await self._publish(publish)
-        self._published_at = time.monotonic()
+        if fresh:
+            self._published_at = time.monotonic()
 
     def _update_chains(self) -> None:
         view = self.view

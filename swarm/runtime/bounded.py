@@ -22,8 +22,14 @@ class BoundedCall:
         self._running: Optional[asyncio.Future] = None
         self.timeouts = 0  # waits that ran out (the status and tests read it)
 
+    @property
+    def idle(self) -> bool:
+        """No earlier call is still running: the next call runs the function it is given."""
+        return self._running is None
+
     async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` in a thread (or the result of the one still running), within ``timeout_s``."""
+        """``fn(*args)`` in a thread (or the result of the one still running, which ``fn`` then does not
+        replace), within ``timeout_s``."""
         if self._running is None:
             self._running = asyncio.ensure_future(asyncio.to_thread(fn, *args))
         running = self._running
