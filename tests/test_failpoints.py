@@ -18,10 +18,7 @@ import pytest
 from helpers import wait_for
 from server.local_swarm import LocalSwarm
 
-# alone: beside the hostile-servers test (load average 6-8), the joining server killed as it loads its range still
-# fails: steps to servers that are moving between ranges time out (20 s) instead of failing at once, and the
-# no-progress watchdog gives up after 4 attempts (docs/tests.md)
-pytestmark = [pytest.mark.swarm, pytest.mark.alone]
+pytestmark = pytest.mark.swarm
 
 MAX_LENGTH = 512
 MEMORY_GB = 0.24  # GiB per node: half the float32 model plus a few sessions -> two chains of two hops
