@@ -82,7 +82,8 @@ def _give_up_on(peer: Peer) -> None:
     """A child that never came up: dump its Python stacks to stderr (``faulthandler`` on SIGUSR1, set up by
     :func:`swarm.runtime.process.become_group_leader`) so the report shows where it hung, kill its process
     group, and retire the forkserver, so that the next peer is forked from a fresh one (two CI runs saw every
-    peer start after some point hang; a fresh forkserver bounds that to one test)."""
+    peer start after some point hang; a fresh forkserver bounds that to one test. The likely cause, peers that
+    shared hivemind's MPFuture locks, is fixed: :func:`swarm.runtime.process.own_mpfuture_locks`)."""
     from multiprocessing import forkserver
 
     pid = peer.process.pid
