@@ -42,7 +42,7 @@ from petals.utils.misc import DUMMY_INT64
 from server import failpoints
 from server.handler import ChainswarmHandler
 from server.kv_pool import fit_pages, token_axis
-from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes
+from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes, parse_session_spec
 
 logger = logging.getLogger(__name__)
 
@@ -309,13 +309,7 @@ def _session_prefix(metadata: dict) -> Optional[_SessionPrefix]:
     spec = metadata.get(META_KEY)
     if spec is None:
         return None
-    if not isinstance(spec, dict) or spec.get("page") != PAGE_TOKENS:
-        raise ValueError(f"{META_KEY} must be a dict with page={PAGE_TOKENS}")
-    hashes = check_hashes(spec.get("hashes", []))
-    load = spec.get("load", 0)
-    if not isinstance(load, int) or not 0 <= load <= len(hashes):
-        raise ValueError(f"{META_KEY}.load must be an int in [0, {len(hashes)}]")
-    return _SessionPrefix(hashes, load)
+    return _SessionPrefix(*parse_session_spec(spec))
 
 
 class PrefixHandler(ChainswarmHandler):

@@ -245,10 +245,8 @@ class GenerationEngine:
                         logger.warning("a batched session continues on its own: %s", exc)
                         if exc.unsupported:
                             self._unbatched.add(tuple(lease.route))
-                        if PREFIX_MISSING in str(exc):  # the pages were evicted since the probe: no server fault
-                            if hasattr(provider, "renew_ticket"):
-                                provider.renew_ticket(lease)
-                        elif exc.peer_id is not None and provider is not None:
+                        # pages evicted since the probe are no server's fault: the same route, a fresh ticket
+                        if exc.peer_id is not None and provider is not None and PREFIX_MISSING not in str(exc):
                             lease.route = self._reroute(lease, provider, exc.peer_id, control)  # its blocks only
                         elif hasattr(provider, "renew_ticket"):
                             provider.renew_ticket(lease)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.trust.prefix import PAGE_TOKENS, check_hashes
+from swarm.trust.prefix import PAGE_TOKENS, parse_session_spec, session_spec
 
 RPC = "TransformerConnectionHandler.rpc_multi_inference"
 MAX_SESSIONS = 256  # sessions open at once in one stream
@@ -50,7 +50,7 @@ class Prefix:
     load: int = 0
 
     def to_wire(self) -> dict:
-        return {"page": PAGE_TOKENS, "hashes": list(self.hashes), "load": self.load}
+        return session_spec(self.hashes, self.load)
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,12 @@ def _sid(value) -> str:
 
 
 def _prefix(value, max_length: int) -> Prefix:
-    if not isinstance(value, dict) or value.get("page") != PAGE_TOKENS:
-        raise MultiWireError(f"a prefix is {{'page': {PAGE_TOKENS}, 'hashes': [...], 'load': n}}")
     try:
-        hashes = check_hashes(value.get("hashes", []))
+        hashes, load = parse_session_spec(value)
     except ValueError as exc:
-        raise MultiWireError(str(exc)) from None
-    load = value.get("load", 0)
-    if (not isinstance(load, int) or isinstance(load, bool) or not 0 <= load <= len(hashes)
-            or load * PAGE_TOKENS >= max_length):
-        raise MultiWireError(f"a prefix's load must be an integer in [0, {len(hashes)}] below max_length")
+        raise MultiWireError(f"a prefix is {{'page': {PAGE_TOKENS}, 'hashes': [...], 'load': n}}: {exc}") from None
+    if load * PAGE_TOKENS >= max_length:
+        raise MultiWireError(f"a prefix's load ({load} pages) must leave positions below max_length {max_length}")
     return Prefix(tuple(hashes), load)
 
 

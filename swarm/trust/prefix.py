@@ -67,6 +67,23 @@ def check_hashes(hashes: Any) -> list[bytes]:
     return out
 
 
+def session_spec(hashes: Sequence[bytes], load: int) -> dict:
+    """A session's prefix spec as it travels (petals' opening metadata under :data:`META_KEY`, a multi-session
+    open): its prompt's full-page ``hashes``, the first ``load`` of which the server copies into its cache."""
+    return {"page": PAGE_TOKENS, "hashes": list(hashes), "load": int(load)}
+
+
+def parse_session_spec(spec: Any) -> tuple[list[bytes], int]:
+    """(hashes, load) of a received :func:`session_spec`; ``ValueError`` if malformed."""
+    if not isinstance(spec, dict) or spec.get("page") != PAGE_TOKENS:
+        raise ValueError(f"{META_KEY} must be a dict with page={PAGE_TOKENS}")
+    hashes = check_hashes(spec.get("hashes", []))
+    load = spec.get("load", 0)
+    if not isinstance(load, int) or isinstance(load, bool) or not 0 <= load <= len(hashes):
+        raise ValueError(f"{META_KEY}.load must be an int in [0, {len(hashes)}]")
+    return hashes, load
+
+
 # -- eviction reports (server -> orchestrator, through the DHT) -------------------------------------------
 
 
