@@ -7,7 +7,7 @@ One asyncio service owns all state; blocking work (DHT calls, petals sessions) r
   by the Theorem 3.7 lower bound, then GCA, keeping current block ranges when that is nearly as good)
   and publishes one :class:`~swarm.trust.records.Assignment` per server, renewed while the plan stands. A
   server reported failed by a session is excluded at once (GCA over the remaining placement), before
-  its heartbeat record even expires.
+  its heartbeat record even expires. These are in :mod:`swarm.control.membership` (mixed in).
 * **Dispatch.** Every request — a proxied completion or a client's lease — goes to the router chosen by
   ``config.router`` at start-up (:mod:`swarm.control.routers`): by default GCA's chains, the fairness scheduler's
   central queue and JFFC grants; ``ws-rr``, BPRR's per-request WS-RR paths. The router decides everything
@@ -31,13 +31,13 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from planner.fairness.types import Grant
-from planner.tuning import InfeasibleError
 from swarm.control import planning
-from swarm.trust import prefix as prefix_protocol, records, tickets
+from swarm.trust import tickets
 from swarm.control.failures import DhtPing, FailureClaims
 from swarm.control.failover import Failover, LeaseOps
 from swarm.trust.identity import Identity, KeyPins
 from swarm.trust.verification import CheckPolicy, Ledger
+from swarm.control.membership import Membership, dht_calls
 from swarm.control.leases import LeaseBook, LeaseMisuse, LeaseRecord, UnknownLeaseError
 from swarm.control.reservations import Reservations
 from swarm.control.occupancy import Occupancy, blocks_of, fit_capacities
@@ -50,9 +50,6 @@ from swarm.control.spot_checks import SpotCheckHooks
 from swarm.control.status import swarm_status
 from swarm.control.transition import Transition
 from swarm.control.view import OrchestratorConfig, SwarmView
-from swarm.runtime.bounded import BoundedCall, CallTimeout
-
-DHT_CALL_S = 15.0  # the longest the control loop waits for one DHT read or write (it goes on in its thread)
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "QueueTimeout", "UnknownLeaseError",
            "LeaseRecord", "LeaseMisuse"]
@@ -76,7 +73,7 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
-class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
+class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
     """The control plane. ``dht`` is a running hivemind.DHT (or anything with get/store)."""
 
     def __init__(self, config: OrchestratorConfig, dht, *, http_url: str | None = None,
@@ -102,10 +99,7 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
         self.suspects: dict[str, float] = {}
         self.claims = FailureClaims()  # lease holders' failure reports, excluded only when confirmed
         self.probe = DhtPing(dht)
-        # the control loop's DHT calls, each bounded: one that hangs must not stop re-plans and failover
-        self._profiles_read, self._reports_read, self._publish = (
-            BoundedCall(what, DHT_CALL_S) for what in ("reading the server records", "reading the prefix reports",
-                                                       "publishing the assignments"))
+        self._profiles_read, self._reports_read, self._publish = dht_calls()  # bounded (swarm.control.membership)
         self._probing: set[str] = set()
         self.occupancy = Occupancy()  # KV block-slots each running session holds, whatever its plan
         self.reservations = Reservations(config.expect)  # each admitted session's KV tokens per block
@@ -183,162 +177,12 @@ class Orchestrator(Failover, LeaseOps, SpotCheckHooks):
             return
         self._event("refused", client=client_id, reason=reason, count=1)
 
-    # -- membership, planning, assignments ---------------------------------------------------------------
-    async def refresh(self) -> None:
-        try:
-            claims = await self._profiles_read(records.fetch_profile_claims, self.dht, self.config.dht_prefix)
-            profiles = self._pinned_profiles(claims)
-        except CallTimeout as exc:  # plan on the records read last time (the suspects still apply)
-            logger.warning("refresh: %s", exc)
-            profiles = self.view.profiles
-        now = time.monotonic()
-        for node, since in list(self.suspects.items()):
-            if node not in profiles or now - since > self.config.suspect_s:
-                del self.suspects[node]  # gone for good (record expired) or back after the grace period
-        live = {node: p for node, p in profiles.items() if node not in self.suspects and p.rtt_s is not None
-                and self._same_dtype(node, p) and not self.is_banned(node)}
-        gone = {n: p.peer_id for n, p in self.view.profiles.items() if n not in profiles}
-        self.view.profiles = profiles
-        self._membership(set(profiles))
-        for peer_id in gone.values():  # its record expired: steps waiting for it fail over now, not at their timeout
-            for control in list(self.running.values()):
-                control.peer_failed(peer_id)
-        members = set(live)
-        planned = set(self.view.assignments) if self.view.plan is not None else set()
-        if (members != planned or self.view.plan is None) and self._settled(members, now):
-            self._replan(live)
-        for kind, data in self.transition.advance(self.view, self._compose, now):
-            self._event(kind, **data)
-            self._published_at = 0.0  # tell the released servers now
-        try:
-            if now - self._published_at > self.config.assignment_ttl_s / 3:
-                await self._publish_assignments()
-            if self.prefix.enabled:
-                reports = await self._reports_read(prefix_protocol.fetch_reports, self.dht, self.config.dht_prefix,
-                                                   dict(self.pins.pins))
-                self.prefix.apply_reports(reports, live=set(profiles))
-        except CallTimeout as exc:  # the chains below are still brought up to date
-            logger.warning("refresh: %s", exc)
-        self._update_chains()
-        self.expire_leases()
-        self.router.forget_idle(now, self.config.forget_idle_s)
-        self.service_history.sample(time.time(), self.router.client_service())
-
-    def _membership(self, nodes: set[str]) -> None:
-        """Events for servers whose profile record appeared or vanished since the last refresh."""
-        for node in sorted(nodes - self._members):
-            self._event("server_joined", node=node)
-        for node in sorted(self._members - nodes):
-            self._event("server_left", node=node)
-        self._members = nodes
-
-    def _settled(self, members: set[str], now: float) -> bool:
-        """Whether the first plan may be made: the live servers unchanged for ``settle_s`` (at most 5x that)."""
-        if self.view.plan is not None or self.config.settle_s <= 0 or not members:
-            return True
-        first, since, seen = self._settling
-        if members != seen:
-            self._settling = (first if first is not None else now, now, set(members))
-            first, since = self._settling[:2]
-        return now - since >= self.config.settle_s or now - first >= 5 * self.config.settle_s
-
-    def _pinned_profiles(self, claims) -> dict[str, records.ServerProfile]:
-        """One profile per node id: the one signed by the key pinned for it (a second key claiming a live node
-        id is refused, with a ``server_key_refused`` event once per key)."""
-        profiles, refused = self.pins.select(claims)
-        for node, key in refused:
-            if (node, key) not in self._refused_keys:
-                self._refused_keys.add((node, key))
-                self._event("server_key_refused", node=node, key=key,
-                            reason="another key already holds this node id while its profile is alive")
-        return profiles
-
+    # -- tickets and chain capacities (membership and planning: swarm.control.membership) ----------------
     def ticket(self, request_id: str, chain_id: str, route, page_hashes=()) -> bytes:
         """A session ticket (swarm.trust.tickets) for ``route``, signed by this orchestrator."""
         return tickets.mint(self.identity, request_id=request_id, chain_id=chain_id, route=route,
                             max_length=self.config.expect.max_length, ttl_s=self.config.ticket_ttl_s,
                             page_hashes=page_hashes)
-
-    def _same_dtype(self, node: str, profile: records.ServerProfile) -> bool:
-        """Only servers computing in the swarm's dtype are planned (mixed dtypes change greedy answers)."""
-        if profile.torch_dtype == self.config.torch_dtype:
-            self._dtype_refused.discard(node)
-            return True
-        if node not in self._dtype_refused:
-            self._dtype_refused.add(node)
-            self._event("server_refused", node=node, reason=f"serves in {profile.torch_dtype}, the swarm in "
-                        f"{self.config.torch_dtype} (start it with --torch-dtype {self.config.torch_dtype})")
-        return False
-
-    def _replan(self, live: dict[str, records.ServerProfile]) -> None:
-        view = self.view
-        if not live:
-            if view.plan is not None:
-                self._event("plan_dropped", reason="no live servers")
-            view.plan, view.plan_id, view.assignments, view.plan_error = None, None, {}, "no servers have joined"
-            self.transition.reset(view)
-            return
-        try:
-            new_plan, kept = planning.choose_plan(list(live.values()), self.config.num_blocks, self.config.expect,
-                                                  view.plan)
-        except (InfeasibleError, ValueError) as exc:
-            view.plan_error = str(exc)
-            if view.plan is not None:
-                self._event("plan_dropped", reason=str(exc))
-            view.plan, view.plan_id, view.assignments = None, None, {}
-            self.transition.reset(view)
-            return
-        replaced = view.plan_id if view.plan is not None else None
-        plan_id = planning.new_plan_id()
-        view.plan, view.plan_id, view.plan_kept_ranges, view.plan_error = new_plan, plan_id, kept, None
-        view.plan_inputs = planning.swarm_document(list(live.values()), self.config.num_blocks, self.config.expect)
-        view.assignments = planning.assignments_for(new_plan, plan_id, self.config.expect.max_length,
-                                                    self.config.expect.prefix_cache_tokens,
-                                                    slots=self.router.kv_slots(new_plan, list(live.values())),
-                                                    slot_tokens=self.config.expect.slot_tokens)
-        self._compose = planning.composer(list(live.values()), self.config.num_blocks, self.config.expect,
-                                          method=new_plan.placement_method)
-        on_old_ranges = self.transition.begin(view, replaced)
-        self._published_at = 0.0
-        self.replans += 1
-        self._event("plan", plan_id=plan_id, kept_ranges=kept, c=new_plan.c, servers=sorted(live),
-                    chains=[[list(ch.servers), ch.capacity] for ch in new_plan.chains],
-                    on_old_ranges=on_old_ranges)
-        longest = self.reservations.longest(new_plan.chains)
-        if longest is not None and longest < self.config.expect.max_length:
-            logger.warning("plan %s: no chain holds a %d-token session (the longest is %d tokens); longer requests "
-                           "get a 400", plan_id, self.config.expect.max_length, longest)
-            self._event("plan_short_sessions", plan_id=plan_id, longest=longest,
-                        max_length=self.config.expect.max_length)
-
-    async def _publish_assignments(self) -> None:
-        ttl, prefix = self.config.assignment_ttl_s, self.config.dht_prefix
-        items = list(self.view.published.items())
-        info = records.OrchestratorInfo(self.dht.peer_id.to_base58(), self.http_url, self.view.plan_id)
-
-        owner = self.identity.public
-
-        def publish() -> None:
-            records.publish_orchestrator(self.dht, prefix, info, ttl, owner)
-            for node, assignment in items:
-                records.publish_assignment(self.dht, prefix, node, assignment, ttl, owner)
-
-        fresh = self._publish.idle  # else the call still running from a refresh ago sends older assignments
-        await self._publish(publish)
-        if fresh:
-            self._published_at = time.monotonic()
-
-    def _update_chains(self) -> None:
-        view = self.view
-        if view.plan is None:
-            view.chains = []
-        else:
-            view.chains = planning.routable_chains(view.plan, view.plan_id, view.profiles, view.assignments)
-            if self.transition.active:  # servers move in waves: route on what is served meanwhile
-                view.chains = self.transition.chains(view, self._compose) + [c for c in view.chains if not c.ready]
-        self._ready = [c for c in view.chains if c.ready]
-        self.prefix.set_chains(self._ready)
-        self._refit()
 
     def _refit(self) -> None:
         """Give the router the ready chains with the capacities the servers' KV slots leave them, once the
