@@ -145,11 +145,13 @@ def plan(
     tuning: str = "lower-bound",
     placement: str = "gbp-cr",
     seed: int = 0,
+    min_c: int = 1,
 ) -> Plan:
     """Plan a swarm: placement, chains with capacities (GCA), and the Theorem 3.7 bounds.
 
     * ``placement="gbp-cr"`` (default): GBP-CR with ``c`` fixed, or tuned over [c_max] by ``tuning`` ∈
-      {"lower-bound" (default), "surrogate", "upper-bound"}.
+      {"lower-bound" (default), "surrogate", "upper-bound"}, over the c whose chains include one of capacity ≥
+      ``min_c`` where any does (:func:`planner.tuning.tune_c`).
     * ``"random"``: GBP-CR's loop over a ``seed``-ed random server order (§12.5), same c handling.
     * ``"petals"``: petals 2.2 block selection in input order; GCA limited to each server's fixed pool.
     * ``"bprr"``: CG-BP with R = ``c`` or the §12.2 heuristic.
@@ -178,7 +180,8 @@ def plan(
         order = None if placement == "gbp-cr" else random_order(seed)
         arrays = SwarmArrays(model, servers)
         if c is None:
-            result = tune_c(model, servers, arrival_rate, rho, tuning=tuning, order=order, arrays=arrays)
+            result = tune_c(model, servers, arrival_rate, rho, tuning=tuning, order=order, arrays=arrays,
+                            min_c=min_c)
         else:
             result = evaluate_c(model, servers, c, arrival_rate, rho, order=order, arrays=arrays)
         chosen_c, how, candidates = result.c, result.tuning, result.candidates

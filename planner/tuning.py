@@ -239,9 +239,14 @@ def tune_c(
     tuning: str = "lower-bound",
     order: OrderFn | None = None,
     arrays: SwarmArrays | None = None,
+    min_c: int = 1,
 ) -> TuningResult:
     """Choose c by ``tuning`` ∈ {"lower-bound", "surrogate", "upper-bound"} over c = 1..c_max.
 
+    ``min_c`` = c_min (default 1: every c of [c_max] qualifies, the paper's rule): only candidates whose GCA
+    forms some chain k with capacity c_k ≥ c_min qualify, e.g. the slots one chain needs to hold the longest
+    session when a slot is sized for an expected-length session (token admission). Every c is still evaluated
+    (the candidate table is complete); when no candidate qualifies, the choice is over all of them.
     Raises InfeasibleError if no c admits a complete chain.
     """
     if tuning not in TUNINGS:
@@ -252,15 +257,9 @@ def tune_c(
     candidates = tuple(ev.candidate for ev in evaluations)
     if not any(cand.feasible and cand.total_capacity > 0 for cand in candidates):
         raise InfeasibleError(_infeasible_message(model, servers))
-    if tuning == "lower-bound":
-        pick = _argmin([(cand.lower, cand.c) for cand in candidates])
-    elif tuning == "upper-bound":
-        pick = _argmin([(cand.upper, cand.c) for cand in candidates])
-    else:
-        pick = _argmin([(None if cand.g is None else float(cand.g), cand.c) for cand in candidates])
-    if pick is None:  # nothing finite: the c with the largest ν(c), ties to the smaller c
-        pick = max(range(len(candidates)), key=lambda i: (candidates[i].total_rate, -candidates[i].c))
-    chosen = evaluations[pick]
+    allowed = [ev for ev in evaluations
+               if max((ch.capacity for ch in ev.allocation.chains), default=0) >= min_c] or evaluations
+    chosen = allowed[_pick([ev.candidate for ev in allowed], tuning)]
     return TuningResult(
         c=chosen.candidate.c,
         tuning=tuning,
@@ -269,6 +268,19 @@ def tune_c(
         gbp_cr=chosen.gbp,
         allocation=chosen.allocation,
     )
+
+
+def _pick(candidates: Sequence[Candidate], tuning: str) -> int:
+    """Index of the candidate ``tuning`` chooses; when no value is finite, the largest ν(c) (ties: smaller c)."""
+    if tuning == "lower-bound":
+        pick = _argmin([(cand.lower, cand.c) for cand in candidates])
+    elif tuning == "upper-bound":
+        pick = _argmin([(cand.upper, cand.c) for cand in candidates])
+    else:
+        pick = _argmin([(None if cand.g is None else float(cand.g), cand.c) for cand in candidates])
+    if pick is None:
+        pick = max(range(len(candidates)), key=lambda i: (candidates[i].total_rate, -candidates[i].c))
+    return pick
 
 
 def evaluate_c(

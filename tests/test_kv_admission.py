@@ -12,6 +12,8 @@ import dataclasses
 
 import pytest
 
+from planner.plan import plan
+from swarm.control import planning
 from swarm.control.orchestrator import Orchestrator
 from swarm.control.planning import Expectations
 from swarm.control.view import OrchestratorConfig
@@ -81,6 +83,37 @@ def test_short_sessions_run_many_at_once_within_every_servers_pool():
     by_tokens, _ = asyncio.run(scenario(TOKENS))
     assert by_slots == capacity
     assert by_tokens >= 3 * by_slots, (by_tokens, by_slots)
+
+
+def test_the_plan_keeps_a_chain_that_holds_a_max_length_session_when_memory_allows():
+    """Slots sized for the expected session (80 tokens) and a 1,024-token max_length: the c that the bound
+    prefers (c = 1) forms two chains of capacity 7, whose 560-token budgets hold no max-length session, so such
+    a request would get a 400 although the servers can hold it. The plan is made over the c whose chains
+    include one of c_k >= c_min = 13 instead, and a max-length request is granted."""
+    small = [profile(n, m) for n, m in (("a", 2), ("b", 2), ("c", 1.5))]
+    assert TOKENS.min_c == 13 and SLOTS.min_c == 1
+
+    async def scenario():
+        dht = MemoryDHT()
+        config = OrchestratorConfig(model_dir="unused", dht_prefix=PREFIX, num_blocks=4, expect=TOKENS,
+                                    policy="dlpm", settle_s=0.0)
+        orch = Orchestrator(config, dht, identity=ORCHESTRATOR)
+        publish(dht, *small)
+        await orch.start()
+        serve_assignments(dht)
+        await orch.refresh()
+        model, servers = planning.planner_inputs(small, 4, TOKENS)
+        unconstrained = plan(model, servers, TOKENS.arrival_rate)
+        assert max(ch.capacity for ch in unconstrained.chains) * TOKENS.slot_tokens < TOKENS.max_length
+        assert max(c.capacity for c in orch.view.chains) >= TOKENS.min_c
+        assert orch.status()["plan"]["longest_session_tokens"] == TOKENS.max_length
+        assert not any(e["event"] == "plan_short_sessions" for e in orch.events)
+        grant = await orch.acquire("c", 24, TOKENS.max_length - 24, timeout=1.0)
+        assert orch.session_tokens(grant.request_id) == TOKENS.max_length
+        orch.finish(grant.request_id, 16)
+        await orch.stop()
+
+    asyncio.run(scenario())
 
 
 def test_a_request_no_chain_can_hold_is_refused_at_once_and_one_that_fits_is_granted():

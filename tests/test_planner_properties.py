@@ -214,6 +214,29 @@ def test_tuning_matches_direct_computation(swarm, lam, how):
             assert chosen.candidate.total_rate == best_rate
 
 
+@settings(max_examples=40, deadline=None)
+@given(swarms(max_servers=5), st.sampled_from([0.1, 0.6, 3.0]), st.integers(1, 12))
+def test_tuning_with_a_least_chain_capacity_picks_among_the_c_that_have_one(swarm, lam, need):
+    """tune_c(min_c=n): the lower-bound argmin over the c whose GCA forms a chain of capacity >= n, or over all
+    of them when none does; with n = 1 it is the paper's rule."""
+    model, servers = swarm
+    top = c_max(model, servers)
+    assume(1 <= top <= 60)
+    evaluations = list(iter_candidates(model, servers, lam, 0.7))
+    assume(any(ev.candidate.feasible and ev.candidate.total_capacity for ev in evaluations))
+    holding = [ev for ev in evaluations if max((ch.capacity for ch in ev.allocation.chains), default=0) >= need]
+    chosen = tune_c(model, servers, lam, 0.7, min_c=need)
+    pool = holding or evaluations
+    finite = [(ev.candidate.lower, ev.candidate.c) for ev in pool if ev.candidate.lower is not None]
+    if finite:
+        assert chosen.c == min(finite)[1]
+    else:
+        assert chosen.candidate.total_rate == max(ev.candidate.total_rate for ev in pool)
+    if holding:
+        assert max(ch.capacity for ch in chosen.allocation.chains) >= need
+    assert tune_c(model, servers, lam, 0.7, min_c=1).c == tune_c(model, servers, lam, 0.7).c
+
+
 @st.composite
 def chain_sets(draw):
     k = draw(st.integers(1, 4))

@@ -19,10 +19,12 @@ row drawn at random, and runs for the time those lengths take on its chain
 
 ``max_length`` is 8,192, the smallest power of two that holds every request of the trace: 38% of them are
 longer than petals' default 2,048. The planner tunes c by bounds for sessions of one length, the expected one.
-Its largest chain budget can then be smaller than ``max_length``, and the orchestrator would refuse the longer
-requests (``refused_by_tuned_plan`` says how many). So the token plan takes the least c from the tuned one up
-whose largest budget holds a ``max_length`` session, and every admission runs every job. A sweep runs token
-admission on the token plans of the next few c as well (more KV per chain; GBP-CR forms other chains).
+Tuned over every c, its largest chain budget can be smaller than ``max_length``, and the orchestrator would refuse
+the longer requests (``refused_by_tuned_plan`` says how many). So, as in the orchestrator
+(:func:`swarm.control.planning.choose_plan`), the token plan is tuned over the c whose chains include one of
+capacity c_k ≥ c_min = ⌈max_length / slot_tokens⌉, and every admission runs every job. A sweep runs token
+admission on the plans of every c from the least such c up (more KV per chain; GBP-CR forms other chains), to
+show how the bound's choice compares.
 
 The same job sequence (lengths and Exp(1) gaps, seed ``JOB_SEED + run``) is replayed at every rate, its gaps
 divided by λ. :mod:`experiments.report.kv_lengths` writes the section from the JSON.
@@ -76,11 +78,11 @@ class Setup:
     meta: dict
 
 
-def _plan_for(sc, servers, slot_tokens: int, c: int | None = None):
+def _plan_for(sc, servers, slot_tokens: int, c: int | None = None, min_c: int = 1):
     from planner.plan import plan
 
     model = dataclasses.replace(sc.model, cache_slot_gb=sc.model.cache_slot_gb * slot_tokens / KV_REFERENCE_TOKENS)
-    return plan(model, servers, PLAN_RATE, target_load=TARGET_LOAD, c=c)
+    return plan(model, servers, PLAN_RATE, target_load=TARGET_LOAD, c=c, min_c=min_c)
 
 
 def make_setup(max_length: int = MAX_LENGTH, curve=None, sweep_span: int = 0) -> Setup:
@@ -99,12 +101,14 @@ def make_setup(max_length: int = MAX_LENGTH, curve=None, sweep_span: int = 0) ->
     slot = int(min(max_length, pages(int(np.ceil(MEAN_INPUT + MEAN_OUTPUT)))))
     plan_a = _plan_for(sc, servers, max_length)
     tuned = _plan_for(sc, servers, slot)
-    plan_t = tuned
-    while max(ch.capacity for ch in plan_t.chains) * slot < max_length:
-        plan_t = _plan_for(sc, servers, slot, c=plan_t.c + 1)
+    min_c = -(-max_length // slot)
+    plan_t = _plan_for(sc, servers, slot, min_c=min_c)  # the orchestrator's rule
+    least = tuned
+    while max(ch.capacity for ch in least.chains) < min_c:
+        least = _plan_for(sc, servers, slot, c=least.c + 1)
     tuned_budget = max(ch.capacity for ch in tuned.chains) * slot
-    plans = {"max-length": plan_a, "tokens": plan_t, f"tokens c={plan_t.c}": plan_t}
-    for c in range(plan_t.c + 1, plan_t.c + 1 + sweep_span):
+    plans = {"max-length": plan_a, "tokens": plan_t, f"tokens c={least.c}": least}
+    for c in range(least.c + 1, least.c + 1 + sweep_span):
         try:
             plans[f"tokens c={c}"] = _plan_for(sc, servers, slot, c=c)
         except ValueError:  # no chain forms with that many slots
@@ -128,6 +132,7 @@ def make_setup(max_length: int = MAX_LENGTH, curve=None, sweep_span: int = 0) ->
                                                                               + trace.output_tokens > 2048).mean()),
                       "short_share": float((need <= slot).mean())},
             "plans": {"max-length": describe_plan(plan_a, max_length), "tokens": describe_plan(plan_t, slot)},
+            "min_c": min_c,
             "tuned_token_plan": {"c": tuned.c, "largest_budget": tuned_budget,
                                  "refused_by_tuned_plan": float((need > tuned_budget).mean())},
             "sweep": {str(p.c): {"chains": len(p.chains), "total_slots": sum(ch.capacity for ch in p.chains),
@@ -240,8 +245,9 @@ def point_stats(runs: list[dict]) -> dict:
 
 def kv_lengths(settings: Settings, rates=None, max_length: int = MAX_LENGTH, curve=None, sweep_span: int = SWEEP_SPAN
                ) -> dict:
-    """The figure's data. The sweep runs token admission on the plans of c = c_fit + 1 … c_fit + ``sweep_span``
-    (c_fit: the token plan's c, whose numbers are the ``tokens`` mode's); a c is left out at the rates above the
+    """The figure's data. The sweep runs token admission on the plans of c = c_least … c_least + ``sweep_span``
+    (c_least: the least c whose chains hold a ``max_length`` session; the token plan's own c, chosen by the
+    bound among such c, is the ``tokens`` mode); a c is left out at the rates above the
     first one at which its mean response exceeded ``SWEEP_STOP`` × its mean at the lowest rate (overloaded)."""
     rates = tuple(rates or (QUICK_RATES if settings.quick else DEFAULT_RATES))
     started, load = time.perf_counter(), os.getloadavg()

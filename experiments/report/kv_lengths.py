@@ -71,8 +71,10 @@ def conclusions(data: dict) -> list[str]:
         f"chains, {plans['max-length']['total_slots']} slots of {cfg['max_length']:,} tokens. Token plan: the tuned "
         f"c = {tuned['c']} gives a largest chain budget of {tuned['largest_budget']:,} tokens, and the orchestrator "
         f"would refuse {100 * tuned['refused_by_tuned_plan']:.1f}% of the trace's requests (larger than any "
-        f"budget). The figure uses c = {plans['tokens']['c']}, the least whose largest budget holds a session of "
-        f"{cfg['max_length']:,} tokens: {len(plans['tokens']['chains'])} chains of budgets "
+        f"budget). The orchestrator's rule, used here, tunes c only over the plans with a chain that holds a session "
+        f"of {cfg['max_length']:,} tokens (c_k ≥ c_min = {cfg.get('min_c', '?')}): c = {plans['tokens']['c']}, "
+        f"{len(plans['tokens']['chains'])} chain{'s' if len(plans['tokens']['chains']) > 1 else ''} of budget"
+        f"{'s' if len(plans['tokens']['chains']) > 1 else ''} "
         f"{', '.join(format(ch['budget_tokens'], ',') for ch in plans['tokens']['chains'])} tokens.",
         f"* **At the planned rate (λ = {rate:g} req/s), token admission against max-length slots:** mean response "
         f"{c['mean']:.1f} s against {a['mean']:.1f} s ({_pct(c['mean'], a['mean'])}); P95 {c['p95']:.1f} s against "
@@ -113,18 +115,19 @@ def conclusions(data: dict) -> list[str]:
     if found and point["stats"]["sweep"]:
         c_best, best = found
         sw = cfg["sweep"][str(c_best)]
-        others = ", ".join(f"c = {k}: {v['mean']:.1f} s" for k, v in sorted(point["stats"]["sweep"].items(),
-                                                                            key=lambda kv: int(kv[0])))
+        by_c = {int(k): v for k, v in point["stats"]["sweep"].items()}
+        by_c[cfg["plans"]["tokens"]["c"]] = point["stats"]["tokens"]  # the token plan's own c is the tokens mode
+        others = ", ".join(f"c = {k}: {v['mean']:.1f} s" for k, v in sorted(by_c.items()))
         xs, ys = sweep_series(data, "mean")[c_best]
         r = held_rate(xs, ys)
-        c_fit = cfg["plans"]["tokens"]["c"]
-        means = [point["stats"]["tokens"]["mean"]] + [v["mean"] for _, v in sorted(
-            point["stats"]["sweep"].items(), key=lambda kv: int(kv[0]))]
+        c_fit, c_least = cfg["plans"]["tokens"]["c"], min(int(k) for k in cfg["sweep"])
+        means = [v["mean"] for _, v in sorted(by_c.items())]
         monotone = all(x >= y for x, y in zip(means, means[1:]))
         lines.append(
-            f"* **The token plan's c.** The planner tunes c by bounds for sessions of one length. Token admission on "
-            f"the plans of c = {c_fit}…{max(int(k) for k in cfg['sweep'])} at λ = {rate:g}: "
-            f"c = {c_fit}: {c['mean']:.1f} s, {others}. The best is c = {c_best} "
+            f"* **The token plan's c.** The planner tunes c by bounds for sessions of one length; the orchestrator's "
+            f"rule chose c = {c_fit}. Token admission on the plans of c = {c_least}…"
+            f"{max(int(k) for k in cfg['sweep'])} (from the least whose chains hold a max-length session) at "
+            f"λ = {rate:g}: {others}. The best is c = {c_best} "
             f"({sw['chains']} chain{'s' if sw['chains'] > 1 else ''}, budget{'s' if sw['chains'] > 1 else ''} "
             f"{', '.join(f'{x:,}' for x in sw['budgets'])} tokens): mean {best['mean']:.1f} s "
             f"({_pct(best['mean'], a['mean'])} than max-length slots), P95 {best['p95']:.1f} s "

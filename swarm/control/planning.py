@@ -16,6 +16,7 @@ only costs a GCA rebuild.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import uuid
 from dataclasses import dataclass, replace
@@ -73,6 +74,13 @@ class Expectations:
             return self.max_length
         expected = -(-int(math.ceil(self.input_tokens + self.output_tokens)) // KV_PAGE) * KV_PAGE
         return min(self.max_length, max(KV_PAGE, expected))
+
+    @property
+    def min_c(self) -> int:
+        """c_min: the slots one chain needs for a ``max_length`` session, ⌈max_length / slot_tokens⌉ (1 with
+        slots). The planner prefers plans (and values of c) with a chain of c_k ≥ c_min, so
+        that a request the swarm allows is never refused for want of a chain that can hold it."""
+        return -(-self.max_length // self.slot_tokens)
 
     def kv_need(self, input_tokens: int, max_new_tokens: int) -> int:
         """KV tokens a session of this prompt and output cap reserves on every block it runs on."""
@@ -145,15 +153,30 @@ def objective(p: Plan) -> float:
     return math.inf if p.total_rate <= 0 else 1e9 / p.total_rate
 
 
+def holds_longest(p: Plan, expect: Expectations) -> bool:
+    """Some chain of ``p`` can hold a ``max_length`` session: c_k ≥ c_min (its budget c_k · slot_tokens)."""
+    return max((ch.capacity for ch in p.chains), default=0) >= expect.min_c
+
+
 def choose_plan(
     profiles: Sequence[ServerProfile], num_blocks: int, expect: Expectations, current: Plan | None
 ) -> tuple[Plan, bool]:
     """The plan to run for ``profiles``; the flag says whether block ranges were kept from ``current``.
 
-    Raises InfeasibleError (a ValueError) when these servers cannot form a single chain.
+    A plan with a chain that holds a ``max_length`` session (:func:`holds_longest`) is preferred to one without:
+    GBP-CR tunes c over the values whose chains hold it, kept ranges must hold it to be kept, and ``auto`` falls back to GBP-CR
+    when its own choice does not (a baseline placement, ``petals``, ``bprr`` or ``whole-model``, and a fixed
+    ``c`` are run as asked). When the servers' memory allows none, the best plan is run and the orchestrator
+    warns. Raises InfeasibleError (a ValueError) when these servers cannot form a single chain.
     """
     model, servers = planner_inputs(profiles, num_blocks, expect)
     chosen, kept = _choose(model, servers, expect, current)
+    if not holds_longest(chosen, expect) and expect.c is None and expect.placement == "auto":
+        with contextlib.suppress(InfeasibleError):  # GBP-CR tuned over [c_min, c_max] may hold it
+            fallback = plan(model, servers, expect.arrival_rate, target_load=expect.target_load,
+                            tuning=expect.tuning, min_c=expect.min_c)
+            if holds_longest(fallback, expect):
+                chosen, kept = fallback, False
     if expect.standby_chains == 0:
         return chosen, kept
     placement = add_standby_chains(model, servers, chosen.placement,
@@ -162,6 +185,8 @@ def choose_plan(
         return chosen, kept
     with_standby = plan_for_placement(model, servers, placement, expect.arrival_rate,
                                       target_load=expect.target_load, method=chosen.placement_method)
+    if holds_longest(chosen, expect) and not holds_longest(with_standby, expect):
+        return chosen, kept
     return replace(with_standby, c=chosen.c, tuning=chosen.tuning, candidates=chosen.candidates), kept
 
 
@@ -180,12 +205,13 @@ def _choose(model, servers, expect: Expectations, current: Plan | None) -> tuple
             kept = None
     try:
         fresh = plan(model, servers, expect.arrival_rate, target_load=expect.target_load,
-                     c=expect.c, tuning=expect.tuning, placement=expect.placement)
+                     c=expect.c, tuning=expect.tuning, placement=expect.placement, min_c=expect.min_c)
     except InfeasibleError:
         if kept is not None:
             return kept, True
         raise
-    if kept is not None and objective(kept) <= objective(fresh) * (1 + expect.replan_tolerance):
+    if kept is not None and (holds_longest(kept, expect) or not holds_longest(fresh, expect)) \
+            and objective(kept) <= objective(fresh) * (1 + expect.replan_tolerance):
         return kept, True
     return fresh, False
 
