@@ -39,11 +39,15 @@ class FakeOrchestrator:
         self.running = {}  # request id -> session control (the orchestrator's registry)
         self.resumed, self.resume_fails = [], False
         self.reserves, self.grows, self.room = [], [], 0  # reservations asked, growths asked, growths granted
+        self.holds = []  # can_hold's answers in turn (False when used up): whether a chain could hold the rest
 
     def grow(self, request_id, more_tokens):
         self.grows.append(more_tokens)
         self.room -= 1
         return self.room >= 0
+
+    def can_hold(self, input_tokens, max_new_tokens, reserve):
+        return self.holds.pop(0) if self.holds else False
 
     def prompt_hashes(self, ids):
         return []
@@ -152,7 +156,7 @@ def run():
             outcome["error"] = exc
         outcome["elapsed"] = time.monotonic() - started
         outcome["aborted"] = {reason: metrics.registry.get_sample_value(
-            "chainswarm_sessions_aborted_total", {"reason": reason}) for reason in ("stalled", "client_gone", "failed")}
+            "chainswarm_sessions_aborted_total", {"reason": reason}) for reason in ("stalled", "client_gone", "failed", "preempted")}
         return outcome
 
     yield drive
@@ -214,6 +218,34 @@ def test_an_answer_without_max_tokens_reserves_a_part_at_a_time_and_ends_at_leng
     plain = FakeOrchestrator()
     out = run(plain, FakeEngine("tokens:8"), grow_tokens=6)
     assert len(out["items"][-1].token_ids) == 8 and plain.reserves == [8] and not plain.grows
+
+
+def test_a_growing_answer_with_no_room_on_its_chain_is_preempted_and_goes_on_when_a_chain_has_room(run):
+    """The chain refuses the second growth but a chain of the plan could hold the rest: the session ends (its
+    servers free its KV), the rest queues again from the 12 tokens delivered, and the answer runs to its cap
+    with the same tokens as if it had never stopped (counted as a preemption, not a failure)."""
+    orchestrator = FakeOrchestrator()
+    answers = [True, False]  # the second growth refused; the resumed session's growths granted
+    orchestrator.grow = lambda request_id, more: answers.pop(0) if answers else True
+    orchestrator.holds = [True]
+    out = run(orchestrator, FakeEngine("tokens:20", "tokens:12"), params=SamplingParams(24, 0.0, grows=True),
+              grow_tokens=6)
+    finished = out["items"][-1]
+    assert finished.finish_reason == "length" and finished.token_ids == list(range(7, 31)), out
+    assert [i for i in out["items"] if not isinstance(i, Finished)] == list(range(7, 31))  # streamed once each
+    assert orchestrator.resumed == [("r0", 15, 12)] and orchestrator.reserves == [6, 6]
+    assert out["aborted"].get("preempted") == 1 and not out["aborted"].get("failed")
+    assert orchestrator.finished == ["r0"] and not orchestrator.aborted
+
+
+def test_a_preempted_answer_that_finds_no_chain_in_time_ends_where_it_stopped_not_with_an_error(run):
+    orchestrator = FakeOrchestrator()
+    orchestrator.room, orchestrator.holds, orchestrator.resume_fails = 1, [True], True
+    out = run(orchestrator, FakeEngine("tokens:20"), params=SamplingParams(24, 0.0, grows=True), grow_tokens=6)
+    assert "error" not in out, out
+    finished = out["items"][-1]
+    assert finished.finish_reason == "length" and finished.token_ids == list(range(7, 19))
+    assert orchestrator.resumed == [("r0", 15, 12)]
 
 
 def test_a_growing_answer_resumed_after_a_failure_reserves_from_where_it_stopped(run):

@@ -5,6 +5,7 @@ queue bound so that overload is reachable). Answers are checked against the same
 transformers (float32, greedy, the same chat template).
 """
 import concurrent.futures as cf
+import contextlib
 from pathlib import Path
 
 import httpx
@@ -105,6 +106,50 @@ def test_a_chat_without_max_tokens_grows_its_reservation_and_answers_in_full(cli
     choice = reply.choices[0]
     assert choice.message.content == local.greedy(local.chat_text(QUESTION), 64)
     assert choice.finish_reason == "stop" and reply.usage.completion_tokens > 2 * 2  # two growths at least
+
+
+def _preempted(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('chainswarm_sessions_aborted_total{reason="preempted"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_growing_chat_on_a_full_chain_is_preempted_and_still_answers_in_full(swarm, local):
+    """The chain's KV budget (capacity x 80-token slots) is taken by streamed completions except the chat's first
+    reservation: when the chat's answer needs its next 16-token page there is no room, so its session is
+    preempted (not ended at "length", not failed) and its rest waits in the queue; once the other sessions
+    leave, it is recomputed from the prompt and the tokens so far and the answer is local greedy's, in full."""
+    chains = [c for c in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["chains"] if c["ready"]]
+    assert len(chains) == 1 and chains[0]["active"] == 0, chains
+    sea = [{"role": "user", "content": "Describe the sea in two sentences."}]  # 27 tokens: past its 3rd page
+    chat_tokens = local.prompt_ids(local.chat_text(sea)).shape[1]
+    free_pages = chains[0]["capacity"] * 80 // 16 - -(-(chat_tokens + 2) // 16)  # grow_tokens 2: reserves 2
+    filler = "Count slowly:"
+    prompt_tokens = local.prompt_ids(filler).shape[1]
+    count = -(-free_pages // (MAX_LENGTH // 16))  # sessions of at most MAX_LENGTH tokens, as even as they come
+    pages = [free_pages // count + (i < free_pages % count) for i in range(count)]
+    assert free_pages > 0
+    before = _preempted(swarm.url)
+    with httpx.Client(base_url=swarm.url, headers={"Authorization": "Bearer sk-flood"}, timeout=120) as http, \
+            cf.ThreadPoolExecutor(1) as pool, \
+            openai.OpenAI(base_url=f"{swarm.url}/v1", api_key="sk-test", max_retries=0, timeout=300) as client:
+        readers = []
+        with contextlib.ExitStack() as fillers:  # on leaving, the clients go: their sessions stop, freeing the KV
+            for n in pages:  # each runs until it is closed (ignore_eos, hundreds of tokens): its KV stays held
+                body = {"prompt": filler, "max_tokens": 16 * n - prompt_tokens, "temperature": 0, "stream": True,
+                        "ignore_eos": True}
+                stream = fillers.enter_context(http.stream("POST", "/v1/completions", json=body))
+                assert stream.status_code == 200
+                readers.append(stream.iter_lines())  # kept: a dropped reader closes the connection
+                next(readers[-1])  # its first token: admitted and running
+            answer = pool.submit(client.chat.completions.create, model=local.name, messages=sea, temperature=0)
+            wait_for(lambda: _preempted(swarm.url) > before, 60, what="the chat's preemption")
+            assert not answer.done()  # waiting for room, not ended
+        reply = answer.result(timeout=240)
+    choice = reply.choices[0]
+    assert choice.message.content == local.greedy(local.chat_text(sea), 64)
+    assert choice.finish_reason == "stop" and reply.usage.completion_tokens > 48 - chat_tokens
 
 
 def test_chat_stream_with_usage_equals_the_plain_answer(client, local):

@@ -133,8 +133,8 @@ class SwarmMetrics:
         self.requests = Counter("chainswarm_requests", "finished requests", ["client", "outcome"],
                                 registry=self.registry)
         self.aborted = Counter("chainswarm_sessions_aborted", "sessions aborted, by reason (stalled: no progress "
-                               "within the stall limit; client_gone; failed: the session raised)", ["reason"],
-                               registry=self.registry)
+                               "within the stall limit; client_gone; failed: the session raised; preempted: no KV "
+                               "room for a growing answer, its rest queued again)", ["reason"], registry=self.registry)
         self.tokens = Counter("chainswarm_generated_tokens", "tokens generated", ["client"], registry=self.registry)
         self.waiting = Histogram("chainswarm_waiting_seconds", "queueing time before a chain slot",
                                  buckets=_LATENCY_BUCKETS, registry=self.registry)

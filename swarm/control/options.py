@@ -115,11 +115,14 @@ class OrchestratorOptions:
     route_wait_s: float = option(120.0, flag="--route-wait", metavar="S",
                                  help="a session whose server failed waits up to S seconds in its place in the "
                                  "queue for a chain with room for the rest of its answer, then fails with a 503 "
-                                 "(default 120: outlasts a re-plan and a block load)")
+                                 "(a preempted one ends with finish_reason length; default 120: outlasts a re-plan "
+                                 "and a block load)")
     grow_tokens: int = option(256, metavar="N",
                               help="an answer without max_tokens may run to the end of the session length; its KV "
-                              "reservation covers N output tokens at a time and grows by N while its chain has room "
-                              "(otherwise the answer ends there, finish_reason length; default 256)")
+                              "reservation covers N output tokens at a time and grows by N while its chain has room; "
+                              "when it has none, the session is preempted and the rest queued again (recomputed, "
+                              "up to --route-wait), and where no chain can hold more the answer ends with "
+                              "finish_reason length (default 256)")
     torch_dtype: str = option("float32", choices=DTYPES,
                               help="the swarm's serving dtype: the orchestrator's embeddings and LM head run in it and "
                               "only servers that compute in it are planned (default float32; mixing dtypes changes "

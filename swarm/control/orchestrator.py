@@ -271,6 +271,17 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
                 self.occupancy.reweigh(request_id, reserved)
         return grown
 
+    def can_hold(self, input_tokens: int, max_new_tokens: int, reserve: int) -> bool:
+        """Whether some chain of the current plan can hold a session of this prompt (prompt + tokens so far) with
+        ``reserve`` of its ``max_new_tokens`` covered: a preempted answer then waits for room rather than ends."""
+        if self.view.plan is None:
+            return False
+        try:
+            self.reservations.check(input_tokens, max_new_tokens, reserve, self.view.chains)
+        except ValueError:
+            return False
+        return True
+
     def reserved_tokens(self, request_id: str) -> int:
         """KV tokens per block the session ``request_id`` holds in the orchestrator's accounting now (its
         reservation: grows with :meth:`grow`)."""

@@ -19,6 +19,12 @@ generated token ids as they appear, then one :class:`Finished`. It owns the sess
   tokens delivered so far, its sampler replayed to that point, so the client's answer goes on where it stopped
   (greedy: the same text as without the failure). ``max_attempts`` sessions in a row that deliver no token, or
   no chain within ``route_wait_s``, end the request with :class:`CompletionFailed` / ``QueueTimeout`` (503).
+* **Preemption.** An answer without max_tokens reserves KV a part at a time. When its chain has no room for the
+  next part but some chain of the plan could hold it, the session is preempted (:class:`Preempted`): it ends, its
+  servers free its KV, and the rest queues again as a continuation does (recomputed from the prompt and the tokens
+  so far, not charged again). If no chain takes it within ``route_wait_s``, the answer ends where it stopped with
+  finish_reason ``length`` (what it would have got without preemption), not an error. Where no chain can ever
+  hold more, it ends at once with ``length`` (:class:`ReservationFull`).
 
 Every abort is counted by reason in ``SwarmMetrics.aborted``.
 """
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from planner.fairness.types import Grant
-from swarm.engine.generation import GenerationEngine, Progress, ReservationFull, StopGeneration
+from swarm.engine.generation import GenerationEngine, Preempted, Progress, ReservationFull, StopGeneration
 from swarm.engine.routing import Lease, NoRouteError, SessionControl, splice
 from swarm.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
 
@@ -105,6 +111,14 @@ class _Stopped(Exception):
         self.reason = reason
 
 
+class _Preempted(Exception):
+    """The session was preempted (:class:`Preempted`): it stopped on ``servers``/``route``; its request still runs."""
+
+    def __init__(self, servers: list, route: list):
+        super().__init__("preempted")
+        self.servers, self.route = servers, route
+
+
 @dataclass
 class CompletionRunner:
     orchestrator: Any
@@ -171,14 +185,29 @@ class CompletionRunner:
         submitted = time.monotonic()
         last_token: float | None = None
         prior = Progress([])  # the tokens delivered so far, over every session of this request
-        grant, stale, attempt = None, 0, 0
+        grant, stale, attempt, preempted = None, 0, 0, None
         while True:
             attempt += 1
-            grant = await (self._wait(self.orchestrator.acquire(
-                client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes,
-                reserve=self.reserve(params, 0)), client, is_disconnected)
-                if grant is None else self._continue(grant, client, input_ids, params, prior, page_hashes,
-                                                     is_disconnected))
+            try:
+                grant = await (self._wait(self.orchestrator.acquire(
+                    client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes,
+                    reserve=self.reserve(params, 0)), client, is_disconnected)
+                    if grant is None else self._continue(grant, client, input_ids, params, prior, page_hashes,
+                                                         is_disconnected))
+            except ClientGone:
+                raise
+            except Exception as exc:
+                if preempted is None:
+                    raise
+                # a preempted answer whose rest found no chain (within route_wait_s, or the plan is gone) ends where
+                # it stopped, as it would have without preemption
+                logger.warning("preempted request of %s ends at %d tokens: %s", client, len(prior.tokens), exc)
+                self.metrics.observe(client, "ok", time.monotonic() - submitted, 0.0)
+                yield Finished(list(prior.tokens), "length", grant.chain_id, preempted.servers, preempted.route,
+                               time.monotonic() - submitted, 0.0, attempts=attempt - 1, logprobs=prior.logprobs,
+                               request_id=grant.request_id)
+                return
+            preempted = None
             started = time.monotonic()
             produced: list[int] = []
             control = SessionControl()
@@ -210,6 +239,9 @@ class CompletionRunner:
             except DualExecutionUnavailable:
                 self.orchestrator.abort(grant.request_id)
                 raise
+            except _Preempted as stop:  # not a failure: the rest queues again below
+                self.metrics.aborted.labels("preempted").inc()
+                preempted, failure = stop, stop
             except _Stopped as stop:
                 if stop.reason == "client_gone":
                     self.metrics.observe(client, "disconnected", started - submitted, time.monotonic() - started)
@@ -223,7 +255,8 @@ class CompletionRunner:
             logprobs = chooser.logprobs[len(prior.tokens):len(prior.tokens) + len(produced)] if chooser else []
             prior = Progress(prior.tokens + produced, prior.logprobs + list(logprobs))
             stale = 0 if produced else stale + 1
-            detail = "no progress" if isinstance(failure, _Stopped) else repr(failure)
+            detail = ("no progress" if isinstance(failure, _Stopped) else
+                      "preemption (its chain had no KV room for the answer to grow)" if preempted else repr(failure))
             if stale >= self.max_attempts:
                 self.orchestrator.abort(grant.request_id)
                 self.metrics.observe(client, "error", started - submitted, time.monotonic() - started)
@@ -277,14 +310,21 @@ class CompletionRunner:
         generated: list[int] = list(prior.tokens) if prior is not None else []  # for the stop strings
         reserved = len(generated) + self.reserve(params, len(generated))  # output tokens the KV reservation covers
 
-        def grow() -> None:  # session thread: the reservation is used up; more, or the answer ends here
+        def grow() -> None:  # session thread: the reservation is used up; more, a preemption, or the answer ends
             nonlocal reserved
-            more = min(self.grow_tokens, params.max_new_tokens - len(generated))
+            rest = params.max_new_tokens - len(generated)
+            more, so_far = min(self.grow_tokens, rest), len(input_ids) + len(generated)
 
-            async def ask() -> bool:
-                return orchestrator.grow(grant.request_id, more)
+            async def ask() -> str:
+                if orchestrator.grow(grant.request_id, more):
+                    return "grown"
+                # no room on this chain now: wait for room (preempted) if some chain of the plan can hold the rest
+                return "preempt" if not dual and orchestrator.can_hold(so_far, rest, more) else "full"
 
-            if not asyncio.run_coroutine_threadsafe(ask(), loop).result(self.grow_wait_s):
+            answer = asyncio.run_coroutine_threadsafe(ask(), loop).result(self.grow_wait_s)
+            if answer == "preempt":
+                raise Preempted()
+            if answer == "full":
                 raise ReservationFull()
             reserved += more
 
@@ -351,6 +391,8 @@ class CompletionRunner:
                     raise _Stopped("stalled")
             settled = True
             result = task.result()
+            if result.finish_reason == Preempted.finish_reason:
+                raise _Preempted(list(chain.servers), list(chain.route))
             if dual:  # the second execution is charged to the client as the first one's tokens again
                 orchestrator.tokens(grant.request_id, len(result.token_ids))
             orchestrator.finish(grant.request_id, len(result.token_ids))

@@ -47,10 +47,19 @@ class StopGeneration(Exception):
 
 
 class ReservationFull(StopGeneration):
-    """Raised by a token callback when an answer without max_tokens reached its KV reservation and its chain
-    has no room for more: the answer ends there, as at a length limit."""
+    """Raised by a token callback when an answer without max_tokens reached its KV reservation and no chain of
+    the plan can hold it longer: the answer ends there, as at a length limit."""
 
     finish_reason = "length"
+
+
+class Preempted(StopGeneration):
+    """Raised by a token callback when an answer without max_tokens reached its KV reservation and its chain has
+    no room for more now, though a chain of the plan can hold the rest: the session ends here (its servers free
+    its KV) and the completion runner queues the rest again, to be recomputed from the prompt and the tokens so
+    far when a chain has room (vLLM's recompute preemption)."""
+
+    finish_reason = "preempted"
 
 
 @dataclass
