@@ -96,7 +96,8 @@ def test_perplexity_matches_within_1e_3(model, tokenizer, golden):
     import torch.nn.functional as F
 
     ids = torch.tensor(tokenizer(PARAGRAPH.read_text(encoding="utf-8").strip()).input_ids)
-    logits = model.logits(model.hidden_states(ids)[-1]).float()
+    with torch.inference_mode():
+        logits = model.logits(model.hidden_states(ids)[-1]).float()
     ppl = math.exp(float(F.cross_entropy(logits[:-1], ids[1:])))
     want = golden["perplexity"]["value"]
     assert abs(ppl - want) <= 1e-3 * want, (ppl, want)

@@ -16,8 +16,11 @@ pytestmark = pytest.mark.swarm
 @pytest.fixture(scope="module")
 def table1(tmp_path_factory):
     out = tmp_path_factory.mktemp("live")
+    # at CPU speed (--emulation none): the paper's emulated GPUs make each of these 6-token answers take ~10 s,
+    # and the smoke checks the replay, not the GPUs (test_table1_gives_its_hosts_the_papers_gpus checks their
+    # wiring; server.emulation is tested with a real server in test_emulation.py)
     code = main(["experiment", "table1", "--quick", "--out", str(out), "--methods", "petals,proposed",
-                 "--configs", "relay", "--requests", "4"])
+                 "--configs", "relay", "--requests", "4", "--emulation", "none"])
     assert code == 0
     return out, json.loads((out / "live_table1_quick.json").read_text())
 
@@ -43,6 +46,22 @@ def test_table1_smoke_replays_the_trace_on_petals_and_proposed(table1):
     assert (out / "live_table1_quick.png").stat().st_size > 0
     section = (out / "sections" / "live_table1_quick.md").read_text()
     assert "Improvement vs PETALS, mean response" in section and "| Response P99 |" in section
+
+
+def test_table1_gives_its_hosts_the_papers_gpus():
+    """The replay's servers emulate the paper's GPUs: the high-performance one on the WAN draw's fast hosts, the
+    low one elsewhere, folded into the model's blocks (what ``--emulation paper``, the default, passes to every
+    server)."""
+    from experiments.live import common as lc, table1 as t1
+
+    config = t1.wan_config(3, 0)
+    scaling = t1.settings(quick=True)["scaling"]
+    gpus = t1.gpu_emulation(config, {"num_blocks": 8}, scaling)
+    paper = lc.emulated_gpus(8, scaling.input_scale)
+    fast = set(config.meta.get("high_performance", []))
+    assert set(gpus) == set(config.servers) and fast and fast < set(config.servers)
+    assert all(gpus[h] == paper["high" if h in fast else "low"] for h in config.servers)
+    assert paper["high"].decode_s < paper["low"].decode_s and paper["high"].prefill_s < paper["low"].prefill_s
 
 
 def test_validation_smoke_compares_service_times_with_the_model(table1):
