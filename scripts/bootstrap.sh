@@ -10,7 +10,7 @@ want=$(cat requirements.txt requirements-dev.txt requirements-experiments.txt sc
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
-echo "[bootstrap] building $VENV (torch + petals recipe; about 2 minutes on first use)"
+echo "[bootstrap] building $VENV (torch + petals recipe; about a minute on first use)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 LOG="$VENV/bootstrap.log"
 : > "$LOG"
@@ -19,14 +19,30 @@ pip_install() {  # quiet unless it fails; the full output stays in $LOG
     tail -n 40 "$LOG" >&2; echo "[bootstrap] pip install failed; see $LOG" >&2; exit 1
   fi
 }
+# The installer: uv, which installs the same versions as pip here (`pip freeze` compared) in about a third of the
+# time (the whole bootstrap: about 80 s with pip, 30 s with uv, bytecode compiled as pip does); pip where uv
+# cannot be installed. uv reads no pip configuration, so a local wheel directory (PIP_FIND_LINKS: this
+# machine's torch file) is passed on.
+UV_VERSION=0.13.9
+if "$VENV/bin/python" -m pip --disable-pip-version-check install "uv==$UV_VERSION" >>"$LOG" 2>&1; then
+  install() {
+    if ! "$VENV/bin/uv" pip install --python "$VENV/bin/python" --compile-bytecode \
+        ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} "$@" >>"$LOG" 2>&1; then
+      tail -n 40 "$LOG" >&2; echo "[bootstrap] uv pip install failed; see $LOG" >&2; exit 1
+    fi
+  }
+else
+  echo "[bootstrap] uv could not be installed: installing with pip (slower)"
+  install() { pip_install "$@"; }
+fi
 # torch first: 2.13.0 is the CPU wheel on the development machines, a CUDA build on GPU hosts.
 echo "[bootstrap] 1/3 torch"
-pip_install "torch==${TORCH_VERSION:-2.13.0}"
+install "torch==${TORCH_VERSION:-2.13.0}"
 # petals' own pins cannot be satisfied (hivemind 1.1.10.post2 does not build): install it without deps.
 echo "[bootstrap] 2/3 petals (without its unbuildable pins)"
-pip_install --no-deps petals==2.2.0.post1 tensor_parallel==1.0.23 bitsandbytes==0.41.1
+install --no-deps petals==2.2.0.post1 tensor_parallel==1.0.23 bitsandbytes==0.41.1
 echo "[bootstrap] 3/3 hivemind 1.1.12, transformers 4.34.1, the experiments extra and the rest"
-pip_install -r requirements.txt -r requirements-dev.txt -r requirements-experiments.txt
+install -r requirements.txt -r requirements-dev.txt -r requirements-experiments.txt
 pip_install --no-deps -e .
 echo "$want" > "$STAMP"
 echo "[bootstrap] ready: $VENV"
