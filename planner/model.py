@@ -335,3 +335,9 @@ def total_rate(chains: Iterable[Chain]) -> float:
 def total_capacity(chains: Iterable[Chain]) -> int:
     """C = Σ_k c_k, the number of job servers."""
     return sum(ch.capacity for ch in chains)
+
+
+def largest_capacity(chains: Iterable[Chain]) -> int:
+    """max_k c_k (0 without chains): the most slots one chain holds, i.e. the longest session it can take when a
+    slot holds a fixed number of tokens."""
+    return max((ch.capacity for ch in chains), default=0)

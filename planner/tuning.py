@@ -26,7 +26,7 @@ import numpy as np
 
 from planner.allocation import Allocation, allocate
 from planner.batch_bounds import allocation_bounds
-from planner.model import ModelSpec, Server
+from planner.model import ModelSpec, Server, largest_capacity
 from planner.placement import (
     DEFAULT_TARGET_LOAD,
     ChainRun,
@@ -257,8 +257,7 @@ def tune_c(
     candidates = tuple(ev.candidate for ev in evaluations)
     if not any(cand.feasible and cand.total_capacity > 0 for cand in candidates):
         raise InfeasibleError(_infeasible_message(model, servers))
-    allowed = [ev for ev in evaluations
-               if max((ch.capacity for ch in ev.allocation.chains), default=0) >= min_c] or evaluations
+    allowed = [ev for ev in evaluations if largest_capacity(ev.allocation.chains) >= min_c] or evaluations
     chosen = allowed[_pick([ev.candidate for ev in allowed], tuning)]
     return TuningResult(
         c=chosen.candidate.c,

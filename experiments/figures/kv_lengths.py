@@ -40,6 +40,7 @@ import numpy as np
 
 from experiments.figures.common import Settings, _bar, _jsonable
 from experiments.sim.simulator import DEFAULT_WARMUP, Jobs, load_trace
+from planner.model import largest_capacity
 from swarm.control.planning import KV_PAGE as PAGE  # the orchestrator's reservation unit, tokens
 
 NAME = "kv_lengths"
@@ -104,9 +105,9 @@ def make_setup(max_length: int = MAX_LENGTH, curve=None, sweep_span: int = 0) ->
     min_c = -(-max_length // slot)
     plan_t = _plan_for(sc, servers, slot, min_c=min_c)  # the orchestrator's rule
     least = tuned
-    while max(ch.capacity for ch in least.chains) < min_c:
+    while largest_capacity(least.chains) < min_c:
         least = _plan_for(sc, servers, slot, c=least.c + 1)
-    tuned_budget = max(ch.capacity for ch in tuned.chains) * slot
+    tuned_budget = largest_capacity(tuned.chains) * slot
     plans = {"max-length": plan_a, "tokens": plan_t, f"tokens c={least.c}": least}
     for c in range(least.c + 1, least.c + 1 + sweep_span):
         try:

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from planner.model import ModelSpec, Placement, Server, free_slots
+from planner.model import ModelSpec, Placement, Server, free_slots, largest_capacity
 from planner.plan import Plan, plan, plan_for_placement
 from planner.replan import incremental_replan
 from planner.standby import add_standby_chains
@@ -155,7 +155,7 @@ def objective(p: Plan) -> float:
 
 def holds_longest(p: Plan, expect: Expectations) -> bool:
     """Some chain of ``p`` can hold a ``max_length`` session: c_k ≥ c_min (its budget c_k · slot_tokens)."""
-    return max((ch.capacity for ch in p.chains), default=0) >= expect.min_c
+    return largest_capacity(p.chains) >= expect.min_c
 
 
 def choose_plan(
