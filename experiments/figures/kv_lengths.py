@@ -42,6 +42,7 @@ from experiments.figures.common import Settings, _bar, _jsonable
 from experiments.sim.simulator import DEFAULT_WARMUP, Jobs, load_trace
 from planner.model import largest_capacity
 from swarm.control.planning import KV_PAGE as PAGE  # the orchestrator's reservation unit, tokens
+from swarm.control.planning import Expectations  # its slot size and c_min
 
 NAME = "kv_lengths"
 MODES = ("max-length slots", "expected-length slots", "tokens")
@@ -99,10 +100,12 @@ def make_setup(max_length: int = MAX_LENGTH, curve=None, sweep_span: int = 0) ->
     servers = with_curves(sc, curve)
     trace = load_trace()
     need = np.minimum(pages(trace.input_tokens + trace.output_tokens), max_length)
-    slot = int(min(max_length, pages(int(np.ceil(MEAN_INPUT + MEAN_OUTPUT)))))
+    # the orchestrator's own slot size and c_min for these lengths
+    expect = Expectations(max_length=max_length, input_tokens=MEAN_INPUT, output_tokens=MEAN_OUTPUT,
+                          arrival_rate=PLAN_RATE)
+    slot, min_c = expect.slot_tokens, expect.min_c
     plan_a = _plan_for(sc, servers, max_length)
     tuned = _plan_for(sc, servers, slot)
-    min_c = -(-max_length // slot)
     plan_t = _plan_for(sc, servers, slot, min_c=min_c)  # the orchestrator's rule
     least = tuned
     while largest_capacity(least.chains) < min_c:
