@@ -11,7 +11,8 @@
   next to the slots its KV pool was sized for.
 
 * grows each petals session's KV by the page before petals runs its step (the server's pool is a
-  :class:`~server.kv_pool.PagedKvPool`, installed by :func:`install`).
+  :class:`~server.kv_pool.PagedKvPool`, installed by :func:`install`), and takes positions back when a step asks
+  for a rollback (speculative decoding on petals' per-session path; bounded by the previous step's positions).
 
 Both counters, and the pool's pages, are reported in petals' ``rpc_info`` (keys ``chainswarm_pushes`` and
 ``chainswarm_kv``), so a client, a test or an operator can read what the server itself sees.
@@ -41,6 +42,8 @@ from petals.server.handler import TransformerConnectionHandler as _PetalsHandler
 
 from server import failpoints
 from server.kv_pool import PAGE_TOKENS, PagedKvPool, flat_handles
+from swarm.engine.multi_wire import checked_rollback
+from swarm.model.petals_sessions import ROLLBACK_META_KEY
 
 KV_INFO = "chainswarm_kv"  # rpc_info key: {"slots", "used", "peak", "sessions", "max_length", "pages"}
 PUSH_INFO = "chainswarm_pushes"  # rpc_info key: {"received", "refused"}
@@ -122,7 +125,7 @@ class ChainswarmHandler(_PetalsHandler):
     async def _iterate_inference_steps(
         self, first_request, requests, session_id: Optional[str], requested_uids: Sequence[str], context
     ) -> AsyncIterator[Tuple[Any, dict]]:
-        position = 0
+        position = last = 0  # the session's positions (for the failpoints) and its previous step's
         try:
             async for request, metadata in super()._iterate_inference_steps(
                 first_request, requests, session_id, requested_uids, context
@@ -132,7 +135,12 @@ class ChainswarmHandler(_PetalsHandler):
                 tensors = getattr(request, "tensors", None)  # (a test may pass a stand-in)
                 size = list(tensors[0].size) if tensors else []
                 tokens = int(size[1]) if len(size) == 3 else 0
+                rollback = checked_rollback(metadata.get(ROLLBACK_META_KEY), last)  # speculation's rejected drafts
+                if rollback:
+                    await self._take_back(rollback)
+                    position -= rollback
                 await self._grow(tokens)  # the step's pages, before petals submits it
+                last = tokens
                 if failpoints.armed():  # tests and drills only: nothing on a production step
                     failpoints.hit(failpoints.step_phase(position, tokens))
                     position += tokens
@@ -156,6 +164,19 @@ class ChainswarmHandler(_PetalsHandler):
                 with contextlib.suppress(ValueError):  # (a multi-session stream closes its sessions in any order)
                     _LEASE.reset(lease)
                 self._kv.give(held)
+
+    async def _take_back(self, positions: int) -> None:
+        """Forget the last ``positions`` positions of this task's petals session before its next step (a rollback:
+        :mod:`swarm.engine.multi_wire`). The KV positions live in the runtime's backends, which this handler cannot
+        move: refused here; :class:`server.prefix_cache.PrefixHandler` does it."""
+        raise ValueError("this server cannot take positions back")
+
+    @staticmethod
+    def _release(positions: int) -> None:
+        """Give the pages past this task's petals session's last ``positions`` positions back to the server's pool."""
+        lease = _LEASE.get()
+        if lease is not None and positions:
+            lease.pool.rollback(lease.handles, positions)
 
     @staticmethod
     async def _grow(positions: int) -> None:

@@ -83,9 +83,7 @@ class _Session:
         :class:`~server.kv_pool.PagedKvPool`). Bounded: a rollback past the positions of the previous step is
         refused, so a client can only take back what it just sent, never a loaded prefix or an earlier step's
         tokens."""
-        if positions > self.last_step:
-            raise ValueError(f"a rollback of {positions} positions goes past the {self.last_step} positions of "
-                             f"the session's previous step")
+        multi_wire.checked_rollback(positions, self.last_step)
         pool.rollback(flat_handles(self.handles), positions)
         self.position -= positions
         self.last_step -= positions

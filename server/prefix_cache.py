@@ -11,9 +11,15 @@ Protocol and trust model: :mod:`swarm.trust.prefix`. Pieces here, all in the ser
   the KV tensors live: they travel through the (merged) inference pool as :class:`PrefixOp` metadata, so
   they are ordered with the session's own steps. ``probe`` (pages held for all blocks of a span, pinned for
   a few seconds), ``load`` (copy pages into a session's cache and offset its positions), ``save`` (store
-  the pages a session computed), ``forget`` (drop the offset at session end).
+  the pages a session computed), ``shift`` (take positions back: a rollback), ``forget`` (drop the offset at
+  session end).
 * :class:`PrefixHandler` (the push-fixed ``TransformerConnectionHandler`` plus ``rpc_prefix_probe``) reads
-  ``cs_prefix`` from the opening metadata: load before the first step, save right after it.
+  ``cs_prefix`` from the opening metadata: load before the first step, save right after it. It also runs a
+  petals session's rollbacks (``shift``, speculative decoding on petals' per-session path) and confirms each in
+  the step's reply (:mod:`swarm.model.petals_sessions`).
+
+petals' step loop counts a session's position itself (every position it was sent); the backend adds the
+session's offset to it: the positions a loaded prefix skipped, minus the positions rolled back.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from petals.utils.misc import DUMMY_INT64
 from server import failpoints
 from server.handler import ChainswarmHandler
 from server.kv_pool import fit_pages, token_axis
+from swarm.model.petals_sessions import ROLLBACK_META_KEY
 from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes, parse_session_spec
 
 logger = logging.getLogger(__name__)
@@ -288,6 +295,10 @@ class PrefixBackend(ModelBackend):
                         break
             self.store.touch(hashes[: tokens // page])
             return (hidden_states,)
+        if kind == "shift":  # a rollback: the session's next positions are written this much earlier
+            positions, = args
+            self._offsets[info.cache_handles] = self._offsets.get(info.cache_handles, 0) - int(positions)
+            return (hidden_states,)
         if kind == "forget":
             self._offsets.pop(info.cache_handles, None)
             return (hidden_states,)
@@ -296,19 +307,23 @@ class PrefixBackend(ModelBackend):
 
 @dataclasses.dataclass
 class _SessionPrefix:
+    """A petals session of this handler: its prompt pages (none without prefix reuse), its cache and rollbacks."""
+
     hashes: list
     load: int  # pages to load before the first step
     backends: tuple = ()
     handles: tuple = ()
+    shifted: bool = False  # a rollback moved its offset (forgotten at the end)
+    confirm: int = 0  # the rollback of the step in flight, confirmed in its reply
 
 
 _SESSION: ContextVar[Optional[_SessionPrefix]] = ContextVar("chainswarm_session_prefix", default=None)
 
 
-def _session_prefix(metadata: dict) -> Optional[_SessionPrefix]:
+def _session_prefix(metadata: dict) -> _SessionPrefix:
     spec = metadata.get(META_KEY)
     if spec is None:
-        return None
+        return _SessionPrefix([], 0)
     return _SessionPrefix(*parse_session_spec(spec))
 
 
@@ -352,7 +367,8 @@ class PrefixHandler(ChainswarmHandler):
         except (asyncio.TimeoutError, StopAsyncIteration):
             return
         metadata = MSGPackSerializer.loads(first.metadata) if first.metadata else {}
-        _SESSION.set(_session_prefix(metadata))
+        session = _session_prefix(metadata)
+        _SESSION.set(session)
 
         async def replay():
             yield first
@@ -360,14 +376,25 @@ class PrefixHandler(ChainswarmHandler):
                 yield request
 
         async for response in super().rpc_inference(replay(), context):
+            if session.confirm:  # this step took positions back first: say so (a vanilla server would not)
+                response.metadata = MSGPackSerializer.dumps({ROLLBACK_META_KEY: session.confirm})
+                session.confirm = 0
             yield response
+
+    async def _take_back(self, positions: int) -> None:
+        session = _SESSION.get()
+        if session is None or not session.handles:
+            raise ValueError("this session cannot take positions back")
+        await self._run_op(session.backends, session.handles, ("shift", positions))
+        self._release(positions)
+        session.shifted, session.confirm = True, positions
 
     @contextlib.asynccontextmanager
     async def _allocate_cache(self, backends, *, batch_size: int, max_length: int, timeout: Optional[float]):
         session = _SESSION.get()
         async with super()._allocate_cache(backends, batch_size=batch_size, max_length=max_length,
                                            timeout=timeout) as handles:
-            if session is None:
+            if session is None:  # (not a petals session of this handler)
                 yield handles
                 return
             session.backends, session.handles = tuple(backends), tuple(tuple(h) for h in handles)
@@ -379,8 +406,9 @@ class PrefixHandler(ChainswarmHandler):
                     await self._run_op(backends, session.handles, ("load", session.hashes[: session.load]))
                 yield handles
             finally:
-                with contextlib.suppress(Exception):
-                    await self._run_op(backends, session.handles, ("forget",))
+                if session.load or session.shifted:
+                    with contextlib.suppress(Exception):
+                        await self._run_op(backends, session.handles, ("forget",))
 
     async def _iterate_inference_steps(self, first_request, requests, session_id, requested_uids, context):
         session = _SESSION.get()
@@ -390,7 +418,7 @@ class PrefixHandler(ChainswarmHandler):
         ):
             yield request, metadata
             steps += 1
-            if (steps == 1 and session is not None and session.handles and first_request.tensors
+            if (steps == 1 and session is not None and session.hashes and session.handles and first_request.tensors
                     and self._may_store_pages(session.hashes)):
                 # the first step (the prefill) is done: store the new full pages it computed
                 computed = session.load * PAGE_TOKENS + int(first_request.tensors[0].size[1])

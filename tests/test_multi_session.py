@@ -339,3 +339,97 @@ def test_a_server_that_answers_with_an_error_is_alive_one_that_vanished_is_not()
     for cause in (ConnectionResetError("Connection lost"), TimeoutError(), "the server is known to have failed"):
         error = ChainBatchError("p", cause)
         assert not error.alive and not error.unsupported
+
+
+@pytest.mark.parametrize("push", [True, False], ids=["push", "relay"])
+def test_a_petals_session_takes_rejected_positions_back_on_every_server(swarm, model, push):
+    """Speculative decoding on petals' per-session path (swarm/engine/single.py): a session that steps 3 drafted
+    positions and takes 2 back gets, on its next step, the hidden states of a session that never saw them — with
+    server-to-server pushes (the second server gets the step, rollback included, from the first) and with the client
+    relaying every hop, and after a failover that replays the session's input history on a new server session.
+    Each server confirms the rollback; a rollback past the last step is refused by the client, and by the server
+    when a client sends one anyway."""
+    from petals.utils.misc import DUMMY, DUMMY_INT64
+
+    from swarm.engine.routing import ChainswarmInferenceSession
+
+    manager = model.transformer.h.sequence_manager
+    hidden, p2p = model.config.hidden_size, manager.state.p2p
+    last_peer, last_start, _ = swarm.route[-1]
+    pushes = lambda: server_info(p2p, last_peer, f"{swarm.dht_prefix}.{last_start}")["chainswarm_pushes"]["received"]  # noqa: E731
+    torch.manual_seed(7)
+    prompt, draft, other = torch.randn(1, 4, hidden), torch.randn(1, 3, hidden), torch.randn(1, 2, hidden)
+    saved, manager.config.use_server_to_server = manager.config.use_server_to_server, push
+    try:
+        before = pushes()
+
+        def run(drafted: bool, failover: bool = False) -> torch.Tensor:
+            with ChainswarmInferenceSession(manager, max_length=64) as session:
+                session.step(prompt)
+                session.step(draft if drafted else draft[:, :1])
+                if drafted:
+                    with pytest.raises(ValueError, match="goes past"):
+                        session.rollback(4)
+                    session.rollback(2)
+                    assert session.position == 5 and session.sent_positions == 7
+                if failover:  # petals' failover of the second server: a new session there replays the history
+                    second = session._server_sessions[1]
+                    session._update_sequence(1, second.span.start, 1)
+                    assert session._server_sessions[1] is not second
+                outputs = session.step(other)
+                assert len(session._server_sessions) == 2 and not session.rollback_unconfirmed
+                return outputs
+
+        plain = run(False)
+        torch.testing.assert_close(run(True), plain, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(run(True, failover=True), plain, atol=1e-4, rtol=1e-4)
+        assert (pushes() > before) == push
+        with ChainswarmInferenceSession(manager, max_length=64) as session:
+            session.step(prompt)
+            session.step(draft[:, :1])
+            first = session._server_sessions[0]
+            first.rollback(3)  # the client's own bound is its position; the server's is the previous step
+            with pytest.raises(Exception, match="goes past the 1 positions"):
+                first.step(other, DUMMY, DUMMY_INT64, step_id="over")
+    finally:
+        manager.config.use_server_to_server = saved
+
+
+def test_a_server_that_does_not_confirm_a_rollback_is_noticed(monkeypatch):
+    """A vanilla petals server ignores the rollback key: its reply confirms nothing, and the session says so
+    (the engine then discards the step and goes on without drafts); a Chainswarm server's reply confirms it."""
+    import asyncio
+
+    from hivemind import MSGPackSerializer
+    from hivemind.proto import runtime_pb2
+
+    from swarm.model import petals_sessions
+    from swarm.model.petals_sessions import ROLLBACK_META_KEY, ClosingServerSession
+
+    sent, replies = [], []
+
+    async def server(self, request):
+        sent.append(MSGPackSerializer.loads(request.metadata))
+        return replies.pop(0)
+
+    monkeypatch.setattr(ClosingServerSession.__mro__[1], "_step", server)
+    session = object.__new__(ClosingServerSession)
+    session._position, session.history, session._running_step = 5, torch.zeros(1, 5, 2), None
+    session._rollback, session.rollback_unconfirmed = 0, False
+    with pytest.raises(ValueError):
+        session.rollback(6)
+    session.rollback(2)
+    assert session._position == 3 and session.history.shape[1] == 3
+    step = lambda: asyncio.run(session._step(runtime_pb2.ExpertRequest(  # noqa: E731
+        metadata=MSGPackSerializer.dumps({"step_id": "a"}))))
+    replies.append(runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({ROLLBACK_META_KEY: 2})))
+    step()
+    assert sent[-1][ROLLBACK_META_KEY] == 2 and not session.rollback_unconfirmed
+    replies.append(runtime_pb2.ExpertResponse())
+    step()
+    assert ROLLBACK_META_KEY not in sent[-1] and not session.rollback_unconfirmed  # nothing to confirm
+    session.rollback(1)
+    replies.append(runtime_pb2.ExpertResponse())  # a vanilla server
+    step()
+    assert sent[-1][ROLLBACK_META_KEY] == 1 and session.rollback_unconfirmed
+    assert petals_sessions.inference_session_module._ServerInferenceSession is ClosingServerSession

@@ -5,15 +5,15 @@ from concurrent.futures import Future
 import torch
 from scipy.stats import chisquare
 
-from swarm.engine.batching import ChainGenerator, _Sequence
+from swarm.engine.batching import Decoding, emit_verified
 from swarm.engine.sampling import SamplingParams, TokenChooser
 
 
 def verify(rows, draft, chooser=None, produced=(7,)):
-    """One verification step through ChainGenerator._choose (the path requests take): (emitted tokens, rollback)."""
-    seq = _Sequence("s0", [1, 2], 10, None, None, chooser, None, Future(), produced=list(produced))
+    """One verification step through emit_verified (the path requests take): (emitted tokens, rollback)."""
+    seq = Decoding("s0", [1, 2], 10, None, None, chooser, None, Future(), produced=list(produced))
     seq.draft = list(draft)
-    ChainGenerator._choose(seq, rows)
+    emit_verified(seq, rows)
     return seq.produced[len(produced):], seq.rollback
 
 
@@ -92,7 +92,7 @@ def test_a_verification_step_emits_the_accepted_drafts_and_leaves_the_rejected_p
     from swarm.engine.recording import SpanRecorder
 
     def sequence(draft, eos=None, max_new=10):
-        seq = _Sequence("s0", [1, 2], max_new, eos, None, None, None, Future(), produced=[7])
+        seq = Decoding("s0", [1, 2], max_new, eos, None, None, None, Future(), produced=[7])
         seq.draft = list(draft)
         return seq
 
@@ -100,12 +100,12 @@ def test_a_verification_step_emits_the_accepted_drafts_and_leaves_the_rejected_p
     for i, best in enumerate([3, 4, 9, 5]):  # the model's argmax after 0, 1, 2, 3 drafts
         rows[i, best] = 1.0
     seq = sequence([3, 4, 6])  # the third draft is wrong: 3, 4 kept, then the model's 9
-    assert ChainGenerator._choose(seq, rows) is False
+    assert emit_verified(seq, rows) is False
     assert seq.produced == [7, 3, 4, 9] and seq.rollback == 1
     seq = sequence([3, 4, 9])  # all kept, plus the bonus token from the last row
-    assert ChainGenerator._choose(seq, rows) is False and seq.produced == [7, 3, 4, 9, 5] and seq.rollback == 0
+    assert emit_verified(seq, rows) is False and seq.produced == [7, 3, 4, 9, 5] and seq.rollback == 0
     seq = sequence([3, 4, 9], eos=4)  # ends at the accepted draft 4: positions of 4 and 9 are not its own
-    assert ChainGenerator._choose(seq, rows) is True and seq.produced == [7, 3, 4] and seq.rollback == 2
+    assert emit_verified(seq, rows) is True and seq.produced == [7, 3, 4] and seq.rollback == 2
     recorder = SpanRecorder([("p", 0, 2)], [("p", 0, 2)])
     recorder.add(("p", 0, 2), torch.randn(1, 2, 4), torch.randn(1, 2, 4))  # the prompt's positions (1, 2) ...
     recorder.add(("p", 0, 2), torch.randn(1, 4, 4), torch.randn(1, 4, 4))  # ... and the step's: 7 and drafts 3, 4, 9

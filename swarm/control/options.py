@@ -131,10 +131,11 @@ class OrchestratorOptions:
                                  "message per server and step, one LM-head pass; default 16; 0 = one petals session "
                                  "per request, as petals' own client)")
     speculative: str = option("ngram", choices=SPECULATIVE,
-                              help="speculative decoding on the batched path: 'ngram' (the default) drafts up to "
-                              "--speculative-k tokens per step from the request's own text and recent outputs and the "
-                              "chain verifies them in the same pass (greedy answers unchanged, sampled ones keep their "
-                              "distribution; a request opts out with speculative: false); 'off': one token per step")
+                              help="speculative decoding, batched and per-session: 'ngram' (the default) drafts up "
+                              "to --speculative-k tokens per step from the request's own text and recent outputs and "
+                              "the chain verifies them in the same pass (greedy answers unchanged, sampled ones keep "
+                              "their distribution; a request opts out with speculative: false); 'off': one token per "
+                              "step")
     speculative_k: int = option(8, metavar="K", help="most drafted tokens a session verifies per step (default 8)")
     speculative_shared: bool = option(False, action="store_true",
                                       help="draft from every client's recent outputs (default: each client's own "

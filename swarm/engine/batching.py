@@ -48,15 +48,18 @@ class SequenceFailed(RuntimeError):
 
 
 @dataclass
-class _Sequence:
+class Decoding:
+    """One sequence's decoding: its tokens so far, how it chooses and reports them, its drafts and rollback (the
+    batched path's sequences, and a speculating session on petals' per-session path: :mod:`swarm.engine.single`)."""
+
     sid: str
     input_ids: list[int]
     max_new_tokens: int
     eos_token_id: Optional[int]
     on_token: Optional[Callable[[int], None]]
     processor: Optional[Callable]
-    ticket: Optional[bytes]
-    future: Future
+    ticket: Optional[bytes] = None
+    future: Optional[Future] = None
     produced: list[int] = field(default_factory=list)
     recorder: Optional[object] = None  # swarm.engine.recording.SpanRecorder
     drafts: Optional[object] = None  # swarm.engine.speculative.SessionDrafts: speculative decoding
@@ -91,8 +94,8 @@ class ChainGenerator:
         self.steps = 0  # chain steps run
         self.stepped_sequences = 0  # sequence-steps run (÷ steps: the mean batch)
         self._ids = itertools.count()
-        self._waiting: list[_Sequence] = []
-        self._running: dict[str, _Sequence] = {}
+        self._waiting: list[Decoding] = []
+        self._running: dict[str, Decoding] = {}
         self._cancelled: set[Future] = set()
         self._cv = threading.Condition()
         self._broken: Optional[BaseException] = None
@@ -122,7 +125,7 @@ class ChainGenerator:
         (a transformers logits processor, e.g. :class:`swarm.engine.sampling.TokenChooser`) adjusts the scores before the
         greedy pick. ``recorder`` (:class:`swarm.engine.recording.SpanRecorder`) keeps its spans' hidden states for
         a spot check. With ``drafts`` (:class:`swarm.engine.speculative.SessionDrafts`) each decode step also carries
-        the tokens it drafts; the chain verifies them in the same pass (see :meth:`_choose`). With ``prefix``
+        the tokens it drafts; the chain verifies them in the same pass (see :func:`emit_verified`). With ``prefix``
         (:class:`swarm.engine.multi_wire.Prefix`) every server loads the prompt's first ``prefix.load`` pages from its
         prefix store and the prefill sends only the positions after them; the servers store the prompt's new full
         pages after it. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
@@ -138,7 +141,7 @@ class ChainGenerator:
         with self._cv:
             if self._closed or self._broken is not None:
                 raise RuntimeError(f"the chain generator is closed{f': {self._broken}' if self._broken else ''}")
-            self._waiting.append(_Sequence(f"s{next(self._ids)}", list(input_ids), int(max_new_tokens),
+            self._waiting.append(Decoding(f"s{next(self._ids)}", list(input_ids), int(max_new_tokens),
                                            eos_token_id, on_token, processor, ticket, future, recorder=recorder,
                                            drafts=drafts, prefix=prefix))
             self._cv.notify()
@@ -224,7 +227,7 @@ class ChainGenerator:
             self.batch.close_sessions([s.sid for s in gone])
 
     @torch.inference_mode()
-    def _step(self, admitted: list[_Sequence]) -> None:
+    def _step(self, admitted: list[Decoding]) -> None:
         embed = self.model.transformer.word_embeddings
         inputs = {}
         for s in admitted:  # a prefill: the prompt after the pages its servers load
@@ -262,14 +265,13 @@ class ChainGenerator:
             return
         sids = list(outputs)
         rows = [len(self._running[sid].draft) + 1 for sid in sids]  # a prefill's last position, or a draft's k + 1
-        head = self.model.lm_head.weight
-        last = torch.cat([outputs[sid][0, -n:] for sid, n in zip(sids, rows)], dim=0).to(head.dtype)
-        logits = linear(self.model.transformer.ln_f(last), head)  # one head pass for every sequence and position
+        last = torch.cat([outputs[sid][0, -n:] for sid, n in zip(sids, rows)], dim=0)
+        logits = head_logits(self.model, last)  # one head pass for every sequence and position
         finished = []
         for sid, scores in zip(sids, logits.split(rows)):
             seq = self._running[sid]
             try:
-                done = self._choose(seq, scores)
+                done = emit_verified(seq, scores)
             except Exception as exc:  # the caller's callback or processor ended its own sequence only
                 finished.append(sid)
                 self._running.pop(sid)
@@ -283,46 +285,6 @@ class ChainGenerator:
         self.batch.close_sessions(finished)
         for sid in [sid for sid in self.batch.recorders if sid not in self._running]:
             del self.batch.recorders[sid]
-
-    @staticmethod
-    def _choose(seq: _Sequence, scores: torch.Tensor) -> bool:
-        """Emit the sequence's tokens from its step's ``scores`` ``(k + 1, V)`` (``k`` drafted tokens; 0 without
-        speculation); True when it is complete. Row ``i`` is the model's prediction after the drafts before it:
-        drafts are accepted while the choice at their row equals them (greedy: the argmax; sampled: the rule of
-        :func:`swarm.engine.speculative.sample_or_accept`), then the choice at the first other row is emitted too,
-        so the tokens are those of decoding one at a time. The rejected drafts' positions are rolled back on the
-        servers with the next step."""
-        draft, accepted = seq.draft, 0
-        context = None if seq.processor is None else torch.tensor([seq.input_ids + seq.produced])
-        try:
-            for i in range(len(draft) + 1):
-                proposal = draft[i] if i < len(draft) else None
-                row = scores[i: i + 1]
-                if seq.processor is None:
-                    token = int(row[0].argmax())
-                elif hasattr(seq.processor, "choose"):  # swarm.engine.sampling.TokenChooser
-                    token, _ = seq.processor.choose(context, row.float(), proposal)
-                else:  # a transformers logits processor: greedy over its scores
-                    token = int(seq.processor(context, row.float())[0].argmax())
-                seq.produced.append(token)
-                if context is not None:
-                    context = torch.cat([context, torch.tensor([[token]])], dim=1)
-                if seq.on_token is not None:
-                    seq.on_token(token)
-                if len(seq.produced) >= seq.max_new_tokens or token == seq.eos_token_id:
-                    return True
-                if token != proposal:
-                    break
-                accepted += 1
-        except StopSequence:
-            return True
-        finally:
-            # the positions of the drafts after the last one kept (also when the sequence ended here: its recording
-            # must hold exactly its positions for a spot check)
-            seq.rollback = len(draft) - accepted
-            if seq.drafts is not None and draft:
-                seq.drafts.update(len(draft), accepted)
-        return False
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:
@@ -350,3 +312,49 @@ class ChainGenerator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The final norm and LM head of ``model`` (a petals distributed causal LM) over ``hidden`` ``(n, H)``: ``(n, V)``."""
+    head = model.lm_head.weight
+    return linear(model.transformer.ln_f(hidden.to(head.dtype)), head)
+
+
+def emit_verified(seq: Decoding, scores: torch.Tensor) -> bool:
+    """Emit the sequence's tokens from its step's ``scores`` ``(k + 1, V)`` (``k`` drafted tokens; 0 without
+    speculation); True when it is complete. Row ``i`` is the model's prediction after the drafts before it:
+    drafts are accepted while the choice at their row equals them (greedy: the argmax; sampled: the rule of
+    :func:`swarm.engine.speculative.sample_or_accept`), then the choice at the first other row is emitted too,
+    so the tokens are those of decoding one at a time. The rejected drafts' positions are rolled back on the
+    servers with the next step."""
+    draft, accepted = seq.draft, 0
+    context = None if seq.processor is None else torch.tensor([seq.input_ids + seq.produced])
+    try:
+        for i in range(len(draft) + 1):
+            proposal = draft[i] if i < len(draft) else None
+            row = scores[i: i + 1]
+            if seq.processor is None:
+                token = int(row[0].argmax())
+            elif hasattr(seq.processor, "choose"):  # swarm.engine.sampling.TokenChooser
+                token, _ = seq.processor.choose(context, row.float(), proposal)
+            else:  # a transformers logits processor: greedy over its scores
+                token = int(seq.processor(context, row.float())[0].argmax())
+            seq.produced.append(token)
+            if context is not None:
+                context = torch.cat([context, torch.tensor([[token]])], dim=1)
+            if seq.on_token is not None:
+                seq.on_token(token)
+            if len(seq.produced) >= seq.max_new_tokens or token == seq.eos_token_id:
+                return True
+            if token != proposal:
+                break
+            accepted += 1
+    except StopSequence:
+        return True
+    finally:
+        # the positions of the drafts after the last one kept (also when the sequence ended here: its recording
+        # must hold exactly its positions for a spot check)
+        seq.rollback = len(draft) - accepted
+        if seq.drafts is not None and draft:
+            seq.drafts.update(len(draft), accepted)
+    return False

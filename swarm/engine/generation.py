@@ -11,7 +11,9 @@ multi-session message per server and step, one batched pass on each server, one 
 same tokens (greedy, or the request's own sampling), its prompt's held pages loaded by the servers (prefix
 reuse) and its decode steps carrying drafted tokens (speculative decoding). If the batched path fails (a server
 that dies, pages evicted since the probe, a server without multi-session streams), the session goes on from the
-tokens it has on petals' own per-session path, without reuse or drafts, failing over as every session does.
+tokens it has on petals' own per-session path, without reuse, failing over as every session does. It keeps
+drafting there (:mod:`swarm.engine.single`: its steps carry the drafts, its servers take rejected ones back),
+unless a server of its route cannot take positions back (a vanilla petals server).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from typing import Callable
 
 import torch
 
-from swarm.engine.batching import ChainGenerator, SequenceFailed, StopSequence
+from swarm.engine import single
+from swarm.engine.batching import ChainGenerator, Decoding, SequenceFailed, StopSequence
 from swarm.engine.multi_client import ChainBatch
 from swarm.engine.multi_wire import Prefix
 from swarm.trust.prefix import MISSING_MESSAGE as PREFIX_MISSING, PAGE_TOKENS, reusable_pages
@@ -106,7 +109,7 @@ class GenerationEngine:
 
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
-                 batch_sessions: int = 16, speculation=None):
+                 batch_sessions: int = 16, speculation=None, max_length: int = 0):
         from swarm.model.tokenizer import load_tokenizer
 
         from swarm.model.compat import petals
@@ -122,9 +125,11 @@ class GenerationEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.batch_sessions, self.request_timeout = int(batch_sessions), request_timeout
         self.speculation = speculation  # swarm.engine.speculative.Speculation, or None: one token per step
+        self.max_length = int(max_length)  # the servers' longest session (0: unknown): a petals session's draft room
         self._generators: dict[tuple, ChainGenerator] = {}  # route -> its batch of sessions
         self._generators_lock = threading.Lock()
         self._unbatched: set[tuple] = set()  # routes with a server that has no multi-session streams
+        self._no_rollback: set[str] = set()  # servers that did not confirm a rollback: no drafts on their routes
         self._retired = {"steps": 0, "sequence_steps": 0}  # counts of generators already replaced or closed
         self.fallbacks = 0  # batched sessions that went on on petals' per-session path
         self._closed = threading.Event()
@@ -222,7 +227,8 @@ class GenerationEngine:
                                     drafts.accepted if drafts is not None else 0)
 
         def resume() -> None:
-            """Go on from the prompt plus the tokens produced so far as one petals session, without reuse."""
+            """Go on from the prompt plus the tokens produced so far as one petals session, without reuse (drafting
+            as before, where the route's servers can take drafts back)."""
             nonlocal prefill, restarts
             restarts = 1
             remaining = params.max_new_tokens - len(produced)
@@ -233,20 +239,20 @@ class GenerationEngine:
                 prefill += len(prompt)
                 if chooser is not None:  # it chose one more token than the failed session delivered
                     chooser.truncate(len(produced))
-                self._run(lease, provider, prompt, remaining, chooser, sink, None, control, ignore_eos)
+                self._run(lease, provider, prompt, remaining, chooser, sink, None, control, ignore_eos, drafts=drafts)
 
         if budget <= 0 or ended():  # the earlier sessions had delivered everything
             return result("stop" if ended() else "length")
+        # a seeded sampled request does not speculate: how many tokens are drafted depends on what else runs (they
+        # share a step's positions) and decides which random draws it uses, and the same seed and prompt must give
+        # the same text whatever runs concurrently
+        seeded = params.seed is not None and chooser is not None and params.temperature > 0
+        drafts = (self.speculation.session(client)
+                  if self.speculation is not None and params.speculative and not seeded else None)
         try:
             try:
                 if self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
-                        # a seeded sampled request does not speculate: how many tokens are drafted depends on what
-                        # else runs (they share a step's positions) and decides which random draws it uses, and
-                        # the same seed and prompt must give the same text whatever runs concurrently
-                        seeded = params.seed is not None and chooser is not None and params.temperature > 0
-                        drafts = (self.speculation.session(client)
-                                  if self.speculation is not None and params.speculative and not seeded else None)
                         self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts,
                                           plan)
                     except SequenceFailed as exc:
@@ -261,7 +267,8 @@ class GenerationEngine:
                             provider.renew_ticket(lease)
                         resume()
                 else:
-                    self._run(lease, provider, prompt, budget, chooser, sink, plan, control, ignore_eos, recorder)
+                    self._run(lease, provider, prompt, budget, chooser, sink, plan, control, ignore_eos, recorder,
+                              drafts)
             except PrefixSessionFailed as exc:
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
                 if not exc.missing and exc.peer_id is not None and provider is not None:
@@ -365,8 +372,30 @@ class GenerationEngine:
 
     def _run(self, lease: Lease, provider, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
              sink: Callable[[int], None], plan: PrefixPlan | None, control: SessionControl | None = None,
-             ignore_eos: bool = False, recorder=None) -> None:
+             ignore_eos: bool = False, recorder=None, drafts=None) -> None:
+        """One petals session on the lease's chain (failover as petals does it, routed by the orchestrator). With
+        ``drafts``, on a route whose servers can take positions back, it speculates (:mod:`swarm.engine.single`);
+        otherwise petals' own ``generate`` runs it, one token per step."""
         from transformers import LogitsProcessorList
+
+        eos = None if ignore_eos else self.eos_token_id
+        if drafts is not None and tuple(lease.route) not in self._unbatched and not any(
+                peer in self._no_rollback for peer, _, _ in lease.route):
+            seq = Decoding("single", list(input_ids), max_new_tokens, eos, sink, chooser, drafts=drafts)
+            try:
+                with use_lease(lease, provider, control) as context:
+                    context.prefix, context.recorder = plan, recorder
+                    single.generate(self.model, seq, max_length=self.max_length)
+                return
+            except single.RollbackUnconfirmed as exc:  # the rest without drafts, from the tokens verified so far
+                logger.warning("%s", exc)
+                self._no_rollback.update(exc.peers)
+                if recorder is not None:
+                    recorder.route_changed("the session went on after a failed rollback")
+                input_ids, plan = list(input_ids) + seq.produced, None
+                max_new_tokens -= len(seq.produced)
+                if max_new_tokens <= 0:
+                    return
 
         ids = torch.tensor([input_ids], dtype=torch.long)
         sampling: dict = dict(do_sample=False)  # the chooser picks every token; greedy search then emits it

@@ -25,6 +25,9 @@ The reply (``ExpertResponse``) carries one tensor per step entry that succeeded,
 ``{"failed": {sid: message}}``: a session that fails (refused ticket, no KV slot, length exceeded, a compute
 error) fails alone, is closed on the server, and must not be stepped again. Servers without the RPC (vanilla
 petals) answer the call with an error; clients then use one petals session per sequence.
+
+The same rollback travels on petals' own per-session stream (``rpc_inference``), for a session that speculates
+there (:data:`swarm.model.petals_sessions.ROLLBACK_META_KEY`), under the same bound (:func:`checked_rollback`).
 """
 from __future__ import annotations
 
@@ -83,6 +86,20 @@ def _prefix(value, max_length: int) -> Prefix:
     if load * PAGE_TOKENS >= max_length:
         raise MultiWireError(f"a prefix's load ({load} pages) must leave positions below max_length {max_length}")
     return Prefix(tuple(hashes), load)
+
+
+def checked_rollback(value, last_step: int) -> int:
+    """A per-session step's rollback (``ROLLBACK_META_KEY``'s value; None: 0), refused (ValueError) unless it is an
+    integer within the positions of the session's previous step (``last_step``): a client can take back only what
+    it just sent."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"a rollback must be a non-negative integer, got {value!r}")
+    if value > last_step:
+        raise ValueError(f"a rollback of {value} positions goes past the {last_step} positions of the session's "
+                         f"previous step")
+    return value
 
 
 def _step_entry(sid: str, tokens: int, rollback: int = 0) -> list:

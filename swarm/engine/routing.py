@@ -268,7 +268,8 @@ def _splice(route: Sequence[RouteSpan], replacement: Sequence[RouteSpan]) -> tup
 
 
 class ChainswarmInferenceSession(InferenceSession):
-    """petals' inference session with the failover fix, prefix reuse and lease release on close.
+    """petals' inference session with the failover fix, prefix reuse, rollback (speculative decoding) and lease
+    release on close.
 
     With a :class:`PrefixPlan` that loads pages, the first step sends only the positions after the reused
     prefix; its output is padded back to the full length (the reused positions' outputs are zeros — only
@@ -280,8 +281,42 @@ class ChainswarmInferenceSession(InferenceSession):
         context = _current.get()
         if context is not None and context.control is not None:
             context.control.session = self
+        self._last_step = 0  # positions of the last step (the most a rollback may take back)
+        self.rolled_back = 0  # positions taken back so far
+
+    @property
+    def sent_positions(self) -> int:
+        """Positions the servers' step loops have counted: the session's position plus every position taken back
+        (petals' server checks this count against the session's ``max_length``)."""
+        return self._position + self.rolled_back
+
+    def rollback(self, positions: int) -> None:
+        """Take back the last ``positions`` positions of the last step (speculative decoding's rejected drafts), on
+        every server of the chain with the next step (:meth:`ClosingServerSession.rollback`)."""
+        if not 0 <= positions <= self._last_step:
+            raise ValueError(f"a rollback of {positions} positions goes past the last step's {self._last_step}")
+        if positions:
+            for server_session in self._server_sessions:
+                server_session.rollback(positions)
+            self._position -= positions
+            self._last_step -= positions
+            self.rolled_back += positions
+            context = _current.get()
+            if context is not None and context.recorder is not None:
+                context.recorder.rollback(positions)
+
+    @property
+    def rollback_unconfirmed(self) -> bool:
+        """Whether a server of the chain did not confirm a rollback (a vanilla petals server: its cache still holds
+        the positions, so the session's later outputs would be wrong)."""
+        return any(getattr(s, "rollback_unconfirmed", False) for s in self._server_sessions)
 
     def step(self, inputs, prompts=None, hypo_ids=None):
+        outputs = self._step(inputs, prompts, hypo_ids)
+        self._last_step = outputs.shape[1]
+        return outputs
+
+    def _step(self, inputs, prompts=None, hypo_ids=None):
         context = _current.get()
         if context is not None and context.control is not None:
             context.control.check()

@@ -25,6 +25,12 @@ The fix, by subclassing (:func:`install` makes petals create :class:`ClosingServ
    opened, so a missed close is visible.
 3. A running step can be cancelled from another thread (:meth:`ClosingServerSession.cancel_step`): the
    no-progress watchdog uses it to free a session whose server stopped answering.
+
+And one addition, for speculative decoding on petals' per-session path: :meth:`ClosingServerSession.rollback`
+takes the session's last positions back — from the client's position and input history (which a failover
+replays on a replacement server) and, with the next step, on the server: that step's metadata carries
+``{ROLLBACK_META_KEY: n}``. A Chainswarm server takes the positions back before the step and confirms it in the
+step's reply; a vanilla petals server ignores the key and confirms nothing (:attr:`rollback_unconfirmed`).
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import traceback
 
 from swarm.model.petals_shim import petals  # noqa: F401  (shim first)
 import petals.client.inference_session as inference_session_module  # noqa: E402
+from hivemind import MSGPackSerializer  # noqa: E402
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker  # noqa: E402
 from hivemind.proto import runtime_pb2  # noqa: E402
 
@@ -44,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 5.0
 """How long closing one server session may wait for the server to acknowledge the end of its stream."""
+
+ROLLBACK_META_KEY = "chainswarm_rollback"
+"""A petals step's metadata key: positions the server takes back before the step; in its reply: the confirmation."""
 
 
 
@@ -78,13 +88,34 @@ class ClosingServerSession(inference_session_module._ServerInferenceSession):
         self._opened_at = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(1)), limit=12,
                                                          lookup_lines=False)
         self._running_step: asyncio.Task | None = None
+        self._rollback = 0  # positions to take back on the server with the next step
+        self.rollback_unconfirmed = False  # a step asked for a rollback and the server did not confirm it
+
+    def rollback(self, positions: int) -> None:
+        """Take back the last ``positions`` positions: here at once, on the server with the next step."""
+        if not 0 <= positions <= self._position:
+            raise ValueError(f"cannot roll back {positions} of {self._position} positions")
+        if positions:
+            self._position -= positions
+            self.history = self.history[:, : self._position] if self.history is not None else None
+            self._rollback += positions
 
     async def _step(self, inputs_serialized):
         self._running_step = asyncio.current_task()
+        rollback, self._rollback = self._rollback, 0
+        if rollback:
+            metadata = MSGPackSerializer.loads(inputs_serialized.metadata) if inputs_serialized.metadata else {}
+            metadata[ROLLBACK_META_KEY] = rollback
+            inputs_serialized.metadata = MSGPackSerializer.dumps(metadata)
         try:
-            return await super()._step(inputs_serialized)
+            response = await super()._step(inputs_serialized)
         finally:
             self._running_step = None
+        if rollback:
+            confirmed = MSGPackSerializer.loads(response.metadata) if response.metadata else {}
+            if not isinstance(confirmed, dict) or confirmed.get(ROLLBACK_META_KEY) != rollback:
+                self.rollback_unconfirmed = True
+        return response
 
     def cancel_step(self) -> None:
         """Cancel the step this session is waiting for (from any thread); the owner's ``step`` then raises."""
