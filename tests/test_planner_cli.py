@@ -57,6 +57,20 @@ def test_json_output_example_4(tmp_path):
     assert doc["candidates"][10]["total_rate"] == 0 and doc["candidates"][10]["K"] is None
 
 
+def test_min_c_keeps_a_chain_that_holds_a_longest_session(tmp_path):
+    """``--min-c 3``: the bound alone picks c = 1, whose chains hold at most 2 sessions' slots; the rule picks the
+    best c whose GCA forms a chain of capacity >= 3. The candidate table is the same; --min-c 0 is refused."""
+    path = write(tmp_path, EX3)
+    plain, kept = (json.loads(chainswarm("--swarm", path, "--json", *extra).stdout) for extra in ((), ("--min-c", "3")))
+    assert max(ch["capacity"] for ch in plain["chains"]) == 2
+    assert kept["c"] != 1 and max(ch["capacity"] for ch in kept["chains"]) >= 3
+    assert kept["candidates"] == plain["candidates"]
+    allowed = [c for c in plain["candidates"] if c["total_rate"] > 0 and c["c"] == kept["c"]]
+    assert allowed and kept["bounds"]["lower"] == pytest.approx(allowed[0]["lower"])
+    proc = chainswarm("--swarm", path, "--min-c", "0")
+    assert proc.returncode == 2 and "--min-c must be >= 1" in proc.stderr
+
+
 def test_surrogate_and_fixed_c(tmp_path):
     path = write(tmp_path, EX3)
     doc = json.loads(chainswarm("--swarm", path, "--json", "--tuning", "surrogate").stdout)

@@ -1,6 +1,6 @@
 """``chainswarm plan``: plan block placement, chains and capacities for a swarm described in JSON.
 
-    chainswarm plan --swarm FILE.json [--c N | --tuning lower-bound|surrogate|upper-bound]
+    chainswarm plan --swarm FILE.json [--c N | --tuning lower-bound|surrogate|upper-bound] [--min-c N]
                     [--placement gbp-cr|petals|bprr|whole-model|random|auto] [--json]
 
 Bad input prints one line on stderr and exits with code 2.
@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--placement", choices=_PLACEMENTS, default="gbp-cr", help="placement algorithm (default: gbp-cr)"
     )
+    parser.add_argument("--min-c", type=int, default=1, metavar="N",
+                        help="tune c among those whose chains include one of capacity >= N, where any does: the "
+                        "slots a longest session needs, as the orchestrator asks for ceil(max_length / slot tokens) "
+                        "(default: 1, the paper's rule)")
     parser.add_argument("--seed", type=int, default=0, help="seed for --placement random (default: 0)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -47,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         return _error(f"cannot read {args.swarm}: {exc.strerror or exc}")
     except json.JSONDecodeError as exc:
         return _error(f"{args.swarm} is not valid JSON: {exc}")
+    if args.min_c < 1:
+        return _error(f"--min-c must be >= 1, got {args.min_c}")
     try:
         model, servers, arrival_rate, target_load = parse_swarm(doc)
         result = plan(
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             tuning=args.tuning,
             placement=args.placement,
             seed=args.seed,
+            min_c=args.min_c,
         )
     except (ValueError, TypeError) as exc:
         return _error(str(exc))
