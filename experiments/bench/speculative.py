@@ -19,7 +19,8 @@ the same text. Vanilla petals (its own ``generate`` on the same servers, opened 
 
 Writes ``experiments/results/bench_speculative.json`` and ``.png``.
 
-    python -m experiments.bench.speculative [--sessions 1,4,16] [--tokens 48] [--prefix-cache-tokens N] [--replot]
+    python -m experiments.bench.speculative [--sessions 1,4,16] [--tokens 48] [--prefix-cache-tokens N]
+                                            [--batch-sessions N] [--replot]
 """
 from __future__ import annotations
 
@@ -182,7 +183,8 @@ def _node_gb(path: str) -> float:
     return 0.45 * config.num_hidden_layers * get_block_size(config, "memory", dtype=torch.float32) / 1e9
 
 
-def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix_cache_tokens: int = 0) -> dict:
+def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix_cache_tokens: int = 0,
+          batch_sessions: int = 16) -> dict:
     import httpx
     import torch
     from swarm.model.tokenizer import load_tokenizer
@@ -196,7 +198,7 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix
     with LocalSwarm(path, wan=config, open_sessions=True) as swarm:
         swarm.add_orchestrator(torch_dtype=DTYPE, speculative="ngram", max_length=MAX_LENGTH,
                                expected_input_tokens=160, expected_output_tokens=tokens,
-                               prefix_cache_tokens=prefix_cache_tokens)
+                               prefix_cache_tokens=prefix_cache_tokens, batch_sessions=batch_sessions)
         nodes = [swarm.add_node(node_id=h, wan_host=h, memory_gb=gb, wait=False, torch_dtype=DTYPE)
                  for h in config.servers]
         for node in nodes:
@@ -279,6 +281,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix-cache-tokens", type=int, default=0,
                         help="the orchestrator's --prefix-cache-tokens (default 0, its default: no prefix reuse); "
                         "with reuse on, sessions whose prompt pages are stored load them and still speculate")
+    parser.add_argument("--batch-sessions", type=int, default=16,
+                        help="the orchestrator's --batch-sessions (default 16, its default); 0: every request runs as "
+                        "one petals session, which speculates on petals' per-session path")
     args = parser.parse_args(argv)
     if replotted(args, plot):
         return 0
@@ -290,7 +295,8 @@ def main(argv=None) -> int:
     began = time.monotonic()
     report = {"command": "python -m experiments.bench.speculative", "model": Path(path).name, "dtype": DTYPE,
               "tokens": args.tokens, "seed": args.seed, "prefix_cache_tokens": args.prefix_cache_tokens,
-              **bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens)}
+              "batch_sessions": args.batch_sessions,
+              **bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens, args.batch_sessions)}
     progress.close()
     report["wall_s"] = time.monotonic() - began
     report["targets"] = targets(report)

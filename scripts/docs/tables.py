@@ -283,6 +283,8 @@ def verification_table() -> str:
 GEMMA_SPECULATIVE = "bench_speculative_gemma3_270m.json"
 GEMMA_COMMAND = " --model ~/.cache/chainswarm/models/gemma-3-270m-float32 --out " \
                 "experiments/results/bench_speculative_gemma3_270m.json"
+SINGLE_SPECULATIVE = "bench_speculative_single.json"  # petals' per-session path (--batch-sessions 0)
+SINGLE_COMMAND = " --sessions 1 --batch-sessions 0 --out experiments/results/bench_speculative_single.json"
 
 
 SPECULATIVE_TARGETS = {"copy_heavy_at_most_half": "per-token latency ≤ 0.5× on the copy-heavy workloads at 1 session",
@@ -306,6 +308,13 @@ def verification_steps_table() -> str:
     return "\n".join(out) + "\n"
 
 
+def _per_step(off: dict, on: dict) -> str:
+    """Tokens per chain step off → on (the batched path's step counter; "—" on petals' per-session path)."""
+    if off.get("tokens_per_step") is None or on.get("tokens_per_step") is None:
+        return "—"
+    return f"{off['tokens_per_step']:.2f} → {on['tokens_per_step']:.2f}"
+
+
 def speculative_table(name: str = "bench_speculative.json", command: str = "") -> str:
     d = load(name)
     rtts = ", ".join(f"{peer} {ms:.0f} ms" for peer, ms in sorted(d["wan"]["rtt_ms"].items()))
@@ -321,7 +330,7 @@ def speculative_table(name: str = "bench_speculative.json", command: str = "") -
         out.append(table_row([p["workload"], str(p["sessions"]),
                          f"{off['per_token_s'] * 1e3:.0f} → {on['per_token_s'] * 1e3:.0f} ms ({p['per_token_ratio']:.2f}×)",
                          f"{off['tokens_per_s']:.1f} → {on['tokens_per_s']:.1f} ({p['throughput_ratio']:.2f}×)",
-                         f"{on['acceptance']:.0%}", f"{off['tokens_per_step']:.2f} → {on['tokens_per_step']:.2f}",
+                         f"{on['acceptance']:.0%}", _per_step(off, on),
                          "yes" if p["same_text"] else "NO"]))
     vanilla = d["vanilla_petals"]
     one = {p["workload"]: p for p in d["points"] if p["sessions"] == 1}
