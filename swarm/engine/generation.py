@@ -180,9 +180,9 @@ class GenerationEngine:
         With ``recorder`` (:class:`swarm.engine.recording.SpanRecorder`) the hidden states its spans were sent and
         returned are kept for a spot check; a failover drops the recording.
 
-        With the engine's ``speculation`` (and ``params.speculative``) a batched session drafts tokens from its own
-        text and ``client``'s earlier outputs and verifies them in its decode steps; its output is then indexed
-        for later drafts in ``client``'s scope.
+        With the engine's ``speculation`` (and ``params.speculative``) the session drafts tokens from its own text
+        and ``client``'s earlier outputs and verifies them in its decode steps, batched or as a petals session
+        (:mod:`swarm.engine.single`); its output is then indexed for later drafts in ``client``'s scope.
         """
         if self._closed.is_set():
             raise RuntimeError("the generation engine is closed")
