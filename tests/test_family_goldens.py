@@ -59,20 +59,21 @@ def test_prompt_logits_and_greedy_tokens_equal_the_golden(case):
 
 
 def test_a_mixed_step_equals_each_sequence_alone(case):
-    """The batched path (3 decode steps with different cache lengths + 1 prefill in one ``step``) gives each
-    sequence what it gets alone — through every block, so windows and per-layer ropes are exercised."""
+    """The batched path (3 decode steps and 2 verification steps with different cache lengths + 1 prefill in one
+    ``step``) gives each sequence what it gets alone — through every block, so windows and per-layer ropes are
+    exercised."""
     _, model, golden = case
     spec, hidden = model.spec, model.embed(golden["prompt_ids"][None])[0]
     for block in model.layers:
         segments, alone, rows = [], [], []
-        for n in (9, 13, 21):
+        for n, t in ((9, 1), (13, 1), (21, 1), (11, 3), (17, 5)):
             _, cache = block.run(hidden[None, :n])
-            k = hidden.new_zeros(1, spec.num_kv_heads, spec.head_dim, n + 1)
-            v = hidden.new_zeros(1, spec.num_kv_heads, n + 1, spec.head_dim)
+            k = hidden.new_zeros(1, spec.num_kv_heads, spec.head_dim, n + t)
+            v = hidden.new_zeros(1, spec.num_kv_heads, n + t, spec.head_dim)
             k[..., :n], v[:, :, :n] = cache
-            segments.append(Segment(k, v, n, 1, 1))
-            alone.append(block.run(hidden[None, n:n + 1], cache)[0][0])
-            rows.append(hidden[n:n + 1])
+            segments.append(Segment(k, v, n, 1, t))
+            alone.append(block.run(hidden[None, n:n + t], cache)[0][0])
+            rows.append(hidden[n:n + t])
         segments.append(Segment(hidden.new_zeros(1, spec.num_kv_heads, spec.head_dim, 12),
                                 hidden.new_zeros(1, spec.num_kv_heads, 12, spec.head_dim), 0, 1, 12))
         alone.append(block.run(hidden[None, :12])[0][0])
