@@ -38,6 +38,7 @@ class FakeOrchestrator:
         self.step_s = 0.0
         self.running = {}  # request id -> session control (the orchestrator's registry)
         self.resumed, self.resume_fails = [], False
+        self.refusals = []  # resume's ``refused``: whether its timeout would be a refusal
         self.reserves, self.grows, self.room = [], [], 0  # reservations asked, growths asked, growths granted
         self.holds = []  # can_hold's answers in turn (False when used up): whether a chain could hold the rest
 
@@ -64,10 +65,11 @@ class FakeOrchestrator:
         return grant
 
     async def resume(self, request_id, client, input_tokens, max_new_tokens, *, timeout, page_hashes=(),
-                     reserve=None):
+                     reserve=None, refused=True):
         """The real one requeues the running request in its place; the fake grants it again at once (or never:
         ``resume_fails``)."""
         self.resumed.append((request_id, input_tokens, max_new_tokens))
+        self.refusals.append(refused)
         self.reserves.append(reserve)
         if self.resume_fails:
             raise QueueTimeout(f"no chain with room for the rest of the session within {timeout:.0f} s", 1.0)
@@ -202,7 +204,7 @@ def test_no_chain_for_the_rest_within_the_route_wait_is_a_clear_503(run):
     orchestrator.resume_fails = True
     out = run(orchestrator, FakeEngine("tokens-then-stuck:2"), stall_timeout_s=0.3, route_wait_s=7)
     assert isinstance(out["error"], QueueTimeout) and "rest of the session within 7 s" in str(out["error"])
-    assert orchestrator.resumed == [("r0", 5, 6)]
+    assert orchestrator.resumed == [("r0", 5, 6)] and orchestrator.refusals == [True]
 
 
 def test_an_answer_without_max_tokens_reserves_a_part_at_a_time_and_ends_at_length_when_its_chain_is_full(run):
@@ -246,6 +248,7 @@ def test_a_preempted_answer_that_finds_no_chain_in_time_ends_where_it_stopped_no
     finished = out["items"][-1]
     assert finished.finish_reason == "length" and finished.token_ids == list(range(7, 19))
     assert orchestrator.resumed == [("r0", 15, 12)]
+    assert orchestrator.refusals == [False]  # the rest's timeout is not counted as a refused request
 
 
 def test_a_growing_answer_resumed_after_a_failure_reserves_from_where_it_stopped(run):

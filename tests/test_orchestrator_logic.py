@@ -166,9 +166,15 @@ def test_a_failed_session_resumes_in_its_place_ahead_of_newer_requests_and_times
         for p in list(orch.view.profiles.values()):
             orch.report_failure(p.peer_id)
         await asyncio.sleep(0.05)
+        refusals = lambda: sum(e.get("count", 1) for e in orch.events if e["event"] == "refused")  # noqa: E731
+        before = refusals()
         with pytest.raises(QueueTimeout, match="rest of the session within 0 s"):
             await orch.resume(grants[1].request_id, "alice", 14, 6, timeout=0.2)
         assert grants[1].request_id not in orch.router.scheduler._requests
+        assert refusals() == before + 1  # a failed session that finds no chain: its client gets a 503
+        with pytest.raises(QueueTimeout):  # a preempted answer's rest: it ends at length, not a refusal
+            await orch.resume(grants[2].request_id, "alice", 14, 6, timeout=0.2, refused=False)
+        assert refusals() == before + 1
         await orch.stop()
 
     run(scenario())

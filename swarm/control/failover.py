@@ -86,13 +86,14 @@ class Failover:
         return next((n for n, p in self.view.profiles.items() if p.peer_id == peer_id), None)
 
     async def resume(self, request_id: str, client_id: str, input_tokens: int, max_new_tokens: int, *,
-                     timeout: float, page_hashes=(), reserve: int | None = None) -> Grant:
+                     timeout: float, page_hashes=(), reserve: int | None = None, refused: bool = True) -> Grant:
         """The session ``request_id`` failed on its chain (a server died, its route could not be mended, or it
         stalled): its continuation — ``input_tokens`` = prompt + tokens delivered so far, ``max_new_tokens``
         left — goes back to the head of its client's queue in its original place (the router's ``requeue``;
         the tokens already generated stay charged), its KV reservation moves with it, and it waits up to
         ``timeout`` for a chain with room (:class:`QueueTimeout` after that: "no chain ... within N s").
-        Accepted work is not counted against the queue bounds again. ``reserve``: as :meth:`acquire`'s."""
+        Accepted work is not counted against the queue bounds again. ``reserve``: as :meth:`acquire`'s. Not
+        ``refused``: a timeout raises no refusal event (a preempted answer then ends at ``length``, not refused)."""
         now = time.monotonic()
         reserve = max_new_tokens if reserve is None else min(reserve, max_new_tokens)
         self.occupancy.release(request_id)
@@ -106,7 +107,7 @@ class Failover:
         self._event("session_requeued", request=request_id, client=client_id, tokens=input_tokens)
         self._refit()  # its old reservation is free (and dispatch: it may start at once)
         return await self._await_grant(request_id, client_id, future, timeout,
-                                       "no chain with room for the rest of the session")
+                                       "no chain with room for the rest of the session", refused)
 
     async def reroute(self, chain_id: str, start: int, end: int, failed_peers, *, request_id: str | None = None,
                       claimant: str | None = None, wait_s: float = 20.0) -> tuple[RouteSpan, ...]:

@@ -225,9 +225,10 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
                 self.router.cancel(grant.request_id, now)
 
     async def _await_grant(self, request_id: str, client_id: str, future: asyncio.Future, timeout: float,
-                           what: str = "no chain slot") -> Grant:
+                           what: str = "no chain slot", refused: bool = True) -> Grant:
         """Wait up to ``timeout`` for the queued request's grant; after that it leaves the queue
-        (:class:`QueueTimeout`, "``what`` within ... s")."""
+        (:class:`QueueTimeout`, "``what`` within ... s"; a "queue timeout" refusal event unless not ``refused``:
+        the caller ends the request without an error)."""
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
@@ -238,7 +239,8 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
                 self.abort(request_id)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            self._refused(client_id, "queue timeout")
+            if refused:
+                self._refused(client_id, "queue timeout")
             raise QueueTimeout(f"{what} within {timeout:.0f} s",
                                self.retry_after_s(sum(self._queued.values()))) from None
 

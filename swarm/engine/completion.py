@@ -193,7 +193,7 @@ class CompletionRunner:
                     client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes,
                     reserve=self.reserve(params, 0)), client, is_disconnected)
                     if grant is None else self._continue(grant, client, input_ids, params, prior, page_hashes,
-                                                         is_disconnected))
+                                                         is_disconnected, refused=preempted is None))
             except ClientGone:
                 raise
             except Exception as exc:
@@ -265,14 +265,16 @@ class CompletionRunner:
             logger.warning("request of %s goes on from %d tokens (attempt %d) after %s", client,
                            len(prior.tokens), attempt + 1, detail)
 
-    async def _continue(self, grant, client, input_ids, params, prior: Progress, page_hashes, is_disconnected):
-        """The session of ``grant`` failed after delivering ``prior``: its continuation waits in its old place
-        in the queue (:meth:`Orchestrator.resume`) for up to ``route_wait_s`` (with the prompt's page hashes only
-        when nothing was delivered: a continuation runs without prefix reuse)."""
+    async def _continue(self, grant, client, input_ids, params, prior: Progress, page_hashes, is_disconnected,
+                        refused: bool = True):
+        """The session of ``grant`` failed (or was preempted: not ``refused``, its timeout ends the answer without
+        a refusal) after delivering ``prior``: its continuation waits in its old place in the queue
+        (:meth:`Orchestrator.resume`) for up to ``route_wait_s`` (with the prompt's page hashes only when nothing
+        was delivered: a continuation runs without prefix reuse)."""
         waiting = self.orchestrator.resume(
             grant.request_id, client, len(input_ids) + len(prior.tokens), params.max_new_tokens - len(prior.tokens),
             timeout=self.route_wait_s, page_hashes=() if prior.tokens else page_hashes,
-            reserve=self.reserve(params, len(prior.tokens)))
+            reserve=self.reserve(params, len(prior.tokens)), refused=refused)
         return await self._wait(waiting, client, is_disconnected)
 
     async def _wait(self, waiting: Awaitable[Grant], client: str, is_disconnected) -> Grant:
