@@ -433,3 +433,52 @@ def test_a_server_that_does_not_confirm_a_rollback_is_noticed(monkeypatch):
     step()
     assert sent[-1][ROLLBACK_META_KEY] == 1 and session.rollback_unconfirmed
     assert petals_sessions.inference_session_module._ServerInferenceSession is ClosingServerSession
+
+
+def test_a_petals_session_that_finds_the_pool_full_goes_on_once_pages_are_free(swarm, model):
+    """A vanilla petals session is admitted past the orchestrator, so it can find a server's pool full: its step
+    fails within about a second ("KV pool full"), and petals' own client retries — a new server session that
+    recomputes the inputs so far (petals' failover; vLLM's recompute preemption, driven by the client). Once the
+    sessions holding the pool end, it goes on, with the hidden states of a session that never waited."""
+    import threading
+
+    from swarm.engine.multi_client import ChainBatch
+
+    manager = model.transformer.h.sequence_manager
+    hidden, p2p = model.config.hidden_size, manager.state.p2p
+    (peer, start, end), blocks = swarm.route[0], swarm.route[0][2] - swarm.route[0][1]
+    pool = server_info(p2p, peer, f"{swarm.dht_prefix}.{start}")["chainswarm_kv"]["pages"]
+    torch.manual_seed(11)
+    prompt, token = torch.randn(1, 20, hidden), torch.randn(1, 1, hidden)
+
+    def session() -> torch.Tensor:
+        with model.transformer.h.inference_session(max_length=64) as s:
+            s.step(prompt)
+            return s.step(token)
+
+    reference = session()
+    saved = {k: getattr(manager.config, k) for k in ("max_retries", "ban_timeout", "min_backoff", "max_backoff")}
+    manager.config.max_retries, manager.config.ban_timeout, manager.config.min_backoff, manager.config.max_backoff = \
+        20, 0.5, 0.25, 1.0  # a patient client that retries soon (petals' defaults: forever, backing off to 60 s)
+    fillers = ChainBatch(p2p, [swarm.route[0]], manager.block_uids)
+    try:
+        length = 120  # positions per filler: 8 pages on each block
+        for i in range(pool["total"] // (blocks * 8)):
+            assert not fillers.step({f"f{i}": torch.randn(1, length, hidden)}, {f"f{i}": 128})[1]
+        rest = server_info(p2p, peer, f"{swarm.dht_prefix}.{start}")["chainswarm_kv"]["pages"]["free"] // blocks
+        if rest:  # the last pages too: not one left on every block
+            assert not fillers.step({"last": torch.randn(1, rest * 16, hidden)}, {"last": rest * 16})[1]
+        assert server_info(p2p, peer, f"{swarm.dht_prefix}.{start}")["chainswarm_kv"]["pages"]["free"] < blocks
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(session()), daemon=True)
+        worker.start()
+        worker.join(3.0)
+        assert worker.is_alive() and not result  # its first steps found no pages
+        fillers.close()  # the sessions that held the pool end
+        worker.join(60)
+        assert result, "the petals session did not go on once the pool had room"
+        torch.testing.assert_close(result[0], reference, atol=1e-4, rtol=1e-4)
+    finally:
+        fillers.close()  # (idempotent) the pool is the module's: never left full for the next test
+        for key, value in saved.items():
+            setattr(manager.config, key, value)
