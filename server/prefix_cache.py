@@ -16,7 +16,8 @@ Protocol and trust model: :mod:`swarm.trust.prefix`. Pieces here, all in the ser
 * :class:`PrefixHandler` (the push-fixed ``TransformerConnectionHandler`` plus ``rpc_prefix_probe``) reads
   ``cs_prefix`` from the opening metadata: load before the first step, save right after it. It also runs a
   petals session's rollbacks (``shift``, speculative decoding on petals' per-session path) and confirms each in
-  the step's reply (:mod:`swarm.model.petals_sessions`).
+  the step's reply (:mod:`swarm.model.petals_sessions`); a session that asks for room to take positions back gets
+  it beyond its ``max_length`` in petals' step loop, not in its pages.
 
 petals' step loop counts a session's position itself (every position it was sent); the backend adds the
 session's offset to it: the positions a loaded prefix skipped, minus the positions rolled back.
@@ -48,7 +49,7 @@ from petals.utils.misc import DUMMY_INT64
 from server import failpoints
 from server.handler import ChainswarmHandler
 from server.kv_pool import fit_pages, token_axis
-from swarm.model.petals_sessions import ROLLBACK_META_KEY
+from swarm.model.petals_sessions import ROLLBACK_META_KEY, ROLLBACK_ROOM_KEY
 from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes, parse_session_spec
 
 logger = logging.getLogger(__name__)
@@ -315,6 +316,8 @@ class _SessionPrefix:
     handles: tuple = ()
     shifted: bool = False  # a rollback moved its offset (forgotten at the end)
     confirm: int = 0  # the rollback of the step in flight, confirmed in its reply
+    room: int = 0  # positions granted beyond the session's max_length for the ones it takes back
+    granted: bool = False  # the room was asked for: the first reply says how much was granted
 
 
 _SESSION: ContextVar[Optional[_SessionPrefix]] = ContextVar("chainswarm_session_prefix", default=None)
@@ -369,6 +372,8 @@ class PrefixHandler(ChainswarmHandler):
         metadata = MSGPackSerializer.loads(first.metadata) if first.metadata else {}
         session = _session_prefix(metadata)
         _SESSION.set(session)
+        if ROLLBACK_ROOM_KEY in metadata:
+            first.metadata = MSGPackSerializer.dumps(self._grant_room(session, metadata))
 
         async def replay():
             yield first
@@ -376,10 +381,26 @@ class PrefixHandler(ChainswarmHandler):
                 yield request
 
         async for response in super().rpc_inference(replay(), context):
+            reply = {}
+            if session.granted:  # the first reply: the room granted for positions taken back
+                reply[ROLLBACK_ROOM_KEY], session.granted = session.room, False
             if session.confirm:  # this step took positions back first: say so (a vanilla server would not)
-                response.metadata = MSGPackSerializer.dumps({ROLLBACK_META_KEY: session.confirm})
-                session.confirm = 0
+                reply[ROLLBACK_META_KEY], session.confirm = session.confirm, 0
+            if reply:
+                response.metadata = MSGPackSerializer.dumps(reply)
             yield response
+
+    def _grant_room(self, session: _SessionPrefix, metadata: dict) -> dict:
+        """The opening metadata petals' step loop reads, with ``max_length`` raised by the room the client asked for
+        (:data:`ROLLBACK_ROOM_KEY`): petals counts every position sent, taken back or not. The room is granted
+        within this server's longest session; the session's pages stay bounded by its own ``max_length``."""
+        asked, declared = metadata.pop(ROLLBACK_ROOM_KEY), metadata.get("max_length")
+        if (isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 and isinstance(declared, int)
+                and 0 <= declared <= self.inference_max_length):
+            session.room = min(asked, self.inference_max_length - declared)
+            metadata["max_length"] = declared + session.room
+        session.granted = True
+        return metadata
 
     async def _take_back(self, positions: int) -> None:
         session = _SESSION.get()
@@ -392,7 +413,8 @@ class PrefixHandler(ChainswarmHandler):
     @contextlib.asynccontextmanager
     async def _allocate_cache(self, backends, *, batch_size: int, max_length: int, timeout: Optional[float]):
         session = _SESSION.get()
-        async with super()._allocate_cache(backends, batch_size=batch_size, max_length=max_length,
+        bound = max_length - session.room if session is not None else max_length  # the pages' bound: its own
+        async with super()._allocate_cache(backends, batch_size=batch_size, max_length=bound,
                                            timeout=timeout) as handles:
             if session is None:  # (not a petals session of this handler)
                 yield handles

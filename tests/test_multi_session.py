@@ -347,8 +347,9 @@ def test_a_petals_session_takes_rejected_positions_back_on_every_server(swarm, m
     positions and takes 2 back gets, on its next step, the hidden states of a session that never saw them — with
     server-to-server pushes (the second server gets the step, rollback included, from the first) and with the client
     relaying every hop, and after a failover that replays the session's input history on a new server session.
-    Each server confirms the rollback; a rollback past the last step is refused by the client, and by the server
-    when a client sends one anyway."""
+    Each server confirms the rollback and grants the room asked for beyond max_length (petals' step loop counts
+    the positions taken back); a rollback past the last step is refused by the client, and by the server when a
+    client sends one anyway."""
     from petals.utils.misc import DUMMY, DUMMY_INT64
 
     from swarm.engine.routing import ChainswarmInferenceSession
@@ -364,8 +365,10 @@ def test_a_petals_session_takes_rejected_positions_back_on_every_server(swarm, m
         before = pushes()
 
         def run(drafted: bool, failover: bool = False) -> torch.Tensor:
-            with ChainswarmInferenceSession(manager, max_length=64) as session:
+            # max_length 8: the 9 positions sent pass only with the room asked for the 2 taken back
+            with ChainswarmInferenceSession(manager, max_length=8, rollback_room=8) as session:
                 session.step(prompt)
+                assert session.rollback_room == 8  # granted by both servers with the first step
                 session.step(draft if drafted else draft[:, :1])
                 if drafted:
                     with pytest.raises(ValueError, match="goes past"):
@@ -404,7 +407,7 @@ def test_a_server_that_does_not_confirm_a_rollback_is_noticed(monkeypatch):
     from hivemind.proto import runtime_pb2
 
     from swarm.model import petals_sessions
-    from swarm.model.petals_sessions import ROLLBACK_META_KEY, ClosingServerSession
+    from swarm.model.petals_sessions import ROLLBACK_META_KEY, ROLLBACK_ROOM_KEY, ClosingServerSession
 
     sent, replies = [], []
 
@@ -415,7 +418,8 @@ def test_a_server_that_does_not_confirm_a_rollback_is_noticed(monkeypatch):
     monkeypatch.setattr(ClosingServerSession.__mro__[1], "_step", server)
     session = object.__new__(ClosingServerSession)
     session._position, session.history, session._running_step = 5, torch.zeros(1, 5, 2), None
-    session._rollback, session.rollback_unconfirmed = 0, False
+    session._rollback, session.rollback_unconfirmed, session.rollback_room = 0, False, 0
+    session.stepped, session.session_metadata = True, {}
     with pytest.raises(ValueError):
         session.rollback(6)
     session.rollback(2)
@@ -433,6 +437,12 @@ def test_a_server_that_does_not_confirm_a_rollback_is_noticed(monkeypatch):
     step()
     assert sent[-1][ROLLBACK_META_KEY] == 1 and session.rollback_unconfirmed
     assert petals_sessions.inference_session_module._ServerInferenceSession is ClosingServerSession
+    # the room beyond max_length, asked with the first step: granted by a Chainswarm server, none by a vanilla one
+    for reply, granted in (({ROLLBACK_ROOM_KEY: 40}, 40), ({}, 0)):
+        session.stepped, session.session_metadata = False, {"max_length": 40, ROLLBACK_ROOM_KEY: 40}
+        replies.append(runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(reply)))
+        step()
+        assert session.rollback_room == granted
 
 
 def test_a_petals_session_that_finds_the_pool_full_goes_on_once_pages_are_free(swarm, model):

@@ -109,7 +109,7 @@ class GenerationEngine:
 
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
-                 batch_sessions: int = 16, speculation=None, max_length: int = 0):
+                 batch_sessions: int = 16, speculation=None):
         from swarm.model.tokenizer import load_tokenizer
 
         from swarm.model.compat import petals
@@ -125,7 +125,6 @@ class GenerationEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.batch_sessions, self.request_timeout = int(batch_sessions), request_timeout
         self.speculation = speculation  # swarm.engine.speculative.Speculation, or None: one token per step
-        self.max_length = int(max_length)  # the servers' longest session (0: unknown): a petals session's draft room
         self._generators: dict[tuple, ChainGenerator] = {}  # route -> its batch of sessions
         self._generators_lock = threading.Lock()
         self._unbatched: set[tuple] = set()  # routes with a server that has no multi-session streams
@@ -385,7 +384,7 @@ class GenerationEngine:
             try:
                 with use_lease(lease, provider, control) as context:
                     context.prefix, context.recorder = plan, recorder
-                    single.generate(self.model, seq, max_length=self.max_length)
+                    single.generate(self.model, seq)
                 return
             except single.RollbackUnconfirmed as exc:  # the rest without drafts, from the tokens verified so far
                 logger.warning("%s", exc)

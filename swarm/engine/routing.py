@@ -35,6 +35,7 @@ from petals.client.routing.sequence_manager import RemoteSequenceManager  # noqa
 from petals.data_structures import RemoteSpanInfo, ServerInfo, ServerState  # noqa: E402
 
 from swarm.model import petals_sessions as server_sessions  # noqa: E402
+from swarm.model.petals_sessions import ROLLBACK_ROOM_KEY  # noqa: E402
 from swarm.trust.tickets import META_KEY as TICKET_META_KEY  # noqa: E402
 from swarm.trust.prefix import META_KEY as PREFIX_META_KEY, MISSING_MESSAGE as PREFIX_MISSING, PROBE_RPC as PREFIX_PROBE_RPC  # noqa: E402
 
@@ -276,13 +277,20 @@ class ChainswarmInferenceSession(InferenceSession):
     the last position's logits matter for generation), and the position counts the reused tokens.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, rollback_room: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         context = _current.get()
         if context is not None and context.control is not None:
             context.control.session = self
         self._last_step = 0  # positions of the last step (the most a rollback may take back)
         self.rolled_back = 0  # positions taken back so far
+        self._room_asked = int(rollback_room)  # positions beyond max_length asked of every server for rollbacks
+
+    @property
+    def rollback_room(self) -> int:
+        """The positions beyond ``max_length`` that every server of the chain granted for the ones taken back (0
+        before the first step, or where a server granted none: a vanilla petals server)."""
+        return min((getattr(s, "rollback_room", 0) for s in self._server_sessions), default=0)
 
     @property
     def sent_positions(self) -> int:
@@ -341,6 +349,8 @@ class ChainswarmInferenceSession(InferenceSession):
             for span in chosen_spans:
                 try:
                     opened += super()._enter_server_sessions([span])
+                    if self._room_asked:  # sent with the session's first step
+                        opened[-1].session_metadata[ROLLBACK_ROOM_KEY] = self._room_asked
                 except Exception:
                     context = _current.get()
                     if context is not None:

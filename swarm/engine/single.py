@@ -10,12 +10,12 @@ distribution); the rejected drafts' positions are taken back (:meth:`ChainswarmI
 in the client's input history, which a failover replays on a replacement server, and on each server with the
 next step.
 
-Bounds. petals' step loop on each server counts every position it was sent, taken back or not, against the
-session's ``max_length``; so the session is opened with the servers' longest session (``max_length``: room for
-drafts beyond its own prompt + ``max_new_tokens``, which bounds only that count: KV pages are taken for the
-positions a session holds), and a step drafts only as many tokens as leave room for the rest of the answer at
-one token per step, even were every draft rejected. A step also drafts no more than the tokens left after it, so
-the session never holds more KV positions than its prompt plus its answer (what the orchestrator reserved). A server that does not confirm a rollback (a vanilla petals server on the route) still holds the
+Bounds. The session declares its own prompt + ``max_new_tokens`` as its ``max_length``: its servers' pages (and
+the orchestrator's reservation) stay bounded by that. But petals' step loop on each server counts every position
+it was sent, taken back or not, against ``max_length``: so the session also asks for as much room again for the
+positions it will take back (``ROLLBACK_ROOM_KEY``), which each Chainswarm server grants within its longest
+session, and a step drafts only as many tokens as leave room for the rest of the answer at one token per step,
+even were every draft rejected. A step also drafts no more than the tokens left after it. A server that does not confirm a rollback (a vanilla petals server on the route) still holds the
 rejected positions: the step's outputs are discarded and :class:`RollbackUnconfirmed` ends the session with the
 tokens so far, which the engine continues without drafts.
 """
@@ -35,20 +35,20 @@ class RollbackUnconfirmed(RuntimeError):
 
 
 @torch.inference_mode()
-def generate(model, seq: Decoding, *, max_length: int) -> None:
+def generate(model, seq: Decoding) -> None:
     """Run ``seq`` (with its ``drafts``, or one token per step without) to completion on one petals session of
     ``model`` (a petals distributed causal LM), opened here in the caller's lease context
-    (:func:`swarm.engine.routing.use_lease`) with room for ``max_length`` positions sent (at least its prompt plus
-    ``max_new_tokens``). Tokens are reported through ``seq.on_token``; an exception a callback raises ends the
-    session and propagates."""
+    (:func:`swarm.engine.routing.use_lease`). Tokens are reported through ``seq.on_token``; an exception a callback
+    raises ends the session and propagates."""
     embed = model.transformer.word_embeddings
-    max_length = max(max_length, len(seq.input_ids) + seq.max_new_tokens)
-    with model.transformer.h.inference_session(max_length=max_length) as session:
+    max_length = len(seq.input_ids) + seq.max_new_tokens
+    with model.transformer.h.inference_session(max_length=max_length, rollback_room=max_length) as session:
         hidden = session.step(embed(torch.tensor([seq.input_ids])))
         done = emit_verified(seq, head_logits(model, hidden[0, -1:]))
         while not done:
             left = seq.max_new_tokens - len(seq.produced)  # each needs at most one more position sent
-            room = min(max_length - session.sent_positions - left, left - 1)
+            sendable = max_length + session.rollback_room - session.sent_positions
+            room = min(sendable - left, left - 1)
             seq.draft = seq.drafts.propose(seq.input_ids + seq.produced, room) if seq.drafts is not None else []
             hidden = session.step(embed(torch.tensor([[seq.produced[-1], *seq.draft]])))
             if session.rollback_unconfirmed:

@@ -30,7 +30,10 @@ And one addition, for speculative decoding on petals' per-session path: :meth:`C
 takes the session's last positions back — from the client's position and input history (which a failover
 replays on a replacement server) and, with the next step, on the server: that step's metadata carries
 ``{ROLLBACK_META_KEY: n}``. A Chainswarm server takes the positions back before the step and confirms it in the
-step's reply; a vanilla petals server ignores the key and confirms nothing (:attr:`rollback_unconfirmed`).
+step's reply; a vanilla petals server ignores the key and confirms nothing (:attr:`rollback_unconfirmed`). As
+petals' server counts every position sent against the session's ``max_length``, a session may ask for room beyond
+it at open (``ROLLBACK_ROOM_KEY``); the first reply says how much was granted (:attr:`rollback_room`: none from a
+vanilla server).
 """
 from __future__ import annotations
 
@@ -54,6 +57,10 @@ CLOSE_TIMEOUT_S = 5.0
 
 ROLLBACK_META_KEY = "chainswarm_rollback"
 """A petals step's metadata key: positions the server takes back before the step; in its reply: the confirmation."""
+ROLLBACK_ROOM_KEY = "chainswarm_rollback_room"
+"""A petals session's opening metadata key: how many positions beyond ``max_length`` its steps may send in all (the
+positions it will take back; petals' server counts every position sent). The first step's reply says how many
+the server granted (within its longest session)."""
 
 
 
@@ -90,6 +97,7 @@ class ClosingServerSession(inference_session_module._ServerInferenceSession):
         self._running_step: asyncio.Task | None = None
         self._rollback = 0  # positions to take back on the server with the next step
         self.rollback_unconfirmed = False  # a step asked for a rollback and the server did not confirm it
+        self.rollback_room = 0  # positions beyond max_length the server granted (known after the first step)
 
     def rollback(self, positions: int) -> None:
         """Take back the last ``positions`` positions: here at once, on the server with the next step."""
@@ -103,6 +111,7 @@ class ClosingServerSession(inference_session_module._ServerInferenceSession):
     async def _step(self, inputs_serialized):
         self._running_step = asyncio.current_task()
         rollback, self._rollback = self._rollback, 0
+        asked = not self.stepped and ROLLBACK_ROOM_KEY in self.session_metadata  # (sent with the first step)
         if rollback:
             metadata = MSGPackSerializer.loads(inputs_serialized.metadata) if inputs_serialized.metadata else {}
             metadata[ROLLBACK_META_KEY] = rollback
@@ -111,10 +120,13 @@ class ClosingServerSession(inference_session_module._ServerInferenceSession):
             response = await super()._step(inputs_serialized)
         finally:
             self._running_step = None
-        if rollback:
-            confirmed = MSGPackSerializer.loads(response.metadata) if response.metadata else {}
-            if not isinstance(confirmed, dict) or confirmed.get(ROLLBACK_META_KEY) != rollback:
+        if rollback or asked:
+            reply = MSGPackSerializer.loads(response.metadata) if response.metadata else {}
+            reply = reply if isinstance(reply, dict) else {}
+            if rollback and reply.get(ROLLBACK_META_KEY) != rollback:
                 self.rollback_unconfirmed = True
+            room = reply.get(ROLLBACK_ROOM_KEY, 0) if asked else 0
+            self.rollback_room = room if isinstance(room, int) and not isinstance(room, bool) and room > 0 else 0
         return response
 
     def cancel_step(self) -> None:
