@@ -381,6 +381,7 @@ def test_a_petals_session_takes_rejected_positions_back_on_every_server(swarm, m
                     assert session._server_sessions[1] is not second
                 outputs = session.step(other)
                 assert len(session._server_sessions) == 2 and not session.rollback_unconfirmed
+                assert session.rollback_room == 8  # still known after a step that took positions back
                 return outputs
 
         plain = run(False)
@@ -437,10 +438,16 @@ def test_a_server_that_does_not_confirm_a_rollback_is_noticed(monkeypatch):
     step()
     assert sent[-1][ROLLBACK_META_KEY] == 1 and session.rollback_unconfirmed
     assert petals_sessions.inference_session_module._ServerInferenceSession is ClosingServerSession
-    # the room beyond max_length, asked with the first step: granted by a Chainswarm server, none by a vanilla one
+    # the room beyond max_length, asked with the first step: granted by a Chainswarm server, none by a vanilla one;
+    # later replies (a rollback's confirmation) leave it as granted
     for reply, granted in (({ROLLBACK_ROOM_KEY: 40}, 40), ({}, 0)):
         session.stepped, session.session_metadata = False, {"max_length": 40, ROLLBACK_ROOM_KEY: 40}
         replies.append(runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(reply)))
+        step()
+        assert session.rollback_room == granted
+        session.stepped = True
+        session.rollback(1)
+        replies.append(runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({ROLLBACK_META_KEY: 1})))
         step()
         assert session.rollback_room == granted
 

@@ -125,8 +125,9 @@ class ClosingServerSession(inference_session_module._ServerInferenceSession):
             reply = reply if isinstance(reply, dict) else {}
             if rollback and reply.get(ROLLBACK_META_KEY) != rollback:
                 self.rollback_unconfirmed = True
-            room = reply.get(ROLLBACK_ROOM_KEY, 0) if asked else 0
-            self.rollback_room = room if isinstance(room, int) and not isinstance(room, bool) and room > 0 else 0
+            if asked:
+                room = reply.get(ROLLBACK_ROOM_KEY, 0)
+                self.rollback_room = room if isinstance(room, int) and not isinstance(room, bool) and room > 0 else 0
         return response
 
     def cancel_step(self) -> None:
