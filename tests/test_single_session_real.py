@@ -6,7 +6,9 @@ runs as one petals session — petals' own client path, failover included — an
 chain verifying the drafts in the session's steps and its servers taking the rejected ones back. Greedy answers
 equal local transformers and the ``speculative: false`` answer (logprobs included), concurrently too; a server
 SIGKILLed in the middle of a verification step changes no answer (the session fails over, its input history
-replayed without the rejected positions).
+replayed without the rejected positions). Every session is spot-checked (``--spot-check-rate 1``): what a
+speculating session's servers were sent and returned, with the rejected positions taken back, is re-executed on
+the other chain's servers and agrees — no honest server is ever struck.
 """
 import concurrent.futures as cf
 import time
@@ -38,7 +40,7 @@ def swarm(smollm2_dir, tmp_path_factory):
         local.add_orchestrator(kv_admission="slots", policy="fcfs", expected_rate=1.0, max_length=MAX_LENGTH,
                                expected_input_tokens=32, expected_output_tokens=24, refresh_s=0.5,
                                request_timeout_s=20.0, torch_dtype="float32", replan_tolerance=100.0,
-                               batch_sessions=0, speculative="ngram")
+                               batch_sessions=0, speculative="ngram", spot_check_rate=1.0, spot_check_new_rate=1.0)
         local.status = local.wait_chains_ready(timeout=240)
         local.url, local.failpoints = local.orchestrator.info["url"], failpoints
         yield local
@@ -54,6 +56,13 @@ def reference(smollm2_dir):
 def _metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _checks(url: str) -> dict:
+    """The spot checks' outcomes so far (``chainswarm_spot_checks_total{outcome=...}``)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("chainswarm_spot_checks_total{")}
 
 
 def _complete(url: str, body: dict, client: str = "single") -> dict:
@@ -85,6 +94,11 @@ def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token
         assert abs(mine - theirs) < 1e-3
     assert accepted[False] == 0 and accepted[True] >= 8, accepted
     assert _metric(swarm.url, "chainswarm_batched_steps_total") == 0  # every session ran on petals' path
+    # two spans per session: each re-executed on the other chain's server of the same blocks. A recording that still
+    # held the rejected positions would not match the session's tokens, and its check would be skipped
+    wait_for(lambda: _checks(swarm.url)["passed"] >= 4, 60, what="both sessions' spans re-executed and agreed")
+    assert {k: _checks(swarm.url)[k] for k in ("mismatches", "strikes", "skipped")} == dict.fromkeys(
+        ("mismatches", "strikes", "skipped"), 0.0)
 
 
 def test_concurrent_sessions_that_speculate_equal_local_transformers(swarm, reference):
@@ -99,6 +113,7 @@ def test_concurrent_sessions_that_speculate_equal_local_transformers(swarm, refe
         texts = list(pool.map(one, range(6)))
     for i, text in enumerate(texts):
         assert text == reference(PROMPTS[i], 24), PROMPTS[i][:40]
+    assert _checks(swarm.url)["mismatches"] == 0 and _checks(swarm.url)["strikes"] == 0
 
 
 def test_a_server_killed_in_a_verification_step_changes_no_answer(swarm, reference):
