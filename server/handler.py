@@ -138,10 +138,10 @@ class ChainswarmHandler(_PetalsHandler):
                 rollback = checked_rollback(metadata.get(ROLLBACK_META_KEY), last)  # speculation's rejected drafts
                 if rollback:
                     await self._take_back(rollback)
-                    position -= rollback
                 await self._grow(tokens)  # the step's pages, before petals submits it
                 last = tokens
                 if failpoints.armed():  # tests and drills only: nothing on a production step
+                    position -= rollback
                     failpoints.hit(failpoints.step_phase(position, tokens))
                     position += tokens
                 yield request, metadata

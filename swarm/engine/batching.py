@@ -125,7 +125,7 @@ class ChainGenerator:
         (a transformers logits processor, e.g. :class:`swarm.engine.sampling.TokenChooser`) adjusts the scores before the
         greedy pick. ``recorder`` (:class:`swarm.engine.recording.SpanRecorder`) keeps its spans' hidden states for
         a spot check. With ``drafts`` (:class:`swarm.engine.speculative.SessionDrafts`) each decode step also carries
-        the tokens it drafts; the chain verifies them in the same pass (see :func:`emit_verified`). With ``prefix``
+        the tokens it drafts; the chain verifies them in the same pass (:func:`emit_verified`). With ``prefix``
         (:class:`swarm.engine.multi_wire.Prefix`) every server loads the prompt's first ``prefix.load`` pages from its
         prefix store and the prefill sends only the positions after them; the servers store the prompt's new full
         pages after it. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
@@ -315,7 +315,8 @@ class ChainGenerator:
 
 
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The final norm and LM head of ``model`` (a petals distributed causal LM) over ``hidden`` ``(n, H)``: ``(n, V)``."""
+    """The final norm and LM head of ``model`` (a petals distributed causal LM) over ``hidden`` ``(n, H)``: the
+    logits ``(n, V)``."""
     head = model.lm_head.weight
     return linear(model.transformer.ln_f(hidden.to(head.dtype)), head)
 

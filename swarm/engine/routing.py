@@ -313,11 +313,10 @@ class ChainswarmInferenceSession(InferenceSession):
             if context is not None and context.recorder is not None:
                 context.recorder.rollback(positions)
 
-    @property
-    def rollback_unconfirmed(self) -> bool:
-        """Whether a server of the chain did not confirm a rollback (a vanilla petals server: its cache still holds
-        the positions, so the session's later outputs would be wrong)."""
-        return any(getattr(s, "rollback_unconfirmed", False) for s in self._server_sessions)
+    def unconfirmed_peers(self) -> list[str]:
+        """The servers of the chain that did not confirm a rollback (vanilla petals servers: their caches still hold
+        the positions, so the session's later outputs would be wrong); empty when every one did."""
+        return [s.span.peer_id.to_base58() for s in self._server_sessions if getattr(s, "rollback_unconfirmed", False)]
 
     def step(self, inputs, prompts=None, hypo_ids=None):
         outputs = self._step(inputs, prompts, hypo_ids)

@@ -15,9 +15,11 @@ the orchestrator's reservation) stay bounded by that. But petals' step loop on e
 it was sent, taken back or not, against ``max_length``: so the session also asks for as much room again for the
 positions it will take back (``ROLLBACK_ROOM_KEY``), which each Chainswarm server grants within its longest
 session, and a step drafts only as many tokens as leave room for the rest of the answer at one token per step,
-even were every draft rejected. A step also drafts no more than the tokens left after it. A server that does not confirm a rollback (a vanilla petals server on the route) still holds the
-rejected positions: the step's outputs are discarded and :class:`RollbackUnconfirmed` ends the session with the
-tokens so far, which the engine continues without drafts.
+even were every draft rejected. A step also drafts no more than the tokens left after it.
+
+A server that does not confirm a rollback (a vanilla petals server on the route) still holds the rejected
+positions: the step's outputs are discarded and :class:`RollbackUnconfirmed` ends the session with the tokens so
+far, which the engine continues without drafts.
 """
 from __future__ import annotations
 
@@ -51,9 +53,9 @@ def generate(model, seq: Decoding) -> None:
             room = min(sendable - left, left - 1)
             seq.draft = seq.drafts.propose(seq.input_ids + seq.produced, room) if seq.drafts is not None else []
             hidden = session.step(embed(torch.tensor([[seq.produced[-1], *seq.draft]])))
-            if session.rollback_unconfirmed:
-                raise RollbackUnconfirmed([s.span.peer_id.to_base58() for s in session._server_sessions
-                                           if getattr(s, "rollback_unconfirmed", False)])
+            unconfirmed = session.unconfirmed_peers()
+            if unconfirmed:
+                raise RollbackUnconfirmed(unconfirmed)
             try:
                 done = emit_verified(seq, head_logits(model, hidden[0]))
             finally:
