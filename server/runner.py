@@ -23,7 +23,7 @@ def offline_server_kwargs(
     host: str = "127.0.0.1",
     port: int = 0,
     announce_port: int | None = None,
-    device: str = "cpu",
+    device: str | None = None,
     torch_dtype: str = "float32",
     cache_tokens: int = 8192,
     max_length: int = 1024,
@@ -36,7 +36,8 @@ def offline_server_kwargs(
 
     ``block_indices`` pins the span ``[start, end)`` (which also switches petals' rebalancing off);
     ``num_blocks`` lets petals choose the blocks itself (the PETALS baseline). ``announce_port`` makes the
-    server announce another port than it listens on (a WAN-emulation proxy in front of it).
+    server announce another port than it listens on (a WAN-emulation proxy in front of it). ``device`` None is
+    CUDA where there is a GPU, else the CPU, as ``chainswarm server`` without ``--device``.
     """
     if (block_indices is None) == (num_blocks is None):
         raise ValueError("give exactly one of block_indices or num_blocks")

@@ -45,3 +45,32 @@ def test_every_petals_submodule_imports_through_the_shim():
         "print('ok')"
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_server_block_runs_without_bitsandbytes(tmp_path):
+    """bitsandbytes (90 MB of CUDA binaries) is optional: petals' backend of an unquantized block is built and
+    steps without it; adapters and quantized blocks are then refused with errors that name it."""
+    result = _run(
+        "import sys; sys.modules['bitsandbytes'] = None  # as on a host where it is not installed\n"
+        "from swarm.model.compat import petals\n"
+        "import importlib.util, torch\n"
+        "from petals.utils.convert_block import QuantType, quantize_module\n"
+        "from server.batch_profile import decode_step_times, load_backends\n"
+        "from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama\n"
+        f"model = make_random_llama({str(tmp_path / 'm')!r}, TinyLlamaSpec(layers=2))\n"
+        "backends = load_backends(str(model), range(2))\n"
+        "times = decode_step_times(backends, (1, 2), context=8, repeats=1)\n"
+        "assert all(t > 0 for row in times.values() for t in row.values()) and len(times) == 2, times\n"
+        "peft = sys.modules['petals.utils.peft']\n"
+        "with peft.using_adapter(None): pass\n"
+        "try:\n    peft.using_adapter('lora-a').__enter__(); raise SystemExit('adapter accepted')\n"
+        "except ValueError as e: assert 'bitsandbytes' in str(e), e\n"
+        "try:\n    from petals.utils.peft import load_peft; raise SystemExit('load_peft imported')\n"
+        "except ImportError as e: assert 'bitsandbytes' in str(e), e\n"
+        "try:\n    quantize_module(torch.nn.Linear(4, 4), quant_type=QuantType.INT8); raise SystemExit('quantized')\n"
+        "except ImportError as e: assert 'bitsandbytes' in str(e), e\n"
+        "assert importlib.util.find_spec('bitsandbytes') is None\n"
+        "print('ok')"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")

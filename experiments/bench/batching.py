@@ -396,6 +396,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.torch_threads)
     report = {"model": Path(model_dir).name, "dtype": DTYPE, "tokens": args.tokens, "max_batch": args.max_batch,
+              "server_device": "cuda" if torch.cuda.is_available() else "cpu",
               "torch_threads": args.torch_threads, "load_average_at_start": os.getloadavg(),
               "servers": 2, "client": "petals generate, one thread per session",
               "repeats": args.repeats,

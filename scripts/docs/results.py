@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tables import (  # noqa: E402  (scripts/docs/tables.py)
     GEMMA_COMMAND, GEMMA_SPECULATIVE, SINGLE_COMMAND, SINGLE_SPECULATIVE, RESULTS, ROOT, by_sessions, minus,
     table_row, sci, batching_table,
-    chaos_table, chaos_waves_table, device_check_table, http_table, kv_lengths_table, load, runtime_table,
+    chaos_table, chaos_waves_table, device_check_table, device_swarm_table, http_table, kv_lengths_table, load, runtime_table,
     soak_table, speculative_table, verification_spread_table, verification_steps_table, verification_table)
 
 DATA_README = ROOT / "experiments" / "data" / "README.md"
@@ -138,7 +138,8 @@ def write(out_dir: Path) -> None:
     tables = out_dir / "tables"
     tables.mkdir(exist_ok=True)
     # tables/*.md are included into pages in docs/ (one level up from reference/): links are relative to the page
-    generated = {"batching.md": batching_table(), "batching_http.md": http_table(), "device_check.md": device_check_table().replace(
+    generated = {"batching.md": batching_table(), "batching_http.md": http_table(), "device_swarm.md": device_swarm_table().replace("](results/", "](reference/results/"),
+                  "device_check.md": device_check_table().replace(
                      "](results/", "](reference/results/"),
                  "runtime.md": runtime_table(), "soak.md": soak_table(), "chaos.md": chaos_table(), "chaos_waves.md": chaos_waves_table(),
                  "verification_spread.md": verification_spread_table(),
@@ -162,7 +163,8 @@ def write(out_dir: Path) -> None:
             "([bench_batching.json](results/bench_batching.json), [plot](results/bench_batching.png)); see "
             "[Batched servers](../batching.md#the-benchmark).", "", batching_table(), "",
             "Through the HTTP API with default options:", "", http_table(), "",
-            "## GPU check", "", device_check_table(), "",
+            "## GPU check", "", device_check_table(), "", "The swarm part (`SKIP_GOLDENS=1 scripts/device_check.sh`):",
+            "", device_swarm_table(), "",
             "## Runtime against vanilla petals", "", "`python -m experiments.bench.runtime` "
             "([bench_runtime.json](results/bench_runtime.json)); see [Runtime measurements](../runtime.md).", "",
             runtime_table(), "",

@@ -99,6 +99,29 @@ def device_check_table() -> str:
     return "\n".join(out) + "\n"
 
 
+# -- device_bench_batching_h200.json ----------------------------------------------------------------------------
+
+def device_swarm_table() -> str:
+    """The device check's swarm part: bench_batching's Chainswarm ÷ vanilla rows and its HTTP rows."""
+    d = load("device_bench_batching_h200.json")
+    res = d["results"]
+    vanilla = by_sessions(res["vanilla_petals"])
+    out = [f"{d['machine']}; servers: {d['server_device']}; weights: {d['weights']} "
+           "([device_bench_batching_h200.json](results/device_bench_batching_h200.json)).", "",
+           table_row(["sessions", "vanilla petals tok/s", "Chainswarm servers, petals client: ×",
+                      "`ChainGenerator`: ×", "`/v1/completions`, defaults: tok/s", "× one session",
+                      "same text as local greedy"]), table_row(["---"] * 7)]
+    batched, multi = by_sessions(res["chainswarm_batched"]), by_sessions(res["chainswarm_multi"])
+    for r in d["http"]["rows"]:
+        n = r["sessions"]
+        out.append(table_row([n, f"{vanilla[n]['tokens_per_s']:.1f}",
+                              f"{batched[n]['tokens_per_s'] / vanilla[n]['tokens_per_s']:.2f}",
+                              f"{multi[n]['tokens_per_s'] / vanilla[n]['tokens_per_s']:.2f}",
+                              f"{r['tokens_per_s']:.1f}", f"{r['vs_one_session']:.2f}",
+                              "yes" if r["same_text_as_local_greedy"] else "**no**"]))
+    return "\n".join(out) + "\n"
+
+
 # -- bench_runtime.json -----------------------------------------------------------------------------------------
 
 RUNTIME_CLIENTS = {"vanilla_petals": "vanilla petals 2.2 client",

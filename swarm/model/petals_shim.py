@@ -11,6 +11,9 @@ those names back and switches off petals' start-up calls that need the internet:
 * the speedtest.net measurement behind ``throughput="auto"`` (the default network speed is used instead;
   Chainswarm measures communication time itself, see ``server.profiling``).
 
+It also makes bitsandbytes optional where it is not installed (``_petals_peft_without_bitsandbytes``):
+petals' server imports it for every block, though only adapters and quantized blocks use it.
+
 Every entry point imports petals through :mod:`swarm.model.compat` (``from swarm.model.compat import petals``),
 which imports this module first, so the patches are applied before anything else touches petals. ``tests/test_compat.py`` checks that plain
 ``import petals`` still breaks without the shim, so the shim cannot rot silently when versions move.
@@ -68,16 +71,52 @@ def _default_network_rps(config, *, timeout: float = 60, default_speed: float = 
     return default_speed / (config.hidden_size * 16)
 
 
-def _import_bitsandbytes_quietly() -> None:
-    """bitsandbytes 0.41.1 prints a missing-symbol line on CPU-only hosts at import; it is harmless there."""
+def _import_bitsandbytes_quietly() -> bool:
+    """bitsandbytes 0.41.1 prints a missing-symbol line on CPU-only hosts at import; it is harmless there.
+    Returns whether bitsandbytes is installed."""
     import contextlib
     import io
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             import bitsandbytes  # noqa: F401
+        except ModuleNotFoundError:
+            return False
         except Exception as exc:  # a GPU host with a broken CUDA setup: quantisation will fail later, loudly
             logger.warning("bitsandbytes failed to import: %s", exc)
+    return True
+
+
+def _petals_peft_without_bitsandbytes():
+    """Make bitsandbytes optional for servers of unquantized blocks without adapters.
+
+    petals' ``TransformerBackend.__init__`` imports ``petals.utils.peft`` for every block, and that module imports
+    bitsandbytes (a 90 MB wheel with CUDA binaries that some hosts cannot install) and defines its LoRA layers on
+    bitsandbytes' classes, although a server without adapters only ever calls its ``using_adapter(None)``. Where
+    bitsandbytes is missing, this module takes ``petals.utils.peft``'s place: ``using_adapter`` of no adapter is a
+    no-op; naming an adapter, or importing anything else from it (petals does so only for ``--adapters``), is a
+    clear error. Quantized blocks (``--quant-type``) still fail with petals' own missing-bitsandbytes error.
+    """
+    import contextlib
+    import types
+
+    reason = "bitsandbytes is not installed; petals' LoRA adapters need it (pip install bitsandbytes)"
+    module = types.ModuleType("petals.utils.peft", f"petals.utils.peft on a host without bitsandbytes: {reason}")
+
+    @contextlib.contextmanager
+    def using_adapter(active_adapter):
+        if active_adapter:
+            raise ValueError(f"adapter {active_adapter!r} requested: {reason}")
+        yield
+
+    def missing(name: str):
+        if name.startswith("__"):  # hasattr(module, "__file__") and the like, as inspect and pickle ask
+            raise AttributeError(name)
+        raise ImportError(f"petals.utils.peft.{name}: {reason}")
+
+    module.using_adapter = using_adapter
+    module.__getattr__ = missing
+    return module
 
 
 def _patch_petals() -> None:
@@ -97,9 +136,15 @@ def _patch_petals() -> None:
 
 
 restore_hivemind_names()
-_import_bitsandbytes_quietly()
+_HAS_BITSANDBYTES = _import_bitsandbytes_quietly()
 import petals  # noqa: E402  (must follow the hivemind names)
 
 _patch_petals()
+if not _HAS_BITSANDBYTES:
+    import sys  # noqa: E402
+
+    import petals.utils  # noqa: E402
+
+    sys.modules["petals.utils.peft"] = petals.utils.peft = _petals_peft_without_bitsandbytes()
 
 __all__ = ["petals", "restore_hivemind_names", "HIVEMIND_TOP_LEVEL_NAMES"]
