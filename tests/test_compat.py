@@ -9,6 +9,13 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
 
 
+def _assert_runs(code: str) -> None:
+    """``code`` (which ends by printing ok) runs to its end in a fresh interpreter."""
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
 def test_plain_petals_import_breaks_without_the_shim():
     result = _run("import petals")
     assert result.returncode != 0, "petals imports without the shim: swarm/model/compat.py may no longer be needed"
@@ -16,7 +23,7 @@ def test_plain_petals_import_breaks_without_the_shim():
 
 
 def test_petals_imports_through_the_shim_with_offline_patches():
-    result = _run(
+    _assert_runs(
         "from swarm.model.compat import petals, HIVEMIND_TOP_LEVEL_NAMES\n"
         "import hivemind, petals.constants, petals.server.throughput as t, petals.utils.version as v\n"
         "from petals.server.server import Server\n"
@@ -29,8 +36,6 @@ def test_petals_imports_through_the_shim_with_offline_patches():
         "v.validate_version()\n"
         "print('ok')"
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().endswith("ok")
 
 
 def test_every_petals_submodule_imports_through_the_shim():
@@ -50,7 +55,7 @@ def test_every_petals_submodule_imports_through_the_shim():
 def test_a_server_block_runs_without_bitsandbytes(tmp_path):
     """bitsandbytes (90 MB of CUDA binaries) is optional: petals' backend of an unquantized block is built and
     steps without it; adapters and quantized blocks are then refused with errors that name it."""
-    result = _run(
+    _assert_runs(
         "import sys; sys.modules['bitsandbytes'] = None  # as on a host where it is not installed\n"
         "from swarm.model.compat import petals\n"
         "import importlib.util, torch\n"
@@ -72,5 +77,3 @@ def test_a_server_block_runs_without_bitsandbytes(tmp_path):
         "assert importlib.util.find_spec('bitsandbytes') is None\n"
         "print('ok')"
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().endswith("ok")
