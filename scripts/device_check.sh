@@ -6,7 +6,9 @@
 # 3. two swarms (vanilla petals 2.2 servers and Chainswarm nodes, on CUDA) and the orchestrator's HTTP API, by
 #    bench_batching, on a random-weight model of SmolLM2-135M's shape (the real checkpoint's 98 MB GGUF does not fit
 #    the tool's 64 MiB beside the wheelhouse): needs the pinned stack for that machine's Python carried in .whl/
-#    (scripts/device_wheelhouse.sh makes it; docs/models.md, "GPU check"). SKIP_GOLDENS=1 runs only this part.
+#    (scripts/device_wheelhouse.sh makes it; docs/models.md, "GPU check"). SKIP_GOLDENS=1 runs only this part (SKIP_BATCHING=1 skips it).
+# 4. with the real SmolLM2 GGUF in three carried parts (.m1/part .m2/part .m3/part, left by three calls:
+#    device_wheelhouse.sh --model-parts), bench_speculative on the real model (sha256 checked by the model store).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -22,10 +24,19 @@ fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HIVEMIND_LOGLEVEL=WARNING || exit 1
-  python3 -m swarm.cli make-model --out /tmp/smollm2-shape --layers 30 --hidden 576 --heads 9 --kv-heads 3 \
-    --vocab 49152 --max-length 2048 || exit 1
-  timeout -k 10 "${SWARM_TIMEOUT_S:-420}" python3 -m experiments.bench.batching --model /tmp/smollm2-shape \
-    --sessions 1,8,16 --tokens 32 --repeats 1 --http-layouts user --out "${OUT:-/tmp}/bench_batching_gpu.json" || rc=1
+  if [ "${SKIP_BATCHING:-0}" != 1 ]; then
+    python3 -m swarm.cli make-model --out /tmp/smollm2-shape --layers 30 --hidden 576 --heads 9 --kv-heads 3 \
+      --vocab 49152 --max-length 2048 || exit 1
+    timeout -k 10 "${SWARM_TIMEOUT_S:-420}" python3 -m experiments.bench.batching --model /tmp/smollm2-shape \
+      --sessions 1,8,16 --tokens 32 --repeats 1 --http-layouts user --out "${OUT:-/tmp}/bench_batching_gpu.json" || rc=1
+  fi
+  if [ -f .m1/part ] && [ -f .m2/part ] && [ -f .m3/part ]; then
+    export CHAINSWARM_CACHE=/tmp/chainswarm-cache
+    src="$CHAINSWARM_CACHE/sources/smollm2-135m-instruct"
+    mkdir -p "$src" && cat .m1/part .m2/part .m3/part > "$src/SmolLM2-135M-Instruct.Q4_1.gguf"
+    timeout -k 10 "${SPEC_TIMEOUT_S:-300}" python3 -m experiments.bench.speculative --sessions 1,16 \
+      --out "${OUT:-/tmp}/bench_speculative_gpu.json" || rc=1
+  fi
 else
   echo "no wheelhouse in .whl/: the swarm part of the check is skipped"
 fi
