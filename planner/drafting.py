@@ -109,11 +109,13 @@ class Drafter:
 
 @dataclass
 class AdaptiveK:
-    """How many tokens a session drafts next, from how many of its last drafts the chain accepted.
+    """How many tokens a session drafts next, from how its last drafts fared.
 
-    All accepted: one more (up to ``k_max``, the server's batch bound on a step's positions). Fewer than half:
-    the number accepted, down to 0 — a session whose drafts keep failing stops drafting, and probes with one
-    token every ``probe_every`` steps, so speculation costs it almost nothing where outputs do not repeat."""
+    All accepted: one more (up to ``k_max``, the server's batch bound on a step's positions). At least half: the
+    same. Fewer than half: half as many — one miss (an edit in a text that otherwise copies its input) costs a
+    copying session only part of its draft length, while drafts that keep failing reach 0 within ``log2(k_max)``
+    steps. At 0 the session probes with one token every ``probe_every`` steps, so speculation costs it almost
+    nothing where outputs do not repeat."""
 
     k_max: int = 8
     k: int = 4
@@ -137,4 +139,4 @@ class AdaptiveK:
         if accepted == proposed:
             self.k = min(self.k_max, max(self.k, proposed) + 1)
         elif 2 * accepted < proposed:
-            self.k = accepted
+            self.k //= 2

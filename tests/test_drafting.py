@@ -41,16 +41,21 @@ def test_a_drafter_uses_the_request_first_then_its_scope():
     assert shared.propose("bob", [7, 8], 2) == [40, 41]
 
 
-def test_k_grows_on_full_acceptance_and_falls_to_zero_with_probes():
+def test_k_grows_on_full_acceptance_halves_on_a_miss_and_falls_to_zero_with_probes():
     k = AdaptiveK(k_max=6, k=2, probe_every=4)
     k.update(2, 2)
     assert k.next_k() == 3
     for _ in range(10):
         k.update(k.next_k(), k.next_k())
     assert k.next_k() == 6
-    k.update(6, 1)
-    assert k.next_k() == 1
-    k.update(1, 0)
+    k.update(6, 3)  # half accepted: k stays
+    assert k.next_k() == 6
+    k.update(6, 1)  # one miss (an edit in copied text): half the drafts, not none
+    assert k.next_k() == 3
+    k.update(3, 3)
+    assert k.next_k() == 4
+    for proposed in (4, 2, 1):  # drafts that keep failing reach 0 in log2(k) steps
+        k.update(proposed, 0)
     assert [k.next_k() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
     with pytest.raises(ValueError):
         k.update(2, 3)
