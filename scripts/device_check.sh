@@ -29,6 +29,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
       --vocab 49152 --max-length 2048 || exit 1
     timeout -k 10 "${SWARM_TIMEOUT_S:-420}" python3 -m experiments.bench.batching --model /tmp/smollm2-shape \
       --sessions 1,8,16 --tokens 32 --repeats 1 --http-layouts user --out "${OUT:-/tmp}/bench_batching_gpu.json" || rc=1
+    # the same HTTP rows with the chain's sessions in two lanes (--batch-lanes 2), stored beside them
+    timeout -k 10 180 python3 -m experiments.bench.batching --model /tmp/smollm2-shape --only-http user --http-lanes 2 \
+      --sessions 1,8,16 --tokens 32 --repeats 1 --out "${OUT:-/tmp}/bench_batching_gpu.json" || rc=1
   fi
   if [ -f .m1/part ] && [ -f .m2/part ] && [ -f .m3/part ]; then
     export CHAINSWARM_CACHE=/tmp/chainswarm-cache

@@ -92,6 +92,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             engine = await asyncio.to_thread(GenerationEngine, options.model_dir, initial_peers=initial_peers,
                                              dht_prefix=config.dht_prefix, request_timeout=options.request_timeout_s,
                                              torch_dtype=options.torch_dtype, batch_sessions=options.batch_sessions,
+                                             batch_lanes=options.batch_lanes,
                                              speculation=speculation(options))
             if options.use_server_to_server is not None:
                 for client_config in (engine.model.config, engine.manager.config):

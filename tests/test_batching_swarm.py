@@ -1,7 +1,8 @@
 """Batched servers end to end on the real model: 8 concurrent sessions through the orchestrator's
-/v1/completions (different prompt lengths and start times, prefix reuse on) give the greedy tokens of the same
-model run locally in transformers — which is also what unbatched (petals) servers give — while the servers
-really ran decode steps of several sessions in one pass; a vanilla petals client keeps working against them.
+/v1/completions (different prompt lengths and start times, prefix reuse on, spread over two lanes of the chain:
+``--batch-lanes 2``) give the greedy tokens of the same model run locally in transformers — which is also what
+unbatched (petals) servers give — while the servers really ran decode steps of several sessions in one pass; a
+vanilla petals client keeps working against them. (Every other swarm test runs the default single lane.)
 """
 import concurrent.futures as cf
 import time
@@ -58,7 +59,7 @@ def swarm(smollm2_dir):
             local.wait_profiled(node, timeout=180)
         local.add_orchestrator(expected_rate=0.2, max_length=MAX_LENGTH, expected_input_tokens=32,
                                expected_output_tokens=TOKENS, refresh_s=0.5, torch_dtype="float32",
-                               prefix_cache_tokens=MAX_LENGTH)
+                               prefix_cache_tokens=MAX_LENGTH, batch_lanes=2)
         local.status = local.wait_chains_ready(timeout=240)
         local.url = local.orchestrator.info["url"]
         yield local
@@ -89,6 +90,8 @@ def test_concurrent_sessions_are_batched_and_equal_local_transformers(swarm, ref
             texts = list(pool.map(lambda ip: _complete(swarm.url, ip[1], 0.2 * ip[0]), enumerate(PROMPTS)))
         for prompt, text in zip(PROMPTS, texts):
             assert text == reference[prompt], (round_, prompt[:40])
+        metrics = httpx.get(f"{swarm.url}/metrics", timeout=30).text
+        assert "chainswarm_batched_generators 2.0" in metrics.splitlines(), "the chain's sessions ran in two lanes"
     assert httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["prefix"]["hits"] >= 1
 
     from swarm.engine.petals_client import open_distributed_model

@@ -339,7 +339,7 @@ def markdown(report: dict) -> str:
     for http in [report.get("http"), *report.get("http_layouts", {}).values()]:
         if not http:
             continue
-        nodes = HTTP_LAYOUTS[http.get("layout", "user")]
+        nodes = http.get("layout_text", HTTP_LAYOUTS[http.get("layout", "user")])
         lines += ["", f"HTTP API with default options (orchestrator defaults, {nodes}; "
                   "aggregate tokens/s of concurrent /v1/completions):", "",
                   "| sessions | tok/s | × one session | same text as local greedy |", "|---|---|---|---|"]
@@ -368,6 +368,9 @@ def main(argv=None) -> int:
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG and print the table from --out")
     parser.add_argument("--http-layouts", default="user,demo",
                         help="server layouts of the HTTP measurement (user: two 0.3 GB nodes; demo: make demo's four)")
+    parser.add_argument("--http-lanes", type=int, default=1, metavar="L",
+                        help="the HTTP measurement's orchestrator --batch-lanes (default 1, its default; other values "
+                        "are stored beside the default rows)")
     parser.add_argument("--only-http", default=None, metavar="LAYOUT",
                         help="measure only the HTTP path on LAYOUT and store it into --out's existing report")
     args = parser.parse_args(argv)
@@ -387,7 +390,8 @@ def main(argv=None) -> int:
     if args.only_http:
         report = json.loads(Path(args.out).read_text())
         with tqdm(total=len(counts), desc=f"bench_batching http {args.only_http}") as progress:
-            store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, args.only_http))
+            store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, args.only_http,
+                                          args.http_lanes))
         Path(args.out).write_text(json.dumps(report, indent=2))
         print(markdown(report))
         return 0
@@ -404,7 +408,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for layout in layouts:
-        store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, layout))
+        store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, layout, args.http_lanes))
     out.write_text(json.dumps(report, indent=2))  # kept even if the profile below fails
     progress.set_postfix_str("step profile")
     report["step_profile"] = step_profile(model_dir)

@@ -83,11 +83,12 @@ def run_http(url: str, sessions: int, tokens: int) -> dict:
             "texts": texts, "errors": errors}
 
 
-def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress, layout: str = "user") -> dict:
+def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress, layout: str = "user",
+               lanes: int = 1) -> dict:
     """The product's path with default options: an orchestrator (``chainswarm orchestrator`` defaults: token KV
-    admission, continuous batching) and the nodes of ``layout`` (:func:`layout_budgets`) with default options;
-    ``counts`` concurrent ``/v1/completions``, best of ``repeats`` per point; answers compared with local
-    greedy."""
+    admission, continuous batching; ``lanes`` > 1 sets ``--batch-lanes``, the one option changed) and the nodes of
+    ``layout`` (:func:`layout_budgets`) with default options; ``counts`` concurrent ``/v1/completions``, best of
+    ``repeats`` per point; answers compared with local greedy."""
     from swarm.model.tokenizer import load_tokenizer
 
     from experiments.live.demo import _reference
@@ -100,7 +101,8 @@ def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress, layo
         out, _ = _reference(model_dir, ids, tokens, tokenizer.eos_token_id)
         expected[prompt] = tokenizer.decode(out, skip_special_tokens=True)
     with LocalSwarm(model_dir) as swarm:
-        swarm.add_orchestrator(torch_dtype=DTYPE)  # every planning and admission option at its default
+        # every planning and admission option at its default (and --batch-lanes where asked)
+        swarm.add_orchestrator(torch_dtype=DTYPE, **({"batch_lanes": lanes} if lanes > 1 else {}))
         budgets = layout_budgets(model_dir, layout)
         nodes = [swarm.add_node(node_id=f"h{i}", memory_gb=gb, wait=False, torch_dtype=DTYPE)
                  for i, gb in enumerate(budgets)]
@@ -122,14 +124,18 @@ def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress, layo
     one = next((r["tokens_per_s"] for r in rows if r["sessions"] == 1), None)
     for row in rows:
         row["vs_one_session"] = row["tokens_per_s"] / one if one else None
-    return {"layout": layout, "layout_text": HTTP_LAYOUTS[layout],
+    return {"layout": layout, "batch_lanes": lanes,
+            "layout_text": HTTP_LAYOUTS[layout] + (f", `--batch-lanes {lanes}`" if lanes > 1 else ""),
             "node_memory_gb": HTTP_NODE_GB if layout == "user" else budgets, "chains": status["chains"], "plan": {
         k: status["plan"].get(k) for k in ("c", "tuning", "total_capacity")}, "rows": rows}
 
 
 def store_http(report: dict, http: dict) -> None:
-    """The user layout's rows are ``report["http"]`` (the headline); other layouts go to ``http_layouts``."""
-    if http["layout"] == "user":
+    """The user layout's rows with default options are ``report["http"]`` (the headline); other layouts, and runs
+    with ``--batch-lanes``, go to ``http_layouts``."""
+    lanes = http.get("batch_lanes", 1)
+    if http["layout"] == "user" and lanes == 1:
         report["http"] = http
     else:
-        report.setdefault("http_layouts", {})[http["layout"]] = http
+        key = http["layout"] + (f"-lanes{lanes}" if lanes > 1 else "")
+        report.setdefault("http_layouts", {})[key] = http

@@ -112,6 +112,8 @@ class _BatchCollector:
         yield CounterMetricFamily("chainswarm_batched_fallbacks", "batched sessions that went on as one petals "
                                   "session each (a server failed or has no multi-session streams)",
                                   value=stats["fallbacks"])
+        yield GaugeMetricFamily("chainswarm_batched_generators", "live batches of sessions, one per chain and lane "
+                                "(--batch-lanes)", value=stats["generators"])
         speculation = getattr(self.engine, "speculation", None)
         if speculation is not None:  # --speculative
             spec = speculation.stats()

@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
                                                   proxy=not args.no_proxy)
     if not 0 <= options.batch_sessions <= 1024:
         return _fail(f"--batch-sessions must be between 0 and 1024, got {options.batch_sessions}")
+    if not 1 <= options.batch_lanes <= 16:
+        return _fail(f"--batch-lanes must be between 1 and 16, got {options.batch_lanes}")
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         build_config(options)  # validate the planning settings before starting anything

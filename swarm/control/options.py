@@ -130,6 +130,11 @@ class OrchestratorOptions:
     batch_sessions: int = option(16, help="sessions the orchestrator steps together on one chain (one multi-session "
                                  "message per server and step, one LM-head pass; default 16; 0 = one petals session "
                                  "per request, as petals' own client)")
+    batch_lanes: int = option(1, metavar="L",
+                              help="cohorts per chain, each stepped through the chain on its own (default 1: one "
+                              "lockstep cohort, every server waits while the others compute); with L > 1 a chain's "
+                              "sessions are spread over L cohorts whose steps overlap on its servers, which pays "
+                              "where servers have compute to spare (GPUs, many-core hosts), not on a CPU-bound one")
     speculative: str = option("ngram", choices=SPECULATIVE,
                               help="speculative decoding, batched and per-session: 'ngram' (the default) drafts up "
                               "to --speculative-k tokens per step from the request's own text and recent outputs and "

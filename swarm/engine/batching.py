@@ -147,6 +147,11 @@ class ChainGenerator:
             self._cv.notify()
         return future
 
+    def sessions(self) -> int:
+        """Sequences running or waiting to be admitted."""
+        with self._cv:
+            return len(self._running) + len(self._waiting)
+
     def idle_s(self) -> float:
         """Seconds since the last submission while nothing runs or waits (0 while busy)."""
         with self._cv:

@@ -14,6 +14,10 @@ that dies, pages evicted since the probe, a server without multi-session streams
 tokens it has on petals' own per-session path, without reuse, failing over as every session does. It keeps
 drafting there (:mod:`swarm.engine.single`: its steps carry the drafts, its servers take rejected ones back),
 unless a server of its route cannot take positions back (a vanilla petals server).
+
+With ``batch_lanes`` L > 1 a chain has up to L such generators (lanes) and a new session joins the one with the
+fewest sessions: each lane steps through the chain on its own, so one lane's step on a server overlaps another's
+on the next server, where a single lockstep cohort leaves every server idle while the others compute.
 """
 from __future__ import annotations
 
@@ -109,7 +113,7 @@ class GenerationEngine:
 
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
-                 batch_sessions: int = 16, speculation=None):
+                 batch_sessions: int = 16, batch_lanes: int = 1, speculation=None):
         from swarm.model.tokenizer import load_tokenizer
 
         from swarm.model.compat import petals
@@ -124,8 +128,12 @@ class GenerationEngine:
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="session")
         self.eos_token_id = self.tokenizer.eos_token_id
         self.batch_sessions, self.request_timeout = int(batch_sessions), request_timeout
+        if batch_lanes < 1:
+            raise ValueError("batch_lanes must be >= 1")
+        self.batch_lanes = int(batch_lanes)
+        self._lane_sessions = -(-self.batch_sessions // self.batch_lanes)  # per lane: the chain's total stays bounded
         self.speculation = speculation  # swarm.engine.speculative.Speculation, or None: one token per step
-        self._generators: dict[tuple, ChainGenerator] = {}  # route -> its batch of sessions
+        self._generators: dict[tuple, ChainGenerator] = {}  # (route, lane) -> that lane's batch of sessions
         self._generators_lock = threading.Lock()
         self._unbatched: set[tuple] = set()  # routes with a server that has no multi-session streams
         self._no_rollback: set[str] = set()  # servers that did not confirm a rollback: no drafts on their routes
@@ -282,18 +290,21 @@ class GenerationEngine:
         return result("stop" if ended() else "length")
 
     def _generator(self, route: tuple) -> ChainGenerator:
-        """The chain's batch of sessions (a new one if it has none, or its last one broke)."""
+        """The chain's batch of sessions in its least busy lane (a new one if that lane has none, or its last one
+        broke)."""
         done = []  # replaced or long idle (routes of earlier plans): closed outside the lock (a bounded wait)
         with self._generators_lock:
-            for other, generator in list(self._generators.items()):
-                if (other == route and not generator.usable) or (other != route
-                                                                  and generator.idle_s() > GENERATOR_IDLE_S):
-                    done.append(self._generators.pop(other))
+            for key, generator in list(self._generators.items()):
+                if (key[0] == route and not generator.usable) or (key[0] != route
+                                                                   and generator.idle_s() > GENERATOR_IDLE_S):
+                    done.append(self._generators.pop(key))
                     self._retire(done[-1])
-            generator = self._generators.get(route)
+            lanes = [self._generators.get((route, lane)) for lane in range(self.batch_lanes)]
+            lane = min(range(self.batch_lanes), key=lambda i: lanes[i].sessions() if lanes[i] is not None else 0)
+            generator = lanes[lane]
             if generator is None:
-                generator = self._generators[route] = ChainGenerator(
-                    self.model, route, max_sessions=self.batch_sessions, step_timeout=self.request_timeout)
+                generator = self._generators[(route, lane)] = ChainGenerator(
+                    self.model, route, max_sessions=self._lane_sessions, step_timeout=self.request_timeout)
         for old in done:
             old.close()
         return generator
@@ -324,12 +335,13 @@ class GenerationEngine:
         self._retired["sequence_steps"] += generator.stepped_sequences
 
     def batch_stats(self) -> dict:
-        """Chain steps run by the batched path, the session-steps they carried (÷: the mean batch), fallbacks."""
+        """Chain steps run by the batched path, the session-steps they carried (÷: the mean batch), fallbacks, and
+        the live batches of sessions (one per chain and lane)."""
         with self._generators_lock:
             live = list(self._generators.values())
             steps = self._retired["steps"] + sum(g.steps for g in live)
             sequence_steps = self._retired["sequence_steps"] + sum(g.stepped_sequences for g in live)
-        return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks}
+        return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks, "generators": len(live)}
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None,
