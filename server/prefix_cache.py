@@ -49,7 +49,7 @@ from petals.utils.misc import DUMMY_INT64
 from server import failpoints
 from server.handler import ChainswarmHandler
 from server.kv_pool import fit_pages, token_axis
-from swarm.model.petals_sessions import ROLLBACK_META_KEY, ROLLBACK_ROOM_KEY
+from swarm.model.petals_sessions import ROLLBACK_META_KEY, ROLLBACK_ROOM_KEY, room_positions
 from swarm.trust.prefix import META_KEY, MISSING_MESSAGE, PAGE_TOKENS, check_hashes, parse_session_spec
 
 logger = logging.getLogger(__name__)
@@ -394,9 +394,8 @@ class PrefixHandler(ChainswarmHandler):
         """The opening metadata petals' step loop reads, with ``max_length`` raised by the room the client asked for
         (:data:`ROLLBACK_ROOM_KEY`): petals counts every position sent, taken back or not. The room is granted
         within this server's longest session; the session's pages stay bounded by its own ``max_length``."""
-        asked, declared = metadata.pop(ROLLBACK_ROOM_KEY), metadata.get("max_length")
-        if (isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 and isinstance(declared, int)
-                and 0 <= declared <= self.inference_max_length):
+        asked, declared = room_positions(metadata.pop(ROLLBACK_ROOM_KEY)), metadata.get("max_length")
+        if asked and isinstance(declared, int) and 0 <= declared <= self.inference_max_length:
             session.room = min(asked, self.inference_max_length - declared)
             metadata["max_length"] = declared + session.room
         session.granted = True

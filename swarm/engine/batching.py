@@ -154,9 +154,7 @@ class ChainGenerator:
 
     def idle_s(self) -> float:
         """Seconds since the last submission while nothing runs or waits (0 while busy)."""
-        with self._cv:
-            busy = bool(self._running or self._waiting)
-        return 0.0 if busy else time.monotonic() - self._last_used
+        return 0.0 if self.sessions() else time.monotonic() - self._last_used
 
     def cancel(self, future: Future) -> None:
         """End a submitted sequence at the next step (its future fails with :class:`SequenceFailed`)."""

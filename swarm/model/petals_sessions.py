@@ -63,6 +63,10 @@ positions it will take back; petals' server counts every position sent). The fir
 the server granted (within its longest session)."""
 
 
+def room_positions(value) -> int:
+    """A room (:data:`ROLLBACK_ROOM_KEY`'s value, asked or granted) as positions: a positive integer, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
 
 def on_worker_loop() -> bool:
     """True on hivemind's RemoteExpertWorker event-loop thread (where blocking on that loop deadlocks)."""
@@ -126,8 +130,7 @@ class ClosingServerSession(inference_session_module._ServerInferenceSession):
             if rollback and reply.get(ROLLBACK_META_KEY) != rollback:
                 self.rollback_unconfirmed = True
             if asked:
-                room = reply.get(ROLLBACK_ROOM_KEY, 0)
-                self.rollback_room = room if isinstance(room, int) and not isinstance(room, bool) and room > 0 else 0
+                self.rollback_room = room_positions(reply.get(ROLLBACK_ROOM_KEY))
         return response
 
     def cancel_step(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +142,6 @@ import petals  # noqa: E402  (must follow the hivemind names)
 
 _patch_petals()
 if not _HAS_BITSANDBYTES:
-    import sys  # noqa: E402
-
     import petals.utils  # noqa: E402
 
     sys.modules["petals.utils.peft"] = petals.utils.peft = _petals_peft_without_bitsandbytes()
