@@ -100,7 +100,11 @@ class _Orch:
     def __init__(self, profiles, ledger):
         from types import SimpleNamespace
 
-        self.view = SimpleNamespace(profiles=profiles)
+        from swarm.trust.records import Assignment
+
+        # what each server is told now: the profiles' range with sessions (a test may take a server's away)
+        self.view = SimpleNamespace(profiles=profiles, published={
+            n: Assignment("p", p.start, p.end, p.cache_slots, 64) for n, p in profiles.items()})
         self.ledger, self.suspects, self.events = ledger, {}, []
         self.pins = SimpleNamespace(owner=lambda node: node.encode())
 
@@ -168,6 +172,35 @@ def test_the_server_that_disagrees_with_two_others_is_struck_whoever_it_is(liar)
     honest_nodes = {"x", "y", "z"} - {liar}
     assert all(ledger.record(n).strikes == 0 for n in honest_nodes)
     assert ("server_banned", {"node": liar, "reason": orch.events[-2][1]["reason"]}) in orch.events
+
+
+def test_a_server_told_to_hold_no_sessions_is_never_asked_to_check():
+    """y still serves the span with the pool it loaded, but the orchestrator has just told it to hold no sessions
+    (a re-plan around a failed server left it none): its pool cannot hold a check, so z re-executes x's spans."""
+    from swarm.control.spot_checks import SpotChecker
+    from swarm.trust.records import Assignment
+
+    ledger = Ledger(CheckPolicy(base_rate=1.0, new_rate=1.0))
+    orch = _Orch(_profiles(["x", "y", "z"]), ledger)
+    orch.view.published["y"] = Assignment("p2", 0, 4, 0, 64)
+    asked = []
+
+    def run_span(peer, start, end, hidden, ticket):
+        asked.append(peer)
+        return hidden * 2
+
+    checker = SpotChecker(orch, ledger, run_span=run_span, embed=lambda ids: torch.randn(len(ids), 16),
+                          num_blocks=4, seed=1)
+    try:
+        for i in range(6):
+            recorder = checker.recorder([("peer-x", 0, 4)])
+            hidden = torch.randn(7, 16)
+            recorder.add(("peer-x", 0, 4), hidden[None], (hidden * 2)[None])
+            checker.finished(f"r{i}", [("peer-x", 0, 4)], list(range(8)), recorder)
+            assert checker.wait_idle(10)
+    finally:
+        checker.close()
+    assert asked == ["peer-z"] * 6 and ledger.status()["counts"]["passed"] == 6
 
 
 def test_the_overhead_counts_a_check_as_one_prefill_and_a_session_as_its_prefill_and_decode_steps():
