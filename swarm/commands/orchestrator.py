@@ -42,8 +42,6 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from swarm.service import build_config, run as run_service
-
     if not (Path(args.model_dir) / "config.json").is_file():
         return _fail(f"{args.model_dir} is not a model directory (no config.json)")
     host, _, port = args.http.rpartition(":")
@@ -69,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= options.batch_lanes <= 16:
         return _fail(f"--batch-lanes must be between 1 and 16, got {options.batch_lanes}")
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from swarm.service import build_config, run as run_service  # the whole stack: after the checks above (seconds)
+
     try:
         build_config(options)  # validate the planning settings before starting anything
     except ValueError as exc:
