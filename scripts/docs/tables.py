@@ -364,3 +364,32 @@ def speculative_table(name: str = "bench_speculative.json", command: str = "") -
                                                           for k, v in d["targets"].items() if isinstance(v, bool))
             + "."]
     return "\n".join(out) + "\n"
+
+
+# -- sim_drafting.json ----------------------------------------------------------------------------------------------
+def drafting_table() -> str:
+    d = load("sim_drafting.json")
+    cost = d["cost_model"]
+    policies = list(dict.fromkeys(r["policy"] for r in d["rows"]))
+    workloads = list(dict.fromkeys(r["workload"] for r in d["rows"]))
+    out = [f"`python -m experiments.bench.drafting` ([sim_drafting.json](results/sim_drafting.json), "
+           f"[plot](results/sim_drafting.png)), {d['model']}, {d['tokens']} greedy tokens; cost model from "
+           f"bench_speculative.json: a step {cost['t_step_s'] * 1e3:.0f} ms, a drafted position "
+           f"{cost['t_draft_s'] * 1e3:.1f} ms more. Per-token latency ÷ no speculation, first prompt (the benchmark's "
+           "1-session point) / mean over the four prompts, with free verification in brackets:", "",
+           table_row(["policy"] + workloads), table_row(["---"] * (len(workloads) + 1))]
+    for policy in policies:
+        cells = []
+        for w in workloads:
+            r = next(x for x in d["rows"] if x["workload"] == w and x["policy"] == policy)
+            cells.append(f"{r['ratio_first']:.2f} / {r['ratio_mean']:.2f} ({r['free_first']:.2f} / {r['free_mean']:.2f})")
+        out.append(table_row([policy] + cells))
+    same = [w for w, c in d["live"].items() if (c["replayed"]["steps"], c["replayed"]["drafted"],
+                                                c["replayed"]["accepted"]) == (c["live"]["chain_steps"],
+                                                                               c["live"]["drafted"],
+                                                                               c["live"]["accepted"])]
+    out += ["", "The replay of `ngram` gives the live benchmark's 1-session chain steps, drafts and accepted tokens "
+            f"exactly on {', '.join(same) or 'no workload'}"
+            + "".join(f"; {w}: {c['replayed']['steps']} steps against {c['live']['chain_steps']:.0f} live"
+                      for w, c in d["live"].items() if w not in same) + "."]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,63 @@
+"""experiments/bench/drafting.py: drafting policies replayed on greedy answers, the live benchmark's counts
+reproduced on the real model, and the CLI's JSON and PNG."""
+import json
+
+import pytest
+
+from experiments.bench import drafting
+from experiments.paths import RESULTS
+
+
+def test_a_replay_counts_steps_as_the_chain_would():
+    """The answer is two new tokens, then the prompt. Prompt lookup finds no earlier pair until (100, 101), then
+    drafts the rest of the copy in one step (7 tokens: the room left before the chain's own last token): 5 steps.
+    The ceiling drafts the copy from its first token: 4 steps, and never a wrong token."""
+    prompt = list(range(100, 110))
+    answer = [7, 8, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109]
+    counts = drafting.replay(prompt, answer, drafting.NgramPolicy("ngram"), tokens=12)
+    assert counts == {"tokens": 12, "steps": 5, "drafted": 7, "accepted": 7}
+    ceiling = drafting.replay(prompt, answer, drafting.CeilingPolicy(), tokens=12)
+    assert ceiling == {"tokens": 12, "steps": 4, "drafted": 8, "accepted": 8}
+    # nothing to copy: no draft, one step per token, and the cost model's ratio is exactly 1
+    plain = drafting.replay([1, 2, 3], [4, 5, 6, 7], drafting.NgramPolicy("ngram"), tokens=4)
+    assert plain == {"tokens": 4, "steps": 4, "drafted": 0, "accepted": 0}
+    assert drafting.ratio(plain, {"t_step_s": 0.1, "t_draft_s": 0.01}) == pytest.approx(1.0)
+
+
+def test_the_cost_model_fits_the_extra_time_per_drafted_position():
+    bench = {"points": [
+        {"sessions": 1, "off": {"per_token_s": 0.1}, "on": {"drafted": 10, "tokens": 20, "chain_steps": 10,
+                                                           "per_token_s": (10 * 0.1 + 10 * 0.02) / 20}},
+        {"sessions": 1, "off": {"per_token_s": 0.1}, "on": {"drafted": 0, "tokens": 20, "chain_steps": 20,
+                                                           "per_token_s": 0.1}},
+        {"sessions": 4, "off": {"per_token_s": 9.0}, "on": {"drafted": 99, "tokens": 1, "chain_steps": 1,
+                                                           "per_token_s": 9.0}}]}
+    assert drafting.cost_model(bench) == pytest.approx({"t_step_s": 0.1, "t_draft_s": 0.02})
+
+
+@pytest.mark.swarm
+def test_the_replay_reproduces_the_live_benchmarks_counts_on_the_real_model(smollm2_dir):
+    """The committed bench_speculative.json ran the orchestrator's drafter through a live swarm; replaying the same
+    classes on local transformers' greedy answer gives the same chain steps, drafts and accepted tokens."""
+    bench = json.loads((RESULTS / "bench_speculative.json").read_text())
+    answers = drafting.greedy_answers(str(smollm2_dir), ["summarise"], bench["tokens"])
+    prompt, answer = answers["summarise"][0]
+    counts = drafting.replay(prompt, answer, drafting.NgramPolicy("ngram"), bench["tokens"])
+    live = next(p["on"] for p in bench["points"] if p["workload"] == "summarise" and p["sessions"] == 1)
+    assert (counts["steps"], counts["drafted"], counts["accepted"]) == (
+        live["chain_steps"], live["drafted"], live["accepted"])
+    assert drafting.replay(prompt, answer, drafting.CeilingPolicy(), bench["tokens"])["steps"] < counts["steps"]
+
+
+def test_the_cli_writes_the_json_and_the_plot(tiny_model, tmp_path):
+    bench = {"model": "tiny", "dtype": "float32", "tokens": 6, "points": [
+        {"workload": w, "sessions": 1, "off": {"per_token_s": 0.1},
+         "on": {"drafted": 2, "accepted": 1, "tokens": 6, "chain_steps": 5, "per_token_s": 0.09}} for w in ("summarise", "free")]}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    out = tmp_path / "sim.json"
+    assert drafting.main(["--model", tiny_model, "--bench", str(tmp_path / "bench.json"), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {r["policy"] for r in data["rows"]} == {p.name for p in drafting.POLICIES}
+    assert {r["workload"] for r in data["rows"]} == {"code_edit", "summarise", "chat", "free"}
+    assert all(r["free_first"] <= r["ratio_first"] + 1e-12 for r in data["rows"])
+    assert set(data["live"]) == {"summarise", "free"} and out.with_suffix(".png").stat().st_size > 10_000
