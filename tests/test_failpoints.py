@@ -50,12 +50,21 @@ class Swarm:
     def settled(self, names=("n0", "n1", "n2", "n3"), timeout: float = 240.0) -> dict:
         """Wait until the plan covers ``names``, every chain is served, no re-plan is moving servers and nothing
         runs; return the status."""
+        last: dict = {}
+
         def ok() -> bool:
-            status = self.status()
+            status = last["status"] = self.status()
             return (status["transition"] is None and len(status["chains"]) >= 2
                     and all(c["ready"] and c["active"] == 0 for c in status["chains"]) and not status["queue"]
                     and {s for c in status["chains"] for s in c["servers"]} >= set(names))
-        wait_for(ok, timeout, what=f"a settled swarm of {names}")
+        try:
+            wait_for(ok, timeout, what=f"a settled swarm of {names}")
+        except TimeoutError as exc:  # say what was missing
+            status = last.get("status") or {}
+            raise TimeoutError(f"{exc}: transition {status.get('transition')}, queue {status.get('queue')}, chains "
+                               f"{[(c['servers'], c['ready'], c['active']) for c in status.get('chains', [])]}, "
+                               f"servers {[(s['node_id'], s['state'], s['suspect'], s['assignment']) for s in status.get('servers', [])]}, "
+                               f"events {status.get('events', [])[-8:]}") from None
         return self.status()
 
 
