@@ -184,7 +184,7 @@ def _node_gb(path: str) -> float:
 
 
 def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix_cache_tokens: int = 0,
-          batch_sessions: int = 16) -> dict:
+          batch_sessions: int = 16, speculative_k: int = 8) -> dict:
     import httpx
     import torch
     from swarm.model.tokenizer import load_tokenizer
@@ -198,7 +198,8 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix
     with LocalSwarm(path, wan=config, open_sessions=True) as swarm:
         swarm.add_orchestrator(torch_dtype=DTYPE, speculative="ngram", max_length=MAX_LENGTH,
                                expected_input_tokens=160, expected_output_tokens=tokens,
-                               prefix_cache_tokens=prefix_cache_tokens, batch_sessions=batch_sessions)
+                               prefix_cache_tokens=prefix_cache_tokens, batch_sessions=batch_sessions,
+                               speculative_k=speculative_k)
         nodes = [swarm.add_node(node_id=h, wan_host=h, memory_gb=gb, wait=False, torch_dtype=DTYPE)
                  for h in config.servers]
         for node in nodes:
@@ -284,7 +285,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sessions", type=int, default=16,
                         help="the orchestrator's --batch-sessions (default 16, its default); 0: every request runs as "
                         "one petals session, which speculates on petals' per-session path")
+    parser.add_argument("--speculative-k", type=int, default=8,
+                        help="the orchestrator's --speculative-k (default 8, its default): most drafted tokens a "
+                        "session verifies per step")
     args = parser.parse_args(argv)
+    if not 1 <= args.speculative_k <= 64:
+        parser.error(f"--speculative-k must be between 1 and 64, got {args.speculative_k}")
     if replotted(args, plot):
         return 0
     from tqdm import tqdm
@@ -295,8 +301,9 @@ def main(argv=None) -> int:
     began = time.monotonic()
     report = {"command": "python -m experiments.bench.speculative", "model": Path(path).name, "dtype": DTYPE,
               "tokens": args.tokens, "seed": args.seed, "prefix_cache_tokens": args.prefix_cache_tokens,
-              "batch_sessions": args.batch_sessions,
-              **bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens, args.batch_sessions)}
+              "batch_sessions": args.batch_sessions, "speculative_k": args.speculative_k,
+              **bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens, args.batch_sessions,
+                      args.speculative_k)}
     progress.close()
     report["wall_s"] = time.monotonic() - began
     report["targets"] = targets(report)
