@@ -103,22 +103,40 @@ def ratio(counts: dict, model: dict, free: bool = False) -> float:
 
 
 def greedy_answers(path: str, workloads: Sequence[str], tokens: int) -> dict:
-    """{workload: [(prompt ids, answer ids)]}: local transformers, float32, greedy, for every prompt variant."""
+    """{workload: [(prompt ids, answer ids)]}: float32 greedy answers to every prompt variant, ending at the
+    tokenizer's end-of-sequence token as the orchestrator's do — from local transformers (the independent reference),
+    or from Chainswarm's own block code run locally for a family this transformers cannot load (Gemma 3)."""
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import CONFIG_MAPPING
 
     from experiments.bench.speculative import prompts
+    from swarm.model.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(path)
+    eos = tokenizer.eos_token_id
+    if json.loads((Path(path) / "config.json").read_text())["model_type"] in CONFIG_MAPPING:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+        def generate(ids: torch.Tensor) -> list:
+            out = model.generate(ids[None], max_new_tokens=tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            return out[0, ids.shape[0]:].tolist()
+    else:
+        from swarm.model.local_model import LocalModel
+
+        local = LocalModel.from_pretrained(path, torch.float32)
+
+        def generate(ids: torch.Tensor) -> list:
+            answer = local.greedy(ids, tokens)[0]
+            return answer[:answer.index(eos) + 1] if eos in answer else answer
     jobs = [(w, p) for w in workloads for p in prompts(w)]
     out: dict = {w: [] for w in workloads}
     for workload, prompt in tqdm(jobs, desc="greedy answers", unit="prompt"):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            generated = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        out[workload].append((ids[0].tolist(), generated[0, ids.shape[1]:].tolist()))
+        ids = torch.tensor(tokenizer(prompt).input_ids)
+        with torch.inference_mode():
+            out[workload].append((ids.tolist(), generate(ids)))
     return out
 
 
