@@ -4,8 +4,8 @@ what is left to win (``python -m experiments.bench.drafting``, JSON + PNG).
 A greedy answer does not depend on speculation, so the chain's work for a drafting policy follows from the answer
 alone: at each step the policy proposes up to ``k`` tokens, the chain accepts the longest prefix equal to the answer
 and adds its own next token. This replays the orchestrator's own classes (:class:`planner.drafting.Drafter`'s
-prompt lookup and :class:`planner.drafting.AdaptiveK`) on the answers local transformers gives for
-``experiments.bench.speculative``'s prompts, and counts steps, drafted and accepted tokens; the live benchmark's
+prompt lookup and :class:`planner.drafting.AdaptiveK`) on the local reference's greedy answers (the demo's: local
+transformers, or the block code for a family 4.34 cannot run) to ``experiments.bench.speculative``'s prompts, and counts steps, drafted and accepted tokens; the live benchmark's
 1-session counts are reproduced (checked in the JSON, ``live``).
 
 Cost model, per token against one token per step: ``(steps·t_step + drafted·t_draft) / (tokens·t_step)``, with
@@ -104,39 +104,21 @@ def ratio(counts: dict, model: dict, free: bool = False) -> float:
 
 def greedy_answers(path: str, workloads: Sequence[str], tokens: int) -> dict:
     """{workload: [(prompt ids, answer ids)]}: float32 greedy answers to every prompt variant, ending at the
-    tokenizer's end-of-sequence token as the orchestrator's do — from local transformers (the independent reference),
-    or from Chainswarm's own block code run locally for a family this transformers cannot load (Gemma 3)."""
-    import torch
+    tokenizer's end-of-sequence token as the orchestrator's do, from the demo's local reference (transformers where
+    4.34 runs the family correctly, else Chainswarm's block code: :func:`experiments.live.demo.reference_generator`)."""
     from tqdm import tqdm
-    from transformers import CONFIG_MAPPING
 
     from experiments.bench.speculative import prompts
+    from experiments.live.demo import reference_generator
     from swarm.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)
-    eos = tokenizer.eos_token_id
-    if json.loads((Path(path) / "config.json").read_text())["model_type"] in CONFIG_MAPPING:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-
-        def generate(ids: torch.Tensor) -> list:
-            out = model.generate(ids[None], max_new_tokens=tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            return out[0, ids.shape[0]:].tolist()
-    else:
-        from swarm.model.local_model import LocalModel
-
-        local = LocalModel.from_pretrained(path, torch.float32)
-
-        def generate(ids: torch.Tensor) -> list:
-            answer = local.greedy(ids, tokens)[0]
-            return answer[:answer.index(eos) + 1] if eos in answer else answer
+    generate, _ = reference_generator(path)
     jobs = [(w, p) for w in workloads for p in prompts(w)]
     out: dict = {w: [] for w in workloads}
     for workload, prompt in tqdm(jobs, desc="greedy answers", unit="prompt"):
-        ids = torch.tensor(tokenizer(prompt).input_ids)
-        with torch.inference_mode():
-            out[workload].append((ids.tolist(), generate(ids)))
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out[workload].append((ids[0].tolist(), generate(ids, tokens, tokenizer.eos_token_id)))
     return out
 
 

@@ -91,15 +91,15 @@ def bench_http(model_dir: str, counts, tokens: int, repeats: int, progress, layo
     ``repeats`` per point; answers compared with local greedy."""
     from swarm.model.tokenizer import load_tokenizer
 
-    from experiments.live.demo import _reference
+    from experiments.live.demo import reference_generator
     from server.local_swarm import LocalSwarm
 
     tokenizer = load_tokenizer(model_dir)
+    generate, _ = reference_generator(model_dir)
     expected = {}
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out, _ = _reference(model_dir, ids, tokens, tokenizer.eos_token_id)
-        expected[prompt] = tokenizer.decode(out, skip_special_tokens=True)
+        expected[prompt] = tokenizer.decode(generate(ids, tokens, tokenizer.eos_token_id), skip_special_tokens=True)
     with LocalSwarm(model_dir) as swarm:
         # every planning and admission option at its default (and --batch-lanes where asked)
         swarm.add_orchestrator(torch_dtype=DTYPE, **({"batch_lanes": lanes} if lanes > 1 else {}))

@@ -65,10 +65,12 @@ def _ensure_model(args) -> str:
     return str(path)
 
 
-def _reference(model_dir: str, ids, max_new_tokens: int, eos_token_id) -> tuple[list[int], str]:
-    """Greedy tokens of the model run locally, and what ran them: transformers 4.34 for the Llama-1/2-style
-    checkpoints it runs correctly, else Chainswarm's block code in one process (checked against goldens made by a
-    current transformers in `make test`: tests/test_family_goldens.py, tests/test_gemma3_real.py)."""
+def reference_generator(model_dir: str):
+    """``(generate, what)``: ``generate(ids, max_new_tokens, eos_token_id)`` gives the greedy tokens of the model
+    run locally for ``ids`` of shape (1, n), ending at ``eos_token_id``; the model is loaded once. What runs them:
+    transformers 4.34 for the Llama-1/2-style checkpoints it runs correctly, else Chainswarm's block code in one
+    process (checked against goldens made by a current transformers in `make test`: tests/test_family_goldens.py,
+    tests/test_gemma3_real.py)."""
     import json
 
     import torch
@@ -78,16 +80,22 @@ def _reference(model_dir: str, ids, max_new_tokens: int, eos_token_id) -> tuple[
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, DTYPE)).eval()
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-                                 pad_token_id=eos_token_id)
-        return out[0, ids.shape[1]:].tolist(), "local transformers"
+
+        def generate(ids, max_new_tokens: int, eos_token_id) -> list[int]:
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                                     pad_token_id=eos_token_id)
+            return out[0, ids.shape[1]:].tolist()
+        return generate, "local transformers"
     from swarm.model.local_model import LocalModel
 
-    tokens, _ = LocalModel.from_pretrained(model_dir, dtype=getattr(torch, DTYPE)).greedy(ids[0], max_new_tokens)
-    if eos_token_id in tokens:
-        tokens = tokens[:tokens.index(eos_token_id) + 1]
-    return tokens, "Chainswarm's block code run locally"
+    local = LocalModel.from_pretrained(model_dir, dtype=getattr(torch, DTYPE))
+
+    def generate(ids, max_new_tokens: int, eos_token_id) -> list[int]:
+        with torch.inference_mode():
+            tokens, _ = local.greedy(ids[0], max_new_tokens)
+        return tokens[:tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
+    return generate, "Chainswarm's block code run locally"
 
 
 def _prompt(args, tokenizer) -> str:
@@ -147,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model_dir)
     prompt = _prompt(args, tokenizer)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    tokens, reference_kind = _reference(model_dir, ids, args.max_new_tokens, tokenizer.eos_token_id)
+    generate, reference_kind = reference_generator(model_dir)
+    tokens = generate(ids, args.max_new_tokens, tokenizer.eos_token_id)
     reference = tokenizer.decode(tokens, skip_special_tokens=True)
 
     started = time.perf_counter()
