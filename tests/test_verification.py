@@ -123,6 +123,9 @@ class _Orch:
     def banned_now(self, node):
         self.events.append(("replan", {"node": node}))
 
+    def kv_pools(self):  # as the orchestrator's: what each server is told to hold, in block-tokens
+        return {node: a.cache_slots * a.slot_size for node, a in self.view.published.items()}
+
     def hold_for_check(self, node, start, end, tokens):
         return f"hold-{node}"
 

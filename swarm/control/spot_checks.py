@@ -67,13 +67,14 @@ class SpotCheckHooks:
     def hold_for_check(self, node: str, start: int, end: int, tokens: int) -> Optional[str]:
         """(checker thread) Hold the KV a check's prefill of ``tokens`` takes on ``node``'s blocks, if the
         orchestrator's accounting has room for it there; None: not now (RuntimeError: never, the pool is smaller
-        than the check). Checks use idle capacity: the chains through ``node`` give up what the check holds until it is released (:mod:`swarm.control.occupancy`)."""
+        than the check). Checks use idle capacity: the chains through ``node`` give up what the check holds until
+        it is released (:mod:`swarm.control.occupancy`)."""
         def take() -> Optional[str]:
             need, slots = self.config.expect.kv_need(tokens, 0), self.kv_pools()
-            if node in slots and need * (end - start) > slots[node]:  # waiting would not help
-                raise RuntimeError(f"{node}'s KV pool ({slots[node]} block-tokens) cannot hold the check's "
-                                   f"{need * (end - start)}")
-            if node in slots and not self.occupancy.can_take({node: need * (end - start)}, slots):
+            blocks = need * (end - start)
+            if node in slots and blocks > slots[node]:  # waiting would not help
+                raise RuntimeError(f"{node}'s KV pool ({slots[node]} block-tokens) cannot hold the check's {blocks}")
+            if node in slots and not self.occupancy.can_take({node: blocks}, slots):
                 return None
             check_id = f"check-{uuid.uuid4().hex}"
             self.occupancy.hold(check_id, "", [node], [(start, end)], weight=need)
@@ -159,10 +160,10 @@ class SpotChecker:
         """Serving, unbanned servers with KV memory (a standby server has none) whose loaded span covers
         ``[start, end)``, outside ``exclude`` (node ids). KV memory both as loaded (the profile) and as told now
         (the published assignment: a server a re-plan left without sessions has no pool a check could hold)."""
-        told = dict(self.orchestrator.view.published)
+        pools = self.orchestrator.kv_pools()
         return [(node, p) for node, p in self._profiles().items()
                 if node not in exclude and p.state == records.SERVING and p.start is not None and p.cache_slots > 0
-                and node in told and told[node].cache_slots > 0
+                and pools.get(node, 0) > 0
                 and p.start <= start and end <= p.end and not self.orchestrator.is_banned(node)
                 and node not in self.orchestrator.suspects]
 
