@@ -325,7 +325,7 @@ class ChainswarmServer(Server):
         except Exception as exc:
             logger.warning("node %s could not read assignments: %s", self.node_id, exc)
             return None
-        for name, owner, raw in owned:
+        for name, owner, raw, _ in owned:
             if name != self.node_id or owner != key:
                 continue
             try:

@@ -335,6 +335,60 @@ def test_a_dht_read_that_hangs_does_not_stop_the_control_loop():
     run(scenario())
 
 
+class ExpiringDHT(MemoryDHT):
+    """A MemoryDHT whose records carry their expiration time (as hivemind's do) and whose next reads can miss."""
+
+    def __init__(self):
+        super().__init__()
+        self.expires: dict[tuple[str, str], float] = {}
+        self.misses = 0  # how many of the next reads come back empty (a lookup that timed out on a loaded peer)
+
+    def store(self, key, value, expiration_time, subkey=None):
+        self.expires[(key, subkey)] = expiration_time
+        return super().store(key, value, expiration_time, subkey)
+
+    def get(self, key, latest=False):
+        if self.misses > 0:
+            self.misses -= 1
+            return None
+        now = records.dht_now()
+        live = {k: v for k, v in self.data.get(key, {}).items() if self.expires[(key, k)] > now}
+        return SimpleNamespace(value={k: SimpleNamespace(value=v, expiration_time=self.expires[(key, k)])
+                                      for k, v in live.items()}) if live else None
+
+
+def test_a_read_that_misses_live_records_keeps_the_plan_and_an_expired_record_still_leaves():
+    """On a loaded machine one DHT read came back without any server record: every server "left", the plan was
+    dropped and every running session requeued, a second before the next read found them all again. A record
+    seen before that has not expired stays as last read; a server whose record expires leaves as before."""
+    async def scenario():
+        orch, dht = make()
+        dht.__class__ = ExpiringDHT
+        ExpiringDHT.__init__(dht)
+        publish(dht, *[profile(n, m) for n, m in SERVERS])
+        await orch.start()
+        serve_assignments(dht)
+        await orch.refresh()
+        plan_id, chains = orch.view.plan_id, [c.chain_id for c in orch.view.chains]
+        assert chains and len(orch.view.profiles) == 4
+        dht.misses = 1
+        await orch.refresh()
+        assert orch.view.plan_id == plan_id and [c.chain_id for c in orch.view.chains] == chains
+        assert set(orch.view.profiles) == {n for n, _ in SERVERS}
+        assert not [e for e in orch.events if e["event"] in ("server_left", "plan_dropped")]
+        gone = "d"  # its server renews its record once more, then stops: it leaves when that record expires
+        records.publish_profile(dht, PREFIX, orch.view.profiles[gone], ttl=0.5, owner=node_key(gone))
+        await orch.refresh()
+        assert gone in orch.view.profiles
+        await asyncio.sleep(0.6)
+        await orch.refresh()
+        assert gone not in orch.view.profiles
+        assert [e["node"] for e in orch.events if e["event"] == "server_left"] == [gone]
+        await orch.stop()
+
+    run(scenario())
+
+
 def test_a_joining_server_that_adds_little_does_not_move_blocks():
     async def scenario():
         orch, dht = make()

@@ -34,8 +34,9 @@ def dht_calls() -> tuple[BoundedCall, BoundedCall, BoundedCall]:
 class Membership:
     async def refresh(self) -> None:
         try:
-            claims = await self._profiles_read(records.fetch_profile_claims, self.dht, self.config.dht_prefix)
-            profiles = self._pinned_profiles(claims)
+            expires: dict = {}
+            claims = await self._profiles_read(records.fetch_profile_claims, self.dht, self.config.dht_prefix, expires)
+            profiles = self._pinned_profiles(self._with_missed(claims, expires))
         except CallTimeout as exc:  # plan on the records read last time (the suspects still apply)
             logger.warning("refresh: %s", exc)
             profiles = self.view.profiles
@@ -89,6 +90,21 @@ class Membership:
             self._settling = (first if first is not None else now, now, set(members))
             first, since = self._settling[:2]
         return now - since >= self.config.settle_s or now - first >= 5 * self.config.settle_s
+
+    def _with_missed(self, claims: dict, expires: dict) -> dict:
+        """``claims`` with the live records this read missed: a DHT lookup can come back without records that are
+        alive (on a loaded machine, a test swarm's four servers all "left" at once and were back a second later,
+        every running session requeued). A server's record, under its pinned key, that an earlier read saw and
+        that has not expired yet stays as last read; the server leaves when its record expires (or at once when a
+        session reports it failed)."""
+        now = records.dht_now()
+        self._record_expires = {k: t for k, t in {**self._record_expires, **expires}.items() if t > now}
+        claims = dict(claims)
+        for node, profile in self.view.profiles.items():
+            owner = self.pins.owner(node)
+            if owner is not None and owner not in claims.get(node, {}) and (node, owner) in self._record_expires:
+                claims[node] = {**claims.get(node, {}), owner: profile}
+        return claims
 
     def _pinned_profiles(self, claims) -> dict[str, records.ServerProfile]:
         """One profile per node id: the one signed by the key pinned for it (a second key claiming a live node

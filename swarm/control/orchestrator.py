@@ -111,6 +111,7 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
         self.events: deque[dict] = deque(maxlen=200)
         self.service_history = ServiceHistory()
         self._members: set[str] = set()  # nodes whose profile record was seen at the last refresh
+        self._record_expires: dict[tuple[str, bytes], float] = {}  # (node, key) -> its record's expiry (DHT time)
         self.on_event = on_event
         # request id -> (its future, its prompt's page hashes)
         self._queued: dict[str, int] = {}  # client -> requests waiting in acquire()

@@ -28,7 +28,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Iterable, Mapping, NamedTuple, TypeVar
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -133,8 +133,17 @@ def verify(public: bytes, data: bytes, signature: bytes) -> bool:
 # -- reading owned records -----------------------------------------------------------------------------
 
 
-def fetch_owned(dht, key: str) -> list[tuple[str, bytes, Any]]:
-    """``(name, owner, value)`` of every owned subkey under ``key`` (unowned subkeys are skipped)."""
+class Owned(NamedTuple):
+    """One owned record read from the DHT: its name, the key that signed it, its value and when it expires (DHT
+    time: :func:`hivemind.utils.timed_storage.get_dht_time`)."""
+    name: str
+    owner: bytes
+    value: Any
+    expires: float
+
+
+def fetch_owned(dht, key: str) -> list[Owned]:
+    """Every owned subkey under ``key`` (unowned subkeys are skipped)."""
     found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
@@ -142,7 +151,8 @@ def fetch_owned(dht, key: str) -> list[tuple[str, bytes, Any]]:
     for subkey, item in found.value.items():
         owned = split_subkey(subkey)
         if owned is not None:
-            out.append((owned[0], owned[1], getattr(item, "value", None)))
+            out.append(Owned(owned[0], owned[1], getattr(item, "value", None),
+                             float(getattr(item, "expiration_time", 0.0) or 0.0)))
     return out
 
 

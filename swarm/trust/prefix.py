@@ -108,7 +108,7 @@ def fetch_reports(dht, prefix: str, owners: Mapping[str, bytes]) -> dict[str, di
     from swarm.trust.identity import fetch_owned
 
     out = {}
-    for node, owner, value in fetch_owned(dht, f"{prefix}.{REPORTS}"):
+    for node, owner, value, _ in fetch_owned(dht, f"{prefix}.{REPORTS}"):
         if owners.get(node) == owner and valid_report(value):
             out[node] = value
     return out

@@ -205,26 +205,30 @@ class OrchestratorInfo:
 # key pinned for their node id (swarm.trust.identity.KeyPins).
 
 
-def _now() -> float:
+def dht_now() -> float:
+    """The DHT's clock (records' expiration times are in it)."""
     from hivemind.utils.timed_storage import get_dht_time
 
     return get_dht_time()
 
 
 def _store(dht, key: str, subkey: str, value: dict, ttl: float) -> bool:
-    return bool(dht.store(key, value, expiration_time=_now() + ttl, subkey=subkey))
+    return bool(dht.store(key, value, expiration_time=dht_now() + ttl, subkey=subkey))
 
 
-def _claims(dht, key: str, cls) -> dict[str, dict[bytes, Any]]:
-    """{name: {owner key: record}} of the well-formed owned records under ``key``."""
+def _claims(dht, key: str, cls, expires: dict | None = None) -> dict[str, dict[bytes, Any]]:
+    """{name: {owner key: record}} of the well-formed owned records under ``key``; ``expires`` (if given) gets
+    {(name, owner key): when that record expires (DHT time)}."""
     from swarm.trust.identity import fetch_owned, group_claims
 
     parsed = []
-    for name, owner, value in fetch_owned(dht, key):
+    for name, owner, value, until in fetch_owned(dht, key):
         try:
             parsed.append((name, owner, cls.from_dict(value)))
         except (RecordError, TypeError):
             continue  # malformed record: skip it, never crash the reader
+        if expires is not None:
+            expires[(name, owner)] = until
     return group_claims(parsed)
 
 
@@ -235,9 +239,10 @@ def publish_profile(dht, prefix: str, profile: ServerProfile, ttl: float, owner:
     return _store(dht, f"{prefix}.{PROFILES}", owned_subkey(profile.node_id, owner), profile.to_dict(), ttl)
 
 
-def fetch_profile_claims(dht, prefix: str) -> dict[str, dict[bytes, ServerProfile]]:
-    """{node id: {owner key: profile}}: every key that claims a node id (the orchestrator pins one)."""
-    claims = _claims(dht, f"{prefix}.{PROFILES}", ServerProfile)
+def fetch_profile_claims(dht, prefix: str, expires: dict | None = None) -> dict[str, dict[bytes, ServerProfile]]:
+    """{node id: {owner key: profile}}: every key that claims a node id (the orchestrator pins one); ``expires``
+    (if given) gets {(node id, owner key): when that record expires (DHT time)}."""
+    claims = _claims(dht, f"{prefix}.{PROFILES}", ServerProfile, expires)
     return {node: {k: p for k, p in by.items() if p.node_id == node} for node, by in claims.items()}
 
 
