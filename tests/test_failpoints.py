@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import wait_for
+from helpers import describe_swarm, wait_for
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -60,11 +60,7 @@ class Swarm:
         try:
             wait_for(ok, timeout, what=f"a settled swarm of {names}")
         except TimeoutError as exc:  # say what was missing
-            status = last.get("status") or {}
-            raise TimeoutError(f"{exc}: transition {status.get('transition')}, queue {status.get('queue')}, chains "
-                               f"{[(c['servers'], c['ready'], c['active']) for c in status.get('chains', [])]}, "
-                               f"servers {[(s['node_id'], s['state'], s['suspect'], s['assignment']) for s in status.get('servers', [])]}, "
-                               f"events {status.get('events', [])[-8:]}") from None
+            raise TimeoutError(f"{exc}: {describe_swarm(last.get('status') or {})}") from None
         return self.status()
 
 

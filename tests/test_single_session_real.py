@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from helpers import wait_for
+from helpers import describe_swarm, wait_for
 from real_model import PROMPTS
 from server.local_swarm import LocalSwarm
 
@@ -72,20 +72,32 @@ def _complete(url: str, body: dict, client: str = "single") -> dict:
     return response.json()["choices"][0]
 
 
+_LAST: dict = {}  # the status _idle read last (what a timed-out wait reports)
+
+
 def _idle(url: str) -> bool:
     """Every chain ready and idle, and all four servers planned with KV: a server that a session reported failed
     (on a loaded machine a step can time out) is excluded for the orchestrator's grace period, and the plan
     without it leaves its chain partner no sessions, so no span could be re-executed there until it is back."""
     status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+    _LAST["status"] = status
     whole = len(status["servers"]) == 4 and all(
         not s["suspect"] and s["assignment"] and s["assignment"]["cache_slots"] > 0 for s in status["servers"])
     return whole and bool(status["chains"]) and all(c["ready"] and c["active"] == 0 for c in status["chains"])
 
 
+def _wait_idle(url: str, timeout: float = 240.0) -> None:
+    """Wait (bounded) for :func:`_idle`; on a timeout, say what the swarm still lacked."""
+    try:
+        wait_for(lambda: _idle(url), timeout, what="the whole swarm idle")
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}: {describe_swarm(_LAST.get('status') or {})}") from None
+
+
 def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token(swarm, reference):
     """The prompt's own list drafts its copy: the petals session verifies several tokens per step, and the text and
     logprobs are those of one token per step and of local transformers. No batched step runs in this swarm."""
-    wait_for(lambda: _idle(swarm.url), 150, what="the whole swarm idle")
+    _wait_idle(swarm.url)
     body = {"prompt": COPY, "max_tokens": 24, "logprobs": 2}
     answers, accepted, took = {}, {}, {}
     for speculative in (False, True):
@@ -102,14 +114,19 @@ def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token
     assert _metric(swarm.url, "chainswarm_batched_steps_total") == 0  # every session ran on petals' path
     # two spans per session: each re-executed on the other chain's server of the same blocks. A recording that still
     # held the rejected positions would not match the session's tokens, and its check would be skipped
-    wait_for(lambda: _checks(swarm.url)["passed"] >= 4, 60, what="both sessions' spans re-executed and agreed")
+    try:
+        wait_for(lambda: _checks(swarm.url)["passed"] >= 4, 120, what="both sessions' spans re-executed and agreed")
+    except TimeoutError as exc:
+        status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+        raise TimeoutError(f"{exc}: checks {_checks(swarm.url)}, verification {status.get('verification')}, "
+                           f"{describe_swarm(status)}") from None
     assert {k: _checks(swarm.url)[k] for k in ("mismatches", "strikes", "skipped")} == dict.fromkeys(
         ("mismatches", "strikes", "skipped"), 0.0)
 
 
 def test_concurrent_sessions_that_speculate_equal_local_transformers(swarm, reference):
     """Six concurrent greedy completions on the two chains, each drafting from its own text."""
-    wait_for(lambda: _idle(swarm.url), 150, what="the whole swarm idle")
+    _wait_idle(swarm.url)
 
     def one(i: int) -> str:
         time.sleep(0.1 * i)
@@ -126,7 +143,7 @@ def test_a_server_killed_in_a_verification_step_changes_no_answer(swarm, referen
     """The last server of the fastest chain (where a lone request goes) dies at its first step with drafted tokens;
     the session fails over to the other chain's server for those blocks and replays its history there — without
     the positions it had taken back — and the answer is unchanged."""
-    wait_for(lambda: _idle(swarm.url), 150, what="the whole swarm idle")
+    _wait_idle(swarm.url)
     status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     victim_name = min(status["chains"], key=lambda c: c["service_time"])["servers"][-1]
     victim = next(p for p in swarm.nodes if p.name == victim_name)

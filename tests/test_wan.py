@@ -120,6 +120,7 @@ def test_large_transfer_integrity_and_counters(config, wan_up):
         sender.join(10)
     assert len(got) == len(data)
     assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+    measure_rtt(ep.ip, ep.port, n=1, source_ip=config.ip("s0"))  # one connection on the s0 -> s1 link too
     links = emulator.stats()["links"]
     assert links["client->s1"]["bytes_to_dst"] >= len(data)
     assert links["client->s1"]["bytes_to_src"] >= len(data)
