@@ -2,8 +2,8 @@
 what is left to win (``python -m experiments.bench.drafting``, JSON + PNG).
 
 A greedy answer does not depend on speculation, so the chain's work for a drafting policy follows from the answer
-alone: at each step the policy proposes up to ``k`` tokens, the chain accepts the longest prefix equal to the answer
-and adds its own next token. This replays the orchestrator's own classes (:class:`planner.drafting.Drafter`'s
+alone: at each step after the prompt's prefill (which carries no draft, as in the engine) the policy proposes up to
+``k`` tokens, the chain accepts the longest prefix equal to the answer and adds its own next token. This replays the orchestrator's own classes (:class:`planner.drafting.Drafter`'s
 prompt lookup and :class:`planner.drafting.AdaptiveK`) on the local reference's greedy answers (the demo's: local
 transformers, or the block code for a family 4.34 cannot run) to ``experiments.bench.speculative``'s prompts, and counts steps, drafted and accepted tokens; the live benchmark's
 1-session counts are reproduced (checked in the JSON, ``live``).
@@ -12,7 +12,8 @@ Cost model, per token against one token per step: ``(steps·t_step + drafted·t_
 ``t_step`` the benchmark's per-token latency without speculation and ``t_draft`` what one drafted position added
 to a step in its speculative runs (least squares over its 1-session points); ``free`` is the same with
 ``t_draft = 0`` — verification that costs no compute, the limit of a GPU server whose step time is flat in its
-positions. Policies: the product's (``ngram``), single-token matches (``ngram-min1``), other ``k_max``, and a
+positions. Policies: the product's (``ngram``), single-token matches (``ngram-min1``), other ``k_max``, a session
+whose drafts stopped probing every 4 steps instead of 16 (``ngram-probe4``), and a
 **ceiling**: an oracle that drafts the longest next stretch of the answer found anywhere in the text so far — the
 best any drafter copying from the prompt and output could do.
 """
@@ -41,9 +42,11 @@ class NgramPolicy:
     min_n: int = 2
     max_n: int = 4
     k_max: int = 8
+    probe_every: int = AdaptiveK.probe_every  # at k = 0, one token drafted every this many steps
 
     def start(self, answer: Sequence[int], prompt_len: int) -> tuple[Propose, AdaptiveK]:
-        return (lambda tokens, k: lookup_own(tokens, k, self.max_n, self.min_n)), AdaptiveK(self.k_max, self.k_max)
+        return ((lambda tokens, k: lookup_own(tokens, k, self.max_n, self.min_n)),
+                AdaptiveK(self.k_max, self.k_max, probe_every=self.probe_every))
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class CeilingPolicy:
 
 
 POLICIES = (NgramPolicy("ngram"), NgramPolicy("ngram-min1", min_n=1), NgramPolicy("ngram-k4", k_max=4),
-            NgramPolicy("ngram-k16", k_max=16), CeilingPolicy())
+            NgramPolicy("ngram-k16", k_max=16), NgramPolicy("ngram-probe4", probe_every=4), CeilingPolicy())
 
 
 def replay(prompt: Sequence[int], answer: Sequence[int], policy, tokens: int) -> dict:
@@ -75,7 +78,8 @@ def replay(prompt: Sequence[int], answer: Sequence[int], policy, tokens: int) ->
     steps = drafted = accepted = 0
     while len(produced) < tokens:
         room = tokens - len(produced) - 1
-        draft = propose(list(prompt) + produced, min(adaptive.next_k(), room)) if room > 0 else []
+        # the first step is the prompt's prefill, which carries no draft (as in the engine's both paths)
+        draft = propose(list(prompt) + produced, min(adaptive.next_k(), room)) if room > 0 and produced else []
         truth = answer[len(produced):tokens]
         n = 0
         while n < len(draft) and n < len(truth) - 1 and draft[n] == truth[n]:
@@ -102,8 +106,9 @@ def ratio(counts: dict, model: dict, free: bool = False) -> float:
     return (counts["steps"] * model["t_step_s"] + counts["drafted"] * t_draft) / (counts["tokens"] * model["t_step_s"])
 
 
-def greedy_answers(path: str, workloads: Sequence[str], tokens: int) -> dict:
-    """{workload: [(prompt ids, answer ids)]}: float32 greedy answers to every prompt variant, ending at the
+def greedy_answers(path: str, workloads: Sequence[str], tokens: int, variants: int | None = None) -> dict:
+    """{workload: [(prompt ids, answer ids)]}: float32 greedy answers to every prompt variant (the first
+    ``variants``), ending at the
     tokenizer's end-of-sequence token as the orchestrator's do, from the demo's local reference (transformers where
     4.34 runs the family correctly, else Chainswarm's block code: :func:`experiments.live.demo.reference_generator`)."""
     from tqdm import tqdm
@@ -114,7 +119,7 @@ def greedy_answers(path: str, workloads: Sequence[str], tokens: int) -> dict:
 
     tokenizer = load_tokenizer(path)
     generate, _ = reference_generator(path)
-    jobs = [(w, p) for w in workloads for p in prompts(w)]
+    jobs = [(w, p) for w in workloads for p in prompts(w)[:variants]]
     out: dict = {w: [] for w in workloads}
     for workload, prompt in tqdm(jobs, desc="greedy answers", unit="prompt"):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
