@@ -13,7 +13,7 @@ Cost model, per token against one token per step: ``(steps·t_step + drafted·t_
 to a step in its speculative runs (least squares over its 1-session points); ``free`` is the same with
 ``t_draft = 0`` — verification that costs no compute, the limit of a GPU server whose step time is flat in its
 positions. Policies: the product's (``ngram``), single-token matches (``ngram-min1``), other ``k_max``, a session
-whose drafts stopped probing every 4 steps instead of 16 (``ngram-probe4``), and a
+whose drafts stopped probing every 16 steps instead of 4 (``ngram-probe16``, the default before 2026-11-28), and a
 **ceiling**: an oracle that drafts the longest next stretch of the answer found anywhere in the text so far — the
 best any drafter copying from the prompt and output could do.
 """
@@ -67,7 +67,7 @@ class CeilingPolicy:
 
 
 POLICIES = (NgramPolicy("ngram"), NgramPolicy("ngram-min1", min_n=1), NgramPolicy("ngram-k4", k_max=4),
-            NgramPolicy("ngram-k16", k_max=16), NgramPolicy("ngram-probe4", probe_every=4), CeilingPolicy())
+            NgramPolicy("ngram-k16", k_max=16), NgramPolicy("ngram-probe16", probe_every=16), CeilingPolicy())
 
 
 def replay(prompt: Sequence[int], answer: Sequence[int], policy, tokens: int) -> dict:
