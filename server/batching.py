@@ -276,9 +276,15 @@ class BatchedInferenceStep:
             return (self.run_group(args[0]),)
         return self.merged(*args)
 
-    def _check(self, group: _Group, index: int) -> None:
+    def _check(self, group: _Group, index: int) -> list[tuple]:
+        """Fit the session's KV to this step and check it; its cache tensors per block, taken now: a handler
+        that frees the session meanwhile (it closed while this step was queued) removes its handles from the
+        pool as the next lookup reads the pipe, and that must fail neither this session's step nor its batch
+        mates' (a CI run saw a cohort step fail with ``KeyError`` on a handle freed between the check and the
+        pass)."""
         hidden, _hypo, infos, *_ = group.inputs[index]
         b, t = group.shapes[index]
+        taken = []
         for info in infos:
             backend = self.backends[info.uid]
             if self._layers.get(info.uid) is None:
@@ -291,13 +297,15 @@ class BatchedInferenceStep:
                     raise ValueError(f"batch {b} does not match the session's cache")
             if pos + t > capacity:
                 raise ValueError(f"positions {pos}..{pos + t - 1} exceed the session's {capacity} KV slots")
+            taken.append(tensors)
+        return taken
 
     def run_group(self, group: _Group) -> torch.Tensor:
         """Run a group (same span) through its blocks; returns every entry's outputs as flat token rows."""
-        live = []
+        live, caches = [], {}
         for i in range(len(group.inputs)):
             try:
-                self._check(group, i)
+                caches[i] = self._check(group, i)
                 live.append(i)
             except Exception as exc:  # one bad session must not fail its batch mates
                 group.errors[i] = exc
@@ -311,16 +319,14 @@ class BatchedInferenceStep:
         token_pos = None  # the same for every block of the span (offsets are per session, not per block)
         for block, uid in enumerate(info.uid for info in infos[0]):
             backend, layer = self.backends[uid], self._layers[uid]
-            with contextlib.ExitStack() as stack:
-                segments = []
-                for i, task_infos, hypo in zip(live, infos, hypo_ids):
-                    info = task_infos[block]
-                    tensors = stack.enter_context(backend.memory_cache.use_cache(*info.cache_handles))
-                    backend._reorder_cache_inplace(tensors, hypo)
-                    segments.append(Segment(tensors[0], tensors[1], info.prefix_length
-                                            + _offset(backend, info.cache_handles), *group.shapes[i]))
-                token_pos = token_positions(segments) if token_pos is None else token_pos
-                hidden = layer.step(hidden, segments, token_pos)
+            segments = []
+            for i, task_infos, hypo in zip(live, infos, hypo_ids):
+                info, tensors = task_infos[block], caches[i][block]
+                backend._reorder_cache_inplace(tensors, hypo)
+                segments.append(Segment(tensors[0], tensors[1], info.prefix_length
+                                        + _offset(backend, info.cache_handles), *group.shapes[i]))
+            token_pos = token_positions(segments) if token_pos is None else token_pos
+            hidden = layer.step(hidden, segments, token_pos)
         offsets = list(itertools.accumulate([0, *group.sizes]))
         start = 0
         for i in live:

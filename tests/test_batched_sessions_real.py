@@ -98,8 +98,9 @@ def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, 
     session_steps = _metric(swarm.url, "chainswarm_batched_session_steps_total") - session_steps
     assert steps > 0 and session_steps / steps >= 2.0, (steps, session_steps)  # sessions really shared steps
     accepted = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total") - accepted
-    assert session_steps + accepted == 24 * len(PROMPTS)  # a step gives one token plus the drafts it verified
+    # no session left the batched path (a cohort step failed once on a handle freed mid-step: server/batching.py)
     assert _metric(swarm.url, "chainswarm_batched_fallbacks_total") == 0
+    assert session_steps + accepted == 24 * len(PROMPTS)  # a step gives one token plus the drafts it verified
 
 
 def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):

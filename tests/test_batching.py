@@ -148,6 +148,41 @@ def test_batched_decode_honours_prefix_offsets_and_isolates_a_bad_session(backen
         b._offsets.clear()
 
 
+def test_a_session_freed_while_its_step_is_queued_fails_no_batch_mate(backends, monkeypatch):
+    """A handler frees a session's cache (it closed) while the session's step waits in a group: the pool removes
+    its handles as the next lookup reads the handler's pipe. The pass uses the tensors taken at the check, so
+    neither that session nor its batch mates fail (a CI run saw a whole cohort step fail with KeyError)."""
+    from server.batching import _Group
+
+    step = BatchedInferenceStep(backends)
+    torch.manual_seed(2)
+    closing, staying = _Session(backends), _Session(backends)
+    _step(step, closing, torch.randn(1, 3, 576))
+    _step(step, staying, torch.randn(1, 5, 576))
+    freed: set = set()
+    for backend in backends.values():
+        def use_cache(*handles, original=backend.memory_cache.use_cache):
+            if tuple(handles) in freed:  # what the pool's lookup does once the deletion has arrived
+                raise KeyError(handles[0])
+            return original(*handles)
+        monkeypatch.setattr(backend.memory_cache, "use_cache", use_cache)
+    checked = step._check
+
+    def check(group, index):
+        taken = checked(group, index)
+        if index == len(group.inputs) - 1:  # every session checked: now the handler's deletion arrives
+            freed.update(tuple(h) for h in closing.handles.values())
+        return taken
+    monkeypatch.setattr(step, "_check", check)
+    token = torch.randn(1, 1, 576)
+    group = _Group([[token.clone(), DUMMY_INT64, s.infos(), *([None] * len(BLOCKS))] for s in (closing, staying)])
+    (got,) = step(group)
+    assert group.errors == [None, None]
+    freed.clear()
+    expected = _step(step, staying, token.clone())
+    assert torch.allclose(got[1], expected[0], atol=1e-4)
+
+
 def test_pool_groups_queued_decodes_and_keeps_prefills_and_ops_apart(backends):
     """The pool takes what is queued: decode steps over the same span become one group (up to max_batch
     rows); a prefill lets one decode group go first, once; a PrefixOp and other spans never join a group."""
