@@ -2,24 +2,25 @@
 import time
 
 
-def wait_for(predicate, timeout=90.0, period=0.25, what="condition"):
-    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` seconds pass."""
+def wait_for(predicate, timeout=90.0, period=0.25, what="condition", explain=None):
+    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` seconds pass; on a timeout
+    the error carries ``explain()`` (what was missing), if given."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(period)
-    raise TimeoutError(f"timed out waiting for {what}")
+    raise TimeoutError(f"timed out waiting for {what}" + (f": {explain()}" if explain is not None else ""))
 
 
 def describe_swarm(status: dict) -> str:
     """What an orchestrator's ``/v1/swarm`` status says, in one line, for a wait that timed out: the re-plan in
     progress, the queue, each chain (servers, ready, active), each server (node, state, suspect, banned, told KV
     slots, planned KV slots) and the last events."""
-    servers = [(s["node_id"], s.get("state"), "suspect" if s.get("suspect") else "", "banned" if s.get("banned") else "",
-                (s.get("assignment") or {}).get("cache_slots"), (s.get("target") or {}).get("cache_slots"))
-               for s in status.get("servers", [])]
+    servers = [(s["node_id"], s.get("state"), "suspect" if s.get("suspect") else "",
+                "banned" if s.get("banned") else "", (s.get("assignment") or {}).get("cache_slots"),
+                (s.get("target") or {}).get("cache_slots")) for s in status.get("servers", [])]
     chains = [(c["servers"], c["ready"], c["active"]) for c in status.get("chains", [])]
     return (f"transition {status.get('transition')}, queue {status.get('queue')}, chains {chains}, servers {servers}, "
             f"events {status.get('events', [])[-8:]}")

@@ -57,10 +57,8 @@ class Swarm:
             return (status["transition"] is None and len(status["chains"]) >= 2
                     and all(c["ready"] and c["active"] == 0 for c in status["chains"]) and not status["queue"]
                     and {s for c in status["chains"] for s in c["servers"]} >= set(names))
-        try:
-            wait_for(ok, timeout, what=f"a settled swarm of {names}")
-        except TimeoutError as exc:  # say what was missing
-            raise TimeoutError(f"{exc}: {describe_swarm(last.get('status') or {})}") from None
+        wait_for(ok, timeout, what=f"a settled swarm of {names}",
+                 explain=lambda: describe_swarm(last.get("status") or {}))
         return self.status()
 
 

@@ -88,10 +88,8 @@ def _idle(url: str) -> bool:
 
 def _wait_idle(url: str, timeout: float = 240.0) -> None:
     """Wait (bounded) for :func:`_idle`; on a timeout, say what the swarm still lacked."""
-    try:
-        wait_for(lambda: _idle(url), timeout, what="the whole swarm idle")
-    except TimeoutError as exc:
-        raise TimeoutError(f"{exc}: {describe_swarm(_LAST.get('status') or {})}") from None
+    wait_for(lambda: _idle(url), timeout, what="the whole swarm idle",
+             explain=lambda: describe_swarm(_LAST.get("status") or {}))
 
 
 def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token(swarm, reference):
@@ -114,12 +112,11 @@ def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token
     assert _metric(swarm.url, "chainswarm_batched_steps_total") == 0  # every session ran on petals' path
     # two spans per session: each re-executed on the other chain's server of the same blocks. A recording that still
     # held the rejected positions would not match the session's tokens, and its check would be skipped
-    try:
-        wait_for(lambda: _checks(swarm.url)["passed"] >= 4, 120, what="both sessions' spans re-executed and agreed")
-    except TimeoutError as exc:
+    def unchecked() -> str:
         status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
-        raise TimeoutError(f"{exc}: checks {_checks(swarm.url)}, verification {status.get('verification')}, "
-                           f"{describe_swarm(status)}") from None
+        return f"checks {_checks(swarm.url)}, verification {status.get('verification')}, {describe_swarm(status)}"
+    wait_for(lambda: _checks(swarm.url)["passed"] >= 4, 120, what="both sessions' spans re-executed and agreed",
+             explain=unchecked)
     assert {k: _checks(swarm.url)[k] for k in ("mismatches", "strikes", "skipped")} == dict.fromkeys(
         ("mismatches", "strikes", "skipped"), 0.0)
 
