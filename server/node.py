@@ -15,9 +15,8 @@
    plan id: adopted in place.
    Another layout: state ``draining`` (petals sees the server as JOINING, so its routing opens no new
    sessions here), wait until every open session has ended (bounded by ``drain_timeout``), then let petals
-   reload with the new range. A malformed assignment (a bad record, or blocks beyond the model's) is logged
-   once and ignored; one that needs more memory than the node's budget, or has blocks but neither KV slots
-   nor a prefix store, is only warned about and loaded as assigned. An assignment whose blocks fail to load
+   reload with the new range. Which assignment counts (signed by the orchestrator, well formed, within the
+   model) is :class:`server.assignments.AssignmentInbox`'s business. An assignment whose blocks fail to load
    sends the node back to ``waiting`` until the orchestrator assigns another.
 
 petals' own block selection and rebalancing never run. A launcher can follow a node through ``report``, a
@@ -41,9 +40,9 @@ from petals.server.server import Server
 
 from server import emulation, failpoints, layout, profiling, tickets as server_tickets, trust
 from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
+from server.assignments import AssignmentInbox
 from swarm.trust import records
-from swarm.trust.identity import fetch_owned
-from swarm.trust.records import DRAINING, LOADING, SERVING, WAITING, Assignment, RecordError, ServerProfile
+from swarm.trust.records import DRAINING, LOADING, SERVING, WAITING, Assignment, ServerProfile
 from swarm.trust.validation import swarm_validators
 
 logger = logging.getLogger(__name__)
@@ -148,6 +147,9 @@ class ChainswarmServer(Server):
                                                      cache_dir=profile_cache_dir or profiling.default_cache_dir())
             self.cache_bytes_per_token = profiling.cache_bytes_per_token(self.block_config, self.torch_dtype)
             self.memory = layout.AssignmentMemory(self.block_bytes, self.cache_bytes_per_token)
+            self.inbox = AssignmentInbox(self.dht, self.dht_prefix, self.node_id, self.trust,
+                                         num_layers=self.block_config.num_hidden_layers, memory=self.memory,
+                                         memory_bytes=self.memory_bytes)
             self.declared = dict(declared_profile or {})
             unknown = set(self.declared) - {"prefill_s", "decode_s", "rtt_s", "batch_step_s"}
             if unknown:
@@ -184,8 +186,6 @@ class ChainswarmServer(Server):
         self._current: Optional[Assignment] = None  # the assignment loaded (or being loaded)
         self._next: Optional[Assignment] = None  # the assignment to load after a drain
         self._acked_plan: Optional[str] = None  # plan id of an empty assignment we are waiting under
-        self._failed: Optional[Assignment] = None  # the last assignment whose blocks failed to load
-        self._ignored: set = set()  # malformed records and infeasible assignments already logged
         self._wake = threading.Event()
         self._reports: "Optional[queue.Queue[tuple]]" = queue.Queue() if report is not None else None
         self.timings: dict[str, float] = {"petals_init_s": self.petals_init_s, "profiling_s": self.profiling_s,
@@ -315,44 +315,6 @@ class ChainswarmServer(Server):
             except (OSError, EOFError, BrokenPipeError):
                 return  # the launcher is gone; the watchdog takes care of us
 
-    # -- assignments ---------------------------------------------------------------------------------
-    def fetch_assignment(self) -> Optional[Assignment]:
-        """This node's current, valid assignment from the DHT (None if absent, expired or malformed), signed by
-        the orchestrator key (given or pinned: :mod:`server.trust`; assignments under any other key are ignored)."""
-        key = self.trust.key(self.dht, self.dht_prefix)
-        try:
-            owned = [] if key is None else fetch_owned(self.dht, f"{self.dht_prefix}.{records.ASSIGNMENTS}")
-        except Exception as exc:
-            logger.warning("node %s could not read assignments: %s", self.node_id, exc)
-            return None
-        for name, owner, raw, _ in owned:
-            if name != self.node_id or owner != key:
-                continue
-            try:
-                assignment = Assignment.from_dict(raw)
-                self._check_feasible(assignment)
-                if assignment == self._failed:
-                    return None  # failed to load before: wait for the orchestrator to change it
-                return assignment
-            except (RecordError, TypeError, ValueError) as exc:
-                fingerprint = repr(raw)
-                if fingerprint not in self._ignored:
-                    self._ignored.add(fingerprint)
-                    logger.warning("node %s ignores a malformed assignment %r: %s", self.node_id, raw, exc)
-                return None
-        return None
-
-    def _check_feasible(self, assignment: Assignment) -> None:
-        """Refuse blocks past the model's end; warn (once per assignment) of one this node cannot serve well."""
-        num_layers = self.block_config.num_hidden_layers
-        if assignment.end > num_layers:
-            raise RecordError(f"blocks {assignment.start}:{assignment.end} exceed the model's {num_layers} blocks")
-        fingerprint = ("feasible", repr(assignment))
-        if fingerprint not in self._ignored:
-            self._ignored.add(fingerprint)
-            for problem in self.memory.problems(assignment, self.memory_bytes):
-                logger.warning("node %s: assignment %s %s", self.node_id, assignment, problem)
-
     # -- petals hooks --------------------------------------------------------------------------------
     def run(self) -> None:
         """petals' serve loop; a range that fails to load is reported (state ``waiting``) and skipped until
@@ -369,7 +331,7 @@ class ChainswarmServer(Server):
                     raise
                 logger.error("node %s could not load blocks %d:%d of plan %s: %s: %s", self.node_id, failed.start,
                              failed.end, failed.plan_id, type(exc).__name__, exc)
-                self._failed = failed
+                self.inbox.failed(failed)
                 self._acked_plan = None
                 self._set_state(WAITING, None)
                 self.module_container = None
@@ -381,7 +343,7 @@ class ChainswarmServer(Server):
         assignment, self._next = self._next, None
         while True:
             if assignment is None:
-                assignment = self.fetch_assignment()
+                assignment = self.inbox.fetch()
                 if assignment is None and self._current is not None and self._current.num_blocks:
                     assignment = self._current  # a restart after a crashed handler: keep serving the plan
             if assignment is not None and assignment.num_blocks > 0:
@@ -412,7 +374,7 @@ class ChainswarmServer(Server):
     def _should_choose_other_blocks(self) -> bool:
         """Adopt a new plan id in place, or drain and return True when the layout changes."""
         self._check_loaded()
-        new = self.fetch_assignment()
+        new = self.inbox.fetch()
         if new is None:
             return False
         in_place = _served_in_place(new, self._current)
@@ -450,7 +412,7 @@ class ChainswarmServer(Server):
                 raise _Stopped()
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + self.check_period
-                latest = self.fetch_assignment()
+                latest = self.inbox.fetch()
                 if latest is not None and _layout(latest) == _layout(self._current):
                     logger.info("node %s: plan %s keeps the current blocks; drain cancelled", self.node_id,
                                 latest.plan_id)

@@ -246,21 +246,24 @@ def test_the_ticket_gate_and_prefix_writes():
 
 
 def test_a_node_obeys_only_assignments_signed_by_its_orchestrator_key():
-    """server.node.ChainswarmServer.fetch_assignment on an in-memory DHT (no petals server needed)."""
-    from types import SimpleNamespace
-
-    from server.node import ChainswarmServer
+    """server.assignments.AssignmentInbox (what a ChainswarmServer reads its assignment with) on an in-memory DHT."""
+    from server.assignments import AssignmentInbox
     from server.trust import OrchestratorTrust
 
     dht = MemoryDHT()
-    node = SimpleNamespace(dht=dht, dht_prefix=PREFIX, node_id="n0", trust=OrchestratorTrust(ORCH.public),
-                           _failed=None, _ignored=set(), _check_feasible=lambda assignment: None)
+    inbox = AssignmentInbox(dht, PREFIX, "n0", OrchestratorTrust(ORCH.public), num_layers=4)
     records.publish_assignment(dht, PREFIX, "n0", records.Assignment("evil", 0, 4, 1, 64), 30, STRANGER.public)
     records.publish_assignment(dht, PREFIX, "n1", records.Assignment("other", 0, 2, 1, 64), 30, ORCH.public)
-    assert ChainswarmServer.fetch_assignment(node) is None  # the only assignment for n0 is a stranger's
+    assert inbox.fetch() is None  # the only assignment for n0 is a stranger's
     records.publish_assignment(dht, PREFIX, "n0", records.Assignment("real", 0, 2, 1, 64), 30, ORCH.public)
-    assert ChainswarmServer.fetch_assignment(node).plan_id == "real"
-    tofu = SimpleNamespace(**{**vars(node), "trust": OrchestratorTrust(None)})
-    assert ChainswarmServer.fetch_assignment(tofu) is None  # no orchestrator record yet: no key, nothing obeyed
+    assert inbox.fetch().plan_id == "real"
+    tofu = AssignmentInbox(dht, PREFIX, "n0", OrchestratorTrust(None), num_layers=4)
+    assert tofu.fetch() is None  # no orchestrator record yet: no key, nothing obeyed
     records.publish_orchestrator(dht, PREFIX, records.OrchestratorInfo("p"), 30, ORCH.public)
-    assert ChainswarmServer.fetch_assignment(tofu).plan_id == "real" and tofu.trust.pinned == ORCH.public
+    assert tofu.fetch().plan_id == "real" and tofu.trust.pinned == ORCH.public
+    tofu.failed(tofu.fetch())
+    assert tofu.fetch() is None  # failed to load: not again until the orchestrator changes it
+    records.publish_assignment(dht, PREFIX, "n0", records.Assignment("real", 0, 6, 1, 64), 30, ORCH.public)
+    assert tofu.fetch() is None  # blocks past the model's end are refused
+    records.publish_assignment(dht, PREFIX, "n0", records.Assignment("next", 1, 3, 1, 64), 30, ORCH.public)
+    assert tofu.fetch().plan_id == "next"
