@@ -353,6 +353,33 @@ def test_plan_change_drains_open_session_then_reloads(swarm, orchestrator_dht, t
     print(f"\nsession closed → both nodes serving the new plan in {swarm.timings['reload_s']:.2f} s")
 
 
+def test_streams_that_outlive_a_servers_reload_are_reopened_not_blamed_on_it(swarm, orchestrator_dht, tiny_model):
+    """A ChainGenerator keeps its multi-session streams open a while after its sessions end (``idle_close_s``); a
+    server that drains (no session of ours is open there) and reloads meanwhile has ended them. The next sessions
+    go on over new streams, on the same live server. Before, they failed with the lost connection and the
+    orchestrator excluded the server: the chaos soak once saw the plan dropped that way, right after a move."""
+    from swarm.engine.batching import ChainGenerator
+    from swarm.engine.petals_client import open_distributed_model
+
+    a, b = swarm.nodes
+    swarm.wait_serving(a, "p2", timeout=60)
+    prompt = [1, 45, 479, 33, 263]
+    with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                torch_dtype=torch.float32) as model:
+        route = [(a.peer_id, 0, 3), (b.peer_id, 3, 4)]
+        with ChainGenerator(model, route, idle_close_s=600) as generator:
+            before = generator.submit(prompt, 6).result(timeout=60)
+            streams = generator.batch
+            loads = [s for s, *_ in a.info["history"]].count("loading")
+            _assign(orchestrator_dht, swarm, "a", Assignment("p4", 0, 3, cache_slots=6, max_length=96))  # a reload
+            swarm.wait_serving(a, "p4", timeout=60)
+            assert [s for s, *_ in a.info["history"]].count("loading") == loads + 1
+            assert generator.batch is streams  # the idle streams were kept across the reload
+            assert generator.submit(prompt, 6).result(timeout=60) == before
+            assert generator.reopened == 1 and generator.batch is not streams
+    assert a.alive
+
+
 def test_empty_assignment_sends_a_node_back_to_waiting(swarm, orchestrator_dht):
     _a, b = swarm.nodes
     _assign(orchestrator_dht, swarm, "b", Assignment("p3", 0, 0, cache_slots=0, max_length=96))

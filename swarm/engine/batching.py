@@ -93,6 +93,7 @@ class ChainGenerator:
         self.batch: Optional[ChainBatch] = None  # open while there is work (and idle_close_s after)
         self.steps = 0  # chain steps run
         self.stepped_sequences = 0  # sequence-steps run (÷ steps: the mean batch)
+        self.reopened = 0  # steps retried on new streams (the old ones broke before any session had KV there)
         self._ids = itertools.count()
         self._waiting: list[Decoding] = []
         self._running: dict[str, Decoding] = {}
@@ -253,9 +254,29 @@ class ChainGenerator:
         self._running.update((s.sid, s) for s in admitted)
         self.batch.recorders.update((s.sid, s.recorder) for s in admitted if s.recorder is not None)
         masks = TokenChooser.prepare_async(s.processor for s in self._running.values())  # grammar masks, meanwhile
+        prefixes = {s.sid: s.prefix for s in admitted if s.prefix is not None}
+        fresh = not self.batch.open_sessions  # no session of ours has KV on the servers yet: nothing to lose
         try:
-            outputs, failed = self.batch.step(inputs, opens, tickets, rollbacks,
-                                              {s.sid: s.prefix for s in admitted if s.prefix is not None})
+            try:
+                outputs, failed = self.batch.step(inputs, opens, tickets, rollbacks, prefixes)
+            except ChainBatchError as exc:
+                if not (fresh and exc.stream_gone and self._failed_peer is None):
+                    raise
+                # The streams outlive their sessions (idle_close_s): a server that drained and reloaded its blocks
+                # meanwhile, or ended the idle stream, is alive and has lost nothing of ours. One try on new
+                # streams; if that fails too, the first failure stands (a dead server fails both).
+                logger.info("reopening the chain's streams once: %s", exc)
+                recorders = self.batch.recorders
+                for sid, recorder in recorders.items():
+                    recorder.rollback(inputs[sid].shape[1])  # what the first servers answered before the failure
+                self._close_batch()
+                self.batch = self._open_batch()
+                self.batch.recorders.update(recorders)
+                self.reopened += 1
+                try:
+                    outputs, failed = self.batch.step(inputs, opens, tickets, rollbacks, prefixes)
+                except ChainBatchError:
+                    raise exc from None
         finally:
             if masks is not None:
                 masks.exception()  # wait: no chooser is used while its mask is being computed

@@ -39,7 +39,9 @@ class ChainBatchError(RuntimeError):
 
     ``alive``: the server itself answered with an error (its handler ended the stream), so it is not a failed
     server; ``unsupported``: it answered that it has no multi-session streams (vanilla petals). Either way its
-    sessions should go on one petals session each, on the same route."""
+    sessions should go on one petals session each, on the same route. ``stream_gone``: the stream broke without an
+    answer (the connection was lost, or the server ended it), not a timeout: a dead server, or a live one that
+    reloaded its blocks (or ended an idle stream) after the stream was opened."""
 
     def __init__(self, peer_id: str, cause: BaseException | str):
         super().__init__(f"multi-session stream to {peer_id} failed: {cause!r}")
@@ -47,6 +49,7 @@ class ChainBatchError(RuntimeError):
         text = str(cause).lower()
         self.unsupported = "protocol not supported" in text or "protocols not supported" in text
         self.alive = self.unsupported or isinstance(cause, P2PHandlerError)
+        self.stream_gone = not self.alive and isinstance(cause, (ConnectionError, EOFError, StopAsyncIteration))
 
 
 class SessionFailure(NamedTuple):
