@@ -41,9 +41,10 @@ def golden() -> dict:
 
 @pytest.fixture(scope="module")
 def tokenizer(gemma_dir):
-    from transformers import PreTrainedTokenizerFast
+    """The tokenizer every Chainswarm process loads (built from tokenizer.json: tests/test_tokenizer_load.py)."""
+    from swarm.model.tokenizer import load_tokenizer
 
-    return PreTrainedTokenizerFast.from_pretrained(gemma_dir)
+    return load_tokenizer(gemma_dir)
 
 
 @pytest.fixture(scope="module")
