@@ -449,6 +449,27 @@ def test_auto_replans_incrementally_when_a_chain_server_leaves():
     assert loaded(repaired) == 4 < loaded(fresh)  # b's four blocks, on idle servers
 
 
+def test_a_server_back_after_it_left_serves_again_while_the_others_keep_their_ranges():
+    """With ranges kept on every re-plan (a large --replan-tolerance), a server whose record expired under load and
+    that came back a second later was planned with no blocks, and its chains were gone for good (a real-model test
+    swarm waited for them in vain). Servers that hold nothing take their fresh ranges where that is better: loading
+    them moves nobody else."""
+    expect = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0, kv_admission="slots",
+                          replan_tolerance=100.0)
+    swarm = [profile(n, 5) for n in "abcd"]  # two chains of two
+    first, _ = planning.choose_plan(swarm, 12, expect, None)
+    spans = {s.id: s.span for s in first.servers}
+    assert len(first.chains) == 2
+    gone = first.chains[-1].servers[0]
+    without, kept = planning.choose_plan([p for p in swarm if p.node_id != gone], 12, expect, first)
+    assert kept and len(without.chains) == 1 and all(s.span == spans[s.id] for s in without.servers if s.span)
+    back, kept = planning.choose_plan(swarm, 12, expect, without)
+    after = {s.id: s.span for s in back.servers}
+    assert kept and after == spans and len(back.chains) == 2  # the others did not move; the chain is back
+    little = planning.choose_plan(swarm + [profile("tiny", 0.3)], 12, expect, first)[0]
+    assert {s.id: s.span for s in little.servers} == {**spans, "tiny": None}  # a joiner that adds nothing: none
+
+
 def test_standby_chains_put_idle_servers_to_use_without_moving_the_plan():
     """--standby-chains N: the servers a plan leaves idle hold up to N extra whole chains (planner.standby);
     the plan's own ranges, c and tuning stay as the placement method chose them."""

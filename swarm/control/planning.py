@@ -194,22 +194,30 @@ def _choose(model, servers, expect: Expectations, current: Plan | None) -> tuple
     """The plan by the placement method (before standby chains), and whether it kept ``current``'s ranges."""
     if current is not None and expect.placement == "auto":
         return _incremental(model, servers, expect, current)
-    kept = None
-    if current is not None:
-        old_spans = {sp.id: sp.span for sp in current.servers}
-        layout = Placement(tuple(old_spans.get(s.id) for s in servers))
-        try:
-            kept = plan_for_placement(model, servers, layout, expect.arrival_rate,
-                                      target_load=expect.target_load, method=current.placement_method)
-        except ValueError:  # the old ranges no longer fit (memory changed) or form no chain
-            kept = None
     try:
         fresh = plan(model, servers, expect.arrival_rate, target_load=expect.target_load,
                      c=expect.c, tuning=expect.tuning, placement=expect.placement, min_c=expect.min_c)
-    except InfeasibleError:
+    except InfeasibleError as exc:
+        fresh, infeasible = None, exc
+    kept = None
+    if current is not None:
+        old_spans = {sp.id: sp.span for sp in current.servers}
+        layouts = [tuple(old_spans.get(s.id) for s in servers)]
+        if fresh is not None:  # servers that hold nothing now (a joiner, a rejoiner, an idle one) take their fresh
+            new_spans = {sp.id: sp.span for sp in fresh.servers}  # ranges where that is better: it moves nobody
+            layouts.append(tuple(old_spans.get(s.id) or new_spans.get(s.id) for s in servers))
+        for layout in dict.fromkeys(layouts):
+            try:
+                candidate = plan_for_placement(model, servers, Placement(layout), expect.arrival_rate,
+                                               target_load=expect.target_load, method=current.placement_method)
+            except ValueError:  # the old ranges no longer fit (memory changed) or form no chain
+                continue
+            if kept is None or objective(candidate) < objective(kept):
+                kept = candidate
+    if fresh is None:
         if kept is not None:
             return kept, True
-        raise
+        raise infeasible
     if kept is not None and (holds_longest(kept, expect) or not holds_longest(fresh, expect)) \
             and objective(kept) <= objective(fresh) * (1 + expect.replan_tolerance):
         return kept, True
