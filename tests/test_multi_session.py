@@ -339,6 +339,12 @@ def test_a_server_that_answers_with_an_error_is_alive_one_that_vanished_is_not()
     for cause in (ConnectionResetError("Connection lost"), TimeoutError(), "the server is known to have failed"):
         error = ChainBatchError("p", cause)
         assert not error.alive and not error.unsupported
+    # a stream that broke without an answer may be one a live server ended (a reload): the generator tries new
+    # streams once for sessions that hold nothing there yet; a timeout or a known failure is not retried
+    assert ChainBatchError("p", ConnectionResetError("Connection lost")).stream_gone
+    assert ChainBatchError("p", StopAsyncIteration()).stream_gone
+    for cause in (TimeoutError(), "the server is known to have failed", P2PHandlerError("MultiWireError: bad")):
+        assert not ChainBatchError("p", cause).stream_gone
 
 
 @pytest.mark.parametrize("push", [True, False], ids=["push", "relay"])

@@ -254,29 +254,9 @@ class ChainGenerator:
         self._running.update((s.sid, s) for s in admitted)
         self.batch.recorders.update((s.sid, s.recorder) for s in admitted if s.recorder is not None)
         masks = TokenChooser.prepare_async(s.processor for s in self._running.values())  # grammar masks, meanwhile
-        prefixes = {s.sid: s.prefix for s in admitted if s.prefix is not None}
-        fresh = not self.batch.open_sessions  # no session of ours has KV on the servers yet: nothing to lose
         try:
-            try:
-                outputs, failed = self.batch.step(inputs, opens, tickets, rollbacks, prefixes)
-            except ChainBatchError as exc:
-                if not (fresh and exc.stream_gone and self._failed_peer is None):
-                    raise
-                # The streams outlive their sessions (idle_close_s): a server that drained and reloaded its blocks
-                # meanwhile, or ended the idle stream, is alive and has lost nothing of ours. One try on new
-                # streams; if that fails too, the first failure stands (a dead server fails both).
-                logger.info("reopening the chain's streams once: %s", exc)
-                recorders = self.batch.recorders
-                for sid, recorder in recorders.items():
-                    recorder.rollback(inputs[sid].shape[1])  # what the first servers answered before the failure
-                self._close_batch()
-                self.batch = self._open_batch()
-                self.batch.recorders.update(recorders)
-                self.reopened += 1
-                try:
-                    outputs, failed = self.batch.step(inputs, opens, tickets, rollbacks, prefixes)
-                except ChainBatchError:
-                    raise exc from None
+            outputs, failed = self._send(inputs, opens, tickets, rollbacks,
+                                         {s.sid: s.prefix for s in admitted if s.prefix is not None})
         finally:
             if masks is not None:
                 masks.exception()  # wait: no chooser is used while its mask is being computed
@@ -309,6 +289,30 @@ class ChainGenerator:
         self.batch.close_sessions(finished)
         for sid in [sid for sid in self.batch.recorders if sid not in self._running]:
             del self.batch.recorders[sid]
+
+    def _send(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict, prefixes: dict) -> tuple[dict, dict]:
+        """One step through the chain (:meth:`ChainBatch.step`). The streams outlive their sessions (``idle_close_s``):
+        a server that drained and reloaded its blocks meanwhile, or ended an idle stream, is alive and holds nothing
+        of ours. So a step whose sessions all open in it, whose stream broke without an answer, is tried once more
+        on new streams; if that fails too, the first failure stands (a dead server fails both)."""
+        fresh = not self.batch.open_sessions  # no session of ours has KV on the servers yet: nothing to lose
+        try:
+            return self.batch.step(inputs, opens, tickets, rollbacks, prefixes)
+        except ChainBatchError as exc:
+            if not (fresh and exc.stream_gone and self._failed_peer is None):
+                raise
+            logger.info("reopening the chain's streams once: %s", exc)
+            recorders = self.batch.recorders
+            for sid, recorder in recorders.items():
+                recorder.rollback(inputs[sid].shape[1])  # what the first servers answered before the failure
+            self._close_batch()
+            self.batch = self._open_batch()
+            self.batch.recorders.update(recorders)
+            self.reopened += 1
+            try:
+                return self.batch.step(inputs, opens, tickets, rollbacks, prefixes)
+            except ChainBatchError:
+                raise exc from None
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:
