@@ -6,6 +6,8 @@
 # Exit status: the first failing phase's; 5 ("no tests collected") only when neither phase collected a test.
 py=$1
 shift
+# the suite's budget (tests/conftest.py) counts from here, for both phases and every worker
+export CHAINSWARM_SUITE_START="${CHAINSWARM_SUITE_START:-$(date +%s.%N)}"
 "$py" -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile -m "not alone" "$@"
 first=$?
 "$py" -m pytest -m alone "$@"
