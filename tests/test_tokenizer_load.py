@@ -12,7 +12,7 @@ import shutil
 
 SAMPLES = ["Hello world", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n",
            "<|endoftext|> after <repo_name> and <tool_call>", "  spaces\t\ttabs\n\nnewlines  ", "émoji 🚀 中文",
-           "a <scratch> token and <scratch_special> here"]
+           "a <scratch> token and <scratch_special> here, then <scratch_after>"]
 
 
 def _same(ours, theirs) -> None:
@@ -56,11 +56,13 @@ def test_an_added_token_only_the_config_lists_is_added_as_transformers_adds_it(s
     shutil.copytree(smollm2_dir, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
     config = json.loads((folder / "tokenizer_config.json").read_text())
     size = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"].__len__()
-    for offset, (content, special) in enumerate((("<scratch>", False), ("<scratch_special>", True))):
+    for offset, (content, special) in enumerate((("<scratch>", False), ("<scratch_special>", True),
+                                                 ("<scratch_after>", False))):
         config["added_tokens_decoder"][str(size + offset)] = {
             "content": content, "lstrip": False, "normalized": not special, "rstrip": False, "single_word": False,
             "special": special}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
-    assert ours.convert_tokens_to_ids(["<scratch>", "<scratch_special>"]) == [size, size + 1]
+    assert ours.convert_tokens_to_ids(["<scratch>", "<scratch_special>", "<scratch_after>"]) == [size, size + 1,
+                                                                                                 size + 2]
     _same(ours, theirs)

@@ -13,6 +13,7 @@ folder, and hand libraries that read the Rust tokenizer's JSON (llguidance) :fun
 """
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -110,10 +111,8 @@ def load_tokenizer(model_dir: str | Path):
         have = tokenizer.added_tokens_decoder  # one call: the property is rebuilt on every access
         missing = [AddedToken(**fields) for index, fields in sorted(declared.items(), key=lambda kv: int(kv[0]))
                    if getattr(have.get(int(index)), "content", None) != fields.get("content")]
-        for special in (False, True):
-            tokens = [t for t in missing if bool(t.special) == special]
-            if tokens:
-                tokenizer.add_tokens(tokens, special_tokens=special)
+        for special, run in itertools.groupby(missing, key=lambda token: bool(token.special)):  # in id order, as
+            tokenizer.add_tokens(list(run), special_tokens=special)  # transformers adds runs of one kind
     if getattr(tokenizer, "is_fast", False) and wants_ignore_merges(model_dir):
         apply_ignore_merges(tokenizer)
     return tokenizer
