@@ -23,7 +23,8 @@ overrides must keep its full type annotations. Other backends (a prefix-KV cache
 it with :func:`install`.
 
 :func:`install` rebinds the handler (and optionally a backend class) in ``petals.server.server``'s globals,
-where ``ModuleContainer`` looks them up; call it in the server process before ``Server.run()``.
+where ``ModuleContainer`` looks them up, with the runtime that stops before the weights are freed
+(:mod:`server.runtime`); call it in the server process before ``Server.run()``.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from petals.server.handler import TransformerConnectionHandler as _PetalsHandler
 
-from server import failpoints
+from server import failpoints, runtime
 from server.kv_pool import PAGE_TOKENS, PagedKvPool, flat_handles
 from swarm.engine.multi_wire import checked_rollback
 from swarm.model.petals_sessions import ROLLBACK_META_KEY
@@ -239,6 +240,7 @@ def install(handler_class: type = ChainswarmHandler, backend_class: Optional[typ
     _push_refused = _push_refused or mp.Value(ctypes.c_int64, 0)
     server_module.TransformerConnectionHandler = handler_class
     server_module.MemoryCache = PagedKvPool  # every block's KV pool: paged, grown as sessions grow
+    runtime.install()  # a container that shuts down waits for the step in hand before it frees the weights
     if backend_class is not None:
         server_module.TransformerBackend = backend_class
     return _push_counter
