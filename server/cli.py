@@ -7,6 +7,7 @@ blocks (:class:`server.node.ChainswarmServer`). GPU-related flags go to petals' 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import math
 import os
@@ -178,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("server").setLevel(args.log_level)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SystemExit -> finally -> clean petals shutdown
+    faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
 
     from server.node import run_node
 

@@ -8,6 +8,8 @@ that reaches that phase on that node, and checks that the node died exactly ther
 and equal to local transformers. The victim then restarts under the same node id, and the swarm re-plans (in
 make-before-break waves) before the next test.
 """
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -53,13 +55,32 @@ class Swarm:
         last: dict = {}
 
         def ok() -> bool:
+            dead = {name: self.peers[name].process.exitcode for name in names
+                    if name in self.peers and not self.peers[name].alive}
+            if dead:  # a node that died outside its failpoint never comes back: say so now, not after the timeout
+                raise AssertionError(f"nodes died unexpectedly (exit codes; -11 is SIGSEGV, its Python stacks are in "
+                                     f"the captured stderr): {dead}; {self.explain(last, names)}")
             status = last["status"] = self.status()
             return (status["transition"] is None and len(status["chains"]) >= 2
                     and all(c["ready"] and c["active"] == 0 for c in status["chains"]) and not status["queue"]
                     and {s for c in status["chains"] for s in c["servers"]} >= set(names))
-        wait_for(ok, timeout, what=f"a settled swarm of {names}",
-                 explain=lambda: describe_swarm(last.get("status") or {}))
+        wait_for(ok, timeout, what=f"a settled swarm of {names}", explain=lambda: self.explain(last, names))
         return self.status()
+
+    def explain(self, last: dict, names) -> str:
+        """The status, and for each named node the orchestrator does not list: whether its process lives (its
+        Python stacks, if so, go to stderr: ``faulthandler`` on SIGUSR1)."""
+        listed = {s["node_id"] for s in (last.get("status") or {}).get("servers", [])}
+        missing = []
+        for name in sorted(set(names) - listed):
+            peer = self.peers.get(name)
+            alive = peer is not None and peer.alive
+            missing.append(f"{name} " + ("alive" if alive else f"exited ({peer and peer.process.exitcode})"))
+            if alive:
+                os.kill(peer.process.pid, signal.SIGUSR1)
+        if missing:
+            time.sleep(1.0)  # time to write the stacks
+        return f"{describe_swarm(last.get('status') or {})}; not listed: {missing}"
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,10 @@ def become_group_leader(launcher_pid: int, poll_s: float = 1.0, *, child_of_laun
     os.setpgrp()
     own_mpfuture_locks()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:  # a launcher that gives up on it sees where it hung (diagnostics never stop a peer from starting)
+    try:  # diagnostics never stop a peer from starting:
+        # a crash (SIGSEGV, SIGBUS, SIGABRT ...) prints every thread's Python stack before the process dies, and
+        # a launcher that gives up on it sees where it hung (SIGUSR1)
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     except (AttributeError, OSError, RuntimeError, ValueError):
         pass
