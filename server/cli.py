@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--identity-path", help="file with this peer's private key (a stable peer id)")
     parser.add_argument("--num-handlers", type=int, help="connection handler processes (default: 2 on CPU, 8 on GPU)")
     parser.add_argument("--update-period", type=float, default=10.0, metavar="S",
-                        help="heartbeat: profile and block announcements are renewed every S seconds")
+                        help="heartbeat: the profile record is renewed every S seconds (petals' block "
+                        "announcements every max(S, 10) seconds)")
     parser.add_argument("--drain-timeout", type=float, default=300.0, metavar="S",
                         help="longest wait for open sessions before moving to new blocks")
     parser.add_argument("--cache-dir", metavar="DIR", help="where measured compute times are cached "

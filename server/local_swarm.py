@@ -269,7 +269,7 @@ class LocalSwarm:
         ``options`` are :class:`server.node.ChainswarmServer` arguments (``check_period``,
         ``drain_timeout``, ``profile_cache_dir`` ...) or petals ``Server`` kwargs via
         :func:`server.runner.offline_server_kwargs` (``device``, ``torch_dtype``, ``port``, ...).
-        ``update_period`` is both the profile heartbeat and petals' announcement period. With ``wait`` (the
+        ``update_period`` is the profile heartbeat (petals announces blocks every max(it, 10) s). With ``wait`` (the
         default) this returns once the node has published its profile; ``peer.info["profile"]`` holds it.
         """
         from server.node import node_process_main

@@ -48,6 +48,7 @@ from swarm.trust.validation import swarm_validators
 logger = logging.getLogger(__name__)
 
 _PLACEHOLDER_BLOCKS = "0:1"  # petals needs a span (or a GPU) at construction; the real one comes later
+ANNOUNCE_PERIOD_MIN_S = 10.0  # petals' periodic block announcements, whatever the heartbeat (the CLI's default)
 
 
 class _Stopped(Exception):
@@ -66,7 +67,8 @@ class ChainswarmServer(Server):
     * ``check_period`` — how often (s) to look for a new assignment while serving (default 1);
     * ``assignment_poll`` — how often (s) to look for the first assignment while waiting (default 0.5);
     * ``drain_timeout`` — longest wait (s) for open sessions before a reload (default 300);
-    * ``profile_ttl_factor`` — profile TTL in heartbeats (default 2.5); the heartbeat is ``update_period``;
+    * ``profile_ttl_factor`` — profile TTL in heartbeats (default 2.5); the heartbeat is ``update_period``
+      (petals' block announcements: every ``max(update_period, ANNOUNCE_PERIOD_MIN_S)``);
     * ``rtt_period`` — how often (s) the RTT to the orchestrator is re-measured (default 30);
     * ``report`` — optional ``multiprocessing`` connection for launcher reports (see the module doc);
     * ``declared_profile`` — ``{"prefill_s", "decode_s", "rtt_s", "batch_step_s"}`` (any subset) to report
@@ -135,6 +137,12 @@ class ChainswarmServer(Server):
         self.drain_timeout = drain_timeout
         self.heartbeat_period = float(self.update_period)
         self.profile_ttl = profile_ttl_factor * self.heartbeat_period
+        # petals re-declares every block it serves (and pings the next servers) each announcement period, for vanilla
+        # clients' routing; the orchestrator plans from the profile records. A faster heartbeat must not speed those
+        # up too: with 2 s, an idle four-node swarm spent a whole core on DHT traffic (half with 6 s). A new range, a
+        # state change and going offline are announced at once whatever the period.
+        self.update_period = max(self.heartbeat_period, ANNOUNCE_PERIOD_MIN_S)
+        self.expiration = max(self.expiration, 2 * self.update_period)
         self.server_info.public_name = self.server_info.public_name or self.node_id
 
         self.petals_init_s = time.perf_counter() - started  # config, DHT + p2pd start
