@@ -57,6 +57,13 @@ class Peer:
     def alive(self) -> bool:
         return self.process.is_alive()
 
+    def dump_stacks(self, wait_s: float = 1.0) -> None:
+        """Have the peer write every thread's Python stack to its stderr (``faulthandler`` on SIGUSR1, set up by
+        :func:`swarm.runtime.process.become_group_leader`) and give it ``wait_s`` to do so."""
+        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+            os.kill(self.process.pid, signal.SIGUSR1)
+            time.sleep(wait_s)
+
 
 def _context():
     ctx = mp.get_context("forkserver")
@@ -87,9 +94,7 @@ def _give_up_on(peer: Peer) -> None:
     from multiprocessing import forkserver
 
     pid = peer.process.pid
-    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
-        os.kill(pid, signal.SIGUSR1)
-        time.sleep(1.0)  # time to write the stacks
+    peer.dump_stacks()
     with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
         os.killpg(pid, signal.SIGKILL)  # the whole group, whatever the leader's state
     server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None)

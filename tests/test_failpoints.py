@@ -8,8 +8,6 @@ that reaches that phase on that node, and checks that the node died exactly ther
 and equal to local transformers. The victim then restarts under the same node id, and the swarm re-plans (in
 make-before-break waves) before the next test.
 """
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -69,7 +67,7 @@ class Swarm:
 
     def explain(self, last: dict, names) -> str:
         """The status, and for each named node the orchestrator does not list: whether its process lives (its
-        Python stacks, if so, go to stderr: ``faulthandler`` on SIGUSR1)."""
+        Python stacks, if so, go to stderr)."""
         listed = {s["node_id"] for s in (last.get("status") or {}).get("servers", [])}
         missing = []
         for name in sorted(set(names) - listed):
@@ -77,9 +75,7 @@ class Swarm:
             alive = peer is not None and peer.alive
             missing.append(f"{name} " + ("alive" if alive else f"exited ({peer and peer.process.exitcode})"))
             if alive:
-                os.kill(peer.process.pid, signal.SIGUSR1)
-        if missing:
-            time.sleep(1.0)  # time to write the stacks
+                peer.dump_stacks()
         return f"{describe_swarm(last.get('status') or {})}; not listed: {missing}"
 
 

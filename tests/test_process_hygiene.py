@@ -56,8 +56,6 @@ def test_a_peer_killed_holding_an_mpfuture_lock_blocks_no_other_peer():
 def test_a_node_that_crashes_leaves_no_process_behind(tiny_model):
     """A node's main process dies alone (a crash: SIGKILL to it, not to its group): its DHT process, p2pd daemons
     and connection handlers go with it (a node that died of SIGSEGV once left its DHT process running, orphaned)."""
-    import time
-
     import psutil
 
     from helpers import wait_for
@@ -68,8 +66,6 @@ def test_a_node_that_crashes_leaves_no_process_behind(tiny_model):
         family = psutil.Process(node.process.pid).children(recursive=True)
         assert len(family) >= 2  # its DHT process and p2pd at least
         os.kill(node.process.pid, signal.SIGKILL)
-        began = time.monotonic()
         wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family), 15,
                  what="the crashed node's processes gone", explain=lambda: [
                      (p.pid, p.name()) for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE])
-        assert time.monotonic() - began < 15
