@@ -398,8 +398,8 @@ def orchestrator_rtt(dht, dht_prefix: str, orchestrator_key: bytes, **options) -
 def _orchestrator(dht, dht_prefix: str, orchestrator_key: Optional[bytes]):
     from swarm.trust.records import fetch_orchestrator
 
-    try:
-        return fetch_orchestrator(dht, dht_prefix, orchestrator_key)
+    try:  # a copy a few seconds old does here: the record only names the peer to ping
+        return fetch_orchestrator(dht, dht_prefix, orchestrator_key, latest=False)
     except Exception as exc:
         logger.debug("could not read the orchestrator record: %s", exc)
         return None
@@ -414,18 +414,21 @@ def _rtt_to(dht, peer_id: str, **options) -> Optional[float]:
 class RttMonitor(threading.Thread):
     """Keeps ``rtt_s``, the RTT to the orchestrator, up to date.
 
-    The orchestrator record is read every ``check_period`` s; the orchestrator is pinged when it first
-    appears, when its peer changes and every ``period`` s. A failed ping keeps the last value (a lost
-    packet must not make the server look unplannable); ``rtt_s`` returns to None only after the record
-    has been missing ``forget_after`` times in a row.
+    The orchestrator record is read every ``check_period`` s, and every ``search_period`` s while no
+    orchestrator is known (a server has no RTT and cannot be planned until it finds one, so it looks more
+    often then); the orchestrator is pinged when it first appears, when its peer changes and every ``period``
+    s. A failed ping keeps the last value (a lost packet must not make the server look unplannable);
+    ``rtt_s`` returns to None only after the record has been missing ``forget_after`` times in a row.
     """
 
     def __init__(self, dht, dht_prefix: str, *, period: float = 30.0, check_period: float = 2.0,
-                 forget_after: int = 3, on_change=None, orchestrator_key=lambda: None, **ping_options):
+                 search_period: float = 0.5, forget_after: int = 3, on_change=None, orchestrator_key=lambda: None,
+                 **ping_options):
         super().__init__(name="orchestrator-rtt", daemon=True)
         self.orchestrator_key = orchestrator_key  # () -> the key the orchestrator record must be signed by
         self.dht, self.dht_prefix = dht, dht_prefix
         self.period, self.check_period, self.forget_after = period, check_period, forget_after
+        self.search_period = min(search_period, check_period)
         self.on_change, self.ping_options = on_change, ping_options
         self.rtt_s: Optional[float] = None
         self.orchestrator_peer: Optional[str] = None
@@ -452,7 +455,7 @@ class RttMonitor(threading.Thread):
                     if rtt is not None:
                         self.orchestrator_peer, measured_at = info.peer_id, time.monotonic()
                         self._set(rtt)
-            self.stop_event.wait(self.check_period)
+            self.stop_event.wait(self.check_period if self.orchestrator_peer is not None else self.search_period)
 
     def stop(self) -> None:
         self.stop_event.set()

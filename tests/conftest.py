@@ -66,12 +66,13 @@ def pytest_terminal_summary(terminalreporter):
 # `make test` runs the suite on both cores (pytest-xdist, -n 2 --dist loadfile), which hands out test files in
 # collection order: the longest files go first, so that none starts last and runs alone at the end (the order of
 # their durations in a full run).
-LONGEST_FIRST = ("test_real_model_swarm.py", "test_live_experiments.py", "test_chaos.py", "test_failpoints.py",
-                 "test_tools_api.py", "test_batched_sessions_real.py", "test_openai_api.py",
-                 "test_batching_swarm.py", "test_restart.py", "test_runtime.py", "test_gemma3_swarm.py",
-                 "test_single_session_real.py", "test_structured_outputs.py", "test_server_node.py", "test_demo.py",
-                 "test_cli.py", "test_replan_occupancy.py", "test_browser.py", "test_hostile_peer.py",
-                 "test_gemma3_real.py", "test_family_swarm.py", "test_prefix_reuse.py", "test_api_schema.py")
+LONGEST_FIRST = ("test_batched_sessions_real.py", "test_failpoints.py", "test_tools_api.py", "test_real_model_swarm.py",
+                 "test_live_experiments.py", "test_single_session_real.py", "test_chaos.py", "test_openai_api.py",
+                 "test_restart.py", "test_family_swarm.py", "test_server_node.py", "test_batching_swarm.py",
+                 "test_runtime.py", "test_structured_outputs.py", "test_replan_occupancy.py", "test_browser.py",
+                 "test_gemma3_swarm.py", "test_demo.py", "test_batch_experiments.py", "test_hostile_peer.py",
+                 "test_drafting_replay.py", "test_replan.py", "test_multi_session.py", "test_prefix_reuse.py",
+                 "test_compat.py", "test_api_schema.py", "test_cli.py", "test_gemma3_real.py")
 
 
 def pytest_collection_modifyitems(config, items):

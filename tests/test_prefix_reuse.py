@@ -280,7 +280,7 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
     for node, mb in sizes.items():
         records.publish_profile(dht, prefix, profile(node, mb), ttl=10, owner=node_key(node))
     orch = Orchestrator(OrchestratorConfig(model_dir="unused", dht_prefix=prefix, num_blocks=4, expect=expect,
-                                           policy="swarm", settle_s=0), dht)
+                                           policy="swarm", settle_s=0, reports_s=0), dht)  # reports: every refresh
 
     async def scenario():
         await orch.start()

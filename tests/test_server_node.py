@@ -104,6 +104,71 @@ def test_push_fix_pushes_with_the_latest_step_metadata(monkeypatch):
     assert left == {}  # forgotten when the session ends
 
 
+def test_rtt_monitor_looks_often_until_it_finds_the_orchestrator_then_every_check_period(monkeypatch):
+    """A server without an orchestrator cannot be planned: it reads the record every ``search_period`` s until
+    one appears, pings it once, then reads every ``check_period`` s (no second ping within ``period``)."""
+    reads, pings, found = [], [], {"at": None}
+    info = OrchestratorInfo("QmOrchestrator", "http://127.0.0.1:1", "plan-1")
+
+    def read(_dht, _prefix, _key):
+        reads.append(time.monotonic())
+        if len(reads) == 4:
+            found["at"] = time.monotonic()
+        return info if found["at"] is not None else None
+
+    monkeypatch.setattr(profiling, "_orchestrator", read)
+    monkeypatch.setattr(profiling, "_rtt_to", lambda _dht, peer, **_: pings.append(peer) or 0.004)
+    changes = []
+    monitor = profiling.RttMonitor(None, "p", period=30.0, check_period=0.6, search_period=0.05,
+                                   on_change=changes.append)
+    monitor.start()
+    try:
+        deadline = time.monotonic() + 10
+        while found["at"] is None or time.monotonic() < found["at"] + 1.5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        monitor.stop()
+        monitor.join(5)
+    searching, found_it = reads[:4], reads[3:]  # the fourth read finds it
+    assert searching[-1] - searching[0] < 1.0  # quick looks while nothing was there
+    assert 2 <= len(found_it) <= 4 and all(b - a >= 0.55 for a, b in zip(found_it, found_it[1:]))  # every 0.6 s
+    assert pings == ["QmOrchestrator"] and changes == [0.004] and monitor.rtt_s == 0.004
+
+
+def test_prefix_reports_are_sent_when_they_change_and_renewed_otherwise(monkeypatch):
+    """The heartbeat sends the prefix-eviction report only when its epoch or eviction sequence moved (or every
+    REPORT_RENEW_S s); a store the DHT refused is retried at the next heartbeat."""
+    import types
+
+    from server import node as node_module
+    from swarm.trust import prefix as prefix_protocol
+
+    sent, accept = [], {"ok": True}
+    monkeypatch.setattr(prefix_protocol, "publish_report",
+                        lambda _dht, _prefix, node_id, report, ttl, _owner: sent.append((report["seq"], ttl))
+                        or accept["ok"])
+    store = types.SimpleNamespace(changed=__import__("threading").Event(), seq=0, epoch="e1")
+    store.report = lambda: {"epoch": store.epoch, "seq": store.seq, "evicted": []}
+    fake = types.SimpleNamespace(dht=None, dht_prefix="p", node_id="n0", profile_ttl=5.0,
+                                 identity=types.SimpleNamespace(public=b"k"), _report_sent=(None, -float("inf")),
+                                 _prefix_store=lambda: store)
+    beat = lambda: node_module.ChainswarmServer._publish_prefix_report(fake)  # noqa: E731
+    beat(), beat()
+    assert sent == [(0, 2 * node_module.REPORT_RENEW_S)]  # unchanged: not sent again
+    store.seq = 1
+    accept["ok"] = False
+    beat()
+    accept["ok"] = True
+    beat(), beat()
+    assert [seq for seq, _ in sent] == [0, 1, 1]  # an eviction: sent; refused once, so sent again, then quiet
+    store.epoch = "e2"
+    beat()
+    fake._report_sent = (fake._report_sent[0], fake._report_sent[1] - node_module.REPORT_RENEW_S)
+    beat()
+    assert [seq for seq, _ in sent] == [0, 1, 1, 1, 1]  # a new epoch, then the renewal
+
+
 def test_server_cli_help_and_bad_input(tiny_model, capsys):
     from swarm.cli import main
 

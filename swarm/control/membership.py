@@ -62,9 +62,12 @@ class Membership:
         try:
             if now - self._published_at > self.config.assignment_ttl_s / 3:
                 await self._publish_assignments()
-            if self.prefix.enabled:
-                reports = await self._reports_read(prefix_protocol.fetch_reports, self.dht, self.config.dht_prefix,
-                                                   dict(self.pins.pins))
+            if self.prefix.enabled:  # a server that left is forgotten at once; reports are read every reports_s
+                reports = {}
+                if now - self._reports_read_at >= self.config.reports_s:
+                    self._reports_read_at = now
+                    reports = await self._reports_read(prefix_protocol.fetch_reports, self.dht,
+                                                       self.config.dht_prefix, dict(self.pins.pins))
                 self.prefix.apply_reports(reports, live=set(profiles))
         except CallTimeout as exc:  # the chains below are still brought up to date
             logger.warning("refresh: %s", exc)

@@ -84,6 +84,8 @@ class OrchestratorOptions:
         "more often a live path after a failure, at the cost of blocks loaded and of slow chains taking bursts; "
         "-1 = as many as they form; default 0)")
     refresh_s: float = option(1.0, cli=False, help="seconds between reads of the servers' records")
+    reports_s: float = option(2.0, cli=False, help="the servers' prefix eviction reports are read at most this "
+                              "often (they change on evictions; servers send them on their heartbeats)")
     settle_s: float = option(2.0, cli=False, help="the first plan waits until the set of live servers has not changed "
                              "for this long (servers report their RTT once they see the orchestrator, not all at "
                              "once), at most 5x this")

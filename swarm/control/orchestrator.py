@@ -120,6 +120,7 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
         self._task: asyncio.Task | None = None
         self._refresh_now = asyncio.Event()
         self._published_at = 0.0
+        self._reports_read_at = -float("inf")
         self.replans = 0
         self._stopping = False
         self._settling: tuple[float | None, float, set[str]] = (None, 0.0, set())  # first change, last change, set

@@ -216,13 +216,13 @@ def _store(dht, key: str, subkey: str, value: dict, ttl: float) -> bool:
     return bool(dht.store(key, value, expiration_time=dht_now() + ttl, subkey=subkey))
 
 
-def _claims(dht, key: str, cls, expires: dict | None = None) -> dict[str, dict[bytes, Any]]:
+def _claims(dht, key: str, cls, expires: dict | None = None, *, latest: bool = True) -> dict[str, dict[bytes, Any]]:
     """{name: {owner key: record}} of the well-formed owned records under ``key``; ``expires`` (if given) gets
-    {(name, owner key): when that record expires (DHT time)}."""
+    {(name, owner key): when that record expires (DHT time)}; ``latest``: see :func:`fetch_owned`."""
     from swarm.trust.identity import fetch_owned, group_claims
 
     parsed = []
-    for name, owner, value, until in fetch_owned(dht, key):
+    for name, owner, value, until in fetch_owned(dht, key, latest=latest):
         try:
             parsed.append((name, owner, cls.from_dict(value)))
         except (RecordError, TypeError):
@@ -273,13 +273,14 @@ def publish_orchestrator(dht, prefix: str, info: OrchestratorInfo, ttl: float, o
     return _store(dht, f"{prefix}.{ORCHESTRATOR}", owned_subkey("main", owner), info.to_dict(), ttl)
 
 
-def fetch_orchestrator_claims(dht, prefix: str) -> dict[bytes, OrchestratorInfo]:
+def fetch_orchestrator_claims(dht, prefix: str, *, latest: bool = True) -> dict[bytes, OrchestratorInfo]:
     """{owner key: orchestrator record}: every key that publishes an orchestrator record."""
-    return _claims(dht, f"{prefix}.{ORCHESTRATOR}", OrchestratorInfo).get("main", {})
+    return _claims(dht, f"{prefix}.{ORCHESTRATOR}", OrchestratorInfo, latest=latest).get("main", {})
 
 
-def fetch_orchestrator(dht, prefix: str, orchestrator: bytes | None) -> OrchestratorInfo | None:
+def fetch_orchestrator(dht, prefix: str, orchestrator: bytes | None, *,
+                       latest: bool = True) -> OrchestratorInfo | None:
     """The orchestrator record signed by ``orchestrator`` (None: no key known yet, so no record is believed)."""
     if orchestrator is None:
         return None
-    return fetch_orchestrator_claims(dht, prefix).get(orchestrator)
+    return fetch_orchestrator_claims(dht, prefix, latest=latest).get(orchestrator)
