@@ -106,6 +106,28 @@ def test_validators_refuse_forged_unowned_and_malformed_records():
                                               records.OrchestratorInfo("peer").to_dict())))
 
 
+def test_a_validator_verifies_each_signed_record_once_and_still_refuses_every_forgery(monkeypatch):
+    """The same signed record, received again, is answered from the validator's memory (no second RSA check);
+    anything that differs in one byte — a moved signature, a changed value or expiration — is checked afresh."""
+    from hivemind.utils.crypto import RSAPublicKey
+
+    checks = []
+    verify = RSAPublicKey.verify
+    monkeypatch.setattr(RSAPublicKey, "verify", lambda self, data, sig: checks.append(1) or verify(self, data, sig))
+    peer = CompositeValidator(swarm_validators(Identity.generate(), PREFIX))  # one peer's DHT, many receptions
+    assignment = records.Assignment("p", 0, 2, 1, 64).to_dict()
+    signed = _signed(ORCH, _record(records.ASSIGNMENTS, ORCH.subkey("n1"), assignment))
+    assert all(peer.validate(signed) for _ in range(5)) and len(checks) == 1
+    forged = _signed(STRANGER, _record(records.ASSIGNMENTS, ORCH.subkey("n1"), assignment))
+    tampered = dataclasses.replace(signed, value=signed.value.replace(
+        MSGPackSerializer.dumps(assignment), MSGPackSerializer.dumps(assignment | {"end": 4})))
+    bad = (forged, tampered, dataclasses.replace(signed, expiration_time=signed.expiration_time + 3600))
+    assert not any(peer.validate(record) for record in bad)
+    assert len(checks) == 1 + 2  # the tampered copies are checked (the unsigned forgery fails before any check)
+    assert not any(peer.validate(record) for record in bad) and len(checks) == 3  # refused again from memory
+    assert peer.validate(signed) and len(checks) == 3
+
+
 # -- readers: who is believed -----------------------------------------------------------------------------
 
 
