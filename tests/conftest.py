@@ -63,9 +63,9 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("browser tests ran in headless Chromium (tests/test_browser.py)", green=True)
 
 
-# `make test` runs the suite on both cores (pytest-xdist, -n 2 --dist loadfile), which hands out test files in
-# collection order: the longest files go first, so that none starts last and runs alone at the end (the order of
-# their durations in a full run).
+# `make test` runs the suite on both cores (pytest-xdist, -n 2 --dist loadfile --no-loadscope-reorder), which hands
+# out test files in collection order: the longest files go first, so that none starts last and runs alone at the end
+# (the order of their durations in a full run).
 LONGEST_FIRST = ("test_batched_sessions_real.py", "test_failpoints.py", "test_tools_api.py", "test_real_model_swarm.py",
                  "test_live_experiments.py", "test_single_session_real.py", "test_chaos.py", "test_openai_api.py",
                  "test_restart.py", "test_family_swarm.py", "test_server_node.py", "test_batching_swarm.py",
