@@ -302,9 +302,7 @@ class ChainswarmServer(Server):
         four-node test swarm's idle traffic.)"""
         from swarm.trust.prefix import publish_report
 
-        store = self._prefix_store()
-        store.changed.clear()
-        report = store.report()
+        report = self._prefix_store().report()
         key, (sent, at) = (report["epoch"], report["seq"]), self._report_sent
         if key == sent and time.monotonic() - at < REPORT_RENEW_S:
             return

@@ -85,7 +85,6 @@ class PrefixStore:
         self.seq = 0
         self.evicted: collections.deque = collections.deque(maxlen=report_size)  # (seq, hex hash)
         self.stats = collections.Counter()
-        self.changed = threading.Event()  # set on every eviction (the node publishes a report)
 
     def configure(self, budget_bytes: int) -> None:
         """A new assignment: drop everything (the blocks may have changed) and start a new epoch."""
@@ -96,7 +95,6 @@ class PrefixStore:
             self.epoch = uuid.uuid4().hex[:12]
             self.seq = 0
             self.evicted.clear()
-            self.changed.set()
 
     # -- lookups ------------------------------------------------------------------------------------
     def match(self, uids: Sequence[str], hashes: Sequence[bytes]) -> int:
@@ -178,7 +176,6 @@ class PrefixStore:
                 self.seq += 1
                 self.evicted.append((self.seq, cur.hex()))
                 self.stats["pages_evicted"] += 1
-        self.changed.set()
 
     def report_unheld(self, uid: str, hashes: Sequence[bytes]) -> int:
         """Report the pages of ``hashes`` not held for ``uid`` as evicted: a save that found no room leaves
@@ -190,8 +187,6 @@ class PrefixStore:
                 self.seq += 1
                 self.evicted.append((self.seq, h.hex()))
                 self.stats["pages_unsaved"] += 1
-            if missing:
-                self.changed.set()
             return len(missing)
 
     def evict_all(self) -> int:

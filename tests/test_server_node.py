@@ -148,7 +148,7 @@ def test_prefix_reports_are_sent_when_they_change_and_renewed_otherwise(monkeypa
     monkeypatch.setattr(prefix_protocol, "publish_report",
                         lambda _dht, _prefix, node_id, report, ttl, _owner: sent.append((report["seq"], ttl))
                         or accept["ok"])
-    store = types.SimpleNamespace(changed=__import__("threading").Event(), seq=0, epoch="e1")
+    store = types.SimpleNamespace(seq=0, epoch="e1")
     store.report = lambda: {"epoch": store.epoch, "seq": store.seq, "evicted": []}
     fake = types.SimpleNamespace(dht=None, dht_prefix="p", node_id="n0", profile_ttl=5.0,
                                  identity=types.SimpleNamespace(public=b"k"), _report_sent=(None, -float("inf")),

@@ -35,27 +35,30 @@ class VerifiedOnceValidator(RSASignatureValidator):
 
     CACHE = 4096
 
+    def __init__(self, private_key=None):
+        super().__init__(private_key)
+        self._verified: OrderedDict[DHTRecord, bool] = OrderedDict()
+        self._lock = threading.Lock()
+
     def validate(self, record: DHTRecord) -> bool:
-        verified, lock = self._cache()
-        with lock:
-            known = verified.get(record)
+        with self._lock:
+            known = self._verified.get(record)
             if known is not None:
-                verified.move_to_end(record)
+                self._verified.move_to_end(record)
                 return known
         valid = super().validate(record)
-        with lock:
-            verified[record] = valid
-            while len(verified) > self.CACHE:
-                verified.popitem(last=False)
+        with self._lock:
+            self._verified[record] = valid
+            while len(self._verified) > self.CACHE:
+                self._verified.popitem(last=False)
         return valid
 
-    def _cache(self) -> tuple[OrderedDict, threading.Lock]:
-        if "_verified" not in self.__dict__:  # made lazily: validators are pickled into the DHT process
-            self.__dict__.setdefault("_verified", (OrderedDict(), threading.Lock()))
-        return self.__dict__["_verified"]
+    def __getstate__(self):  # validators are pickled into the DHT process: the memory (and lock) start afresh there
+        return {k: v for k, v in self.__dict__.items() if k not in ("_verified", "_lock")}
 
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_verified"}
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._verified, self._lock = OrderedDict(), threading.Lock()
 
 
 def _check_value(kind: str, name: str, value: Any) -> bool:
