@@ -114,11 +114,11 @@ def serve(app: FastAPI):
     """The app on a loopback port for the length of the block; yields its base URL."""
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sock = socket.socket()  # bound here and handed to uvicorn: no window in which another bind could take it
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -130,3 +130,4 @@ def serve(app: FastAPI):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()

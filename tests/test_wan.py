@@ -165,6 +165,33 @@ def test_context_manager_and_bandwidth(config):
         assert elapsed >= 0.1 + RTT_S0 / 1000 - 0.01, elapsed
 
 
+def test_free_port_is_outside_the_ephemeral_range_and_never_a_taken_one():
+    """A daemon binds the picked port seconds later: nothing the kernel hands out may take it meanwhile."""
+    import random
+
+    low, high = wan.config.ephemeral_range()
+    assert 1024 < low <= high
+    ip = wan.host_ip(3)
+    for _ in range(20):
+        port = wan.free_port(ip)
+        assert wan.config.RESERVED_PORTS_LOW <= port < low
+        with socket.socket() as s:
+            s.bind((ip, port))  # it really is free
+    # a port already bound is never returned: occupy the first pick of a seeded generator, then pick again
+    first = wan.free_port(ip, rng=random.Random(7))
+    with socket.socket() as held:
+        held.bind((ip, first))
+        again = wan.free_port(ip, rng=random.Random(7))
+        assert again != first
+        with socket.socket() as s:
+            s.bind((ip, again))
+    # the kernel's own picks (bind to port 0) never land in the reserved span
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            assert s.getsockname()[1] >= low
+
+
 def test_config_json_round_trip(tmp_path, config):
     path = tmp_path / "wan.json"
     config.save(path)
