@@ -111,18 +111,22 @@ class Drafter:
 class AdaptiveK:
     """How many tokens a session drafts next, from how its last drafts fared.
 
-    All accepted: one more (up to ``k_max``, the server's batch bound on a step's positions). At least half: the
-    same. Fewer than half: half as many — one miss (an edit in a text that otherwise copies its input) costs a
-    copying session only part of its draft length, while drafts that keep failing reach 0 within ``log2(k_max)``
-    steps. At 0 the session probes with one token every ``probe_every`` steps, so speculation costs it almost
-    nothing where outputs do not repeat (a probe is drafted only where the text so far has a match). Every 4, not
-    16: an answer that starts copying after early drafts failed (Gemma 3's chat in the benchmark) is found within
-    4 steps; the offline replay (``experiments/bench/drafting.py``) gives 0.97x -> 0.70x there and no change on
-    SmolLM2's workloads."""
+    All accepted: one more (up to ``k_max``, the server's batch bound on a step's positions). Some accepted (at
+    least ``keep_fraction`` of them, and at least one): the same — a draft cut short by an edit still copied from
+    the right place, and one accepted token saves a whole chain step, which pays for up to ~15 drafted positions on
+    the development CPU (a drafted position adds ~6% of a step, ``experiments/bench/drafting.py``'s cost model) and
+    for far more on a GPU, whose step time is flat in its positions. None accepted: half as many, so drafts that
+    keep failing reach 0 within ``log2(k_max)`` steps. At 0 the session probes with one token every
+    ``probe_every`` steps, so speculation costs it almost nothing where outputs do not repeat (a probe is drafted
+    only where the text so far has a match). Every 4, not 16: an answer that starts copying after early drafts
+    failed (Gemma 3's chat in the benchmark) is found within 4 steps. The offline replay
+    (``python -m experiments.bench.drafting``) compares these rules with the earlier ones: ``ngram-probe16``, and
+    ``ngram-keep-half`` (``keep_fraction=0.5``: halve unless at least half the draft was accepted)."""
 
     k_max: int = 8
     k: int = 4
     probe_every: int = 4
+    keep_fraction: float = 0.0
     _idle: int = 0
 
     def next_k(self) -> int:
@@ -141,5 +145,5 @@ class AdaptiveK:
             raise ValueError(f"accepted {accepted} of {proposed} drafted tokens")
         if accepted == proposed:
             self.k = min(self.k_max, max(self.k, proposed) + 1)
-        elif 2 * accepted < proposed:
+        elif accepted == 0 or accepted < self.keep_fraction * proposed:
             self.k //= 2

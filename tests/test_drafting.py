@@ -41,7 +41,7 @@ def test_a_drafter_uses_the_request_first_then_its_scope():
     assert shared.propose("bob", [7, 8], 2) == [40, 41]
 
 
-def test_k_grows_on_full_acceptance_halves_on_a_miss_and_falls_to_zero_with_probes():
+def test_k_grows_on_full_acceptance_keeps_on_a_partial_one_halves_on_a_miss_and_falls_to_zero_with_probes():
     k = AdaptiveK(k_max=6, k=2, probe_every=4)
     k.update(2, 2)
     assert k.next_k() == 3
@@ -50,12 +50,19 @@ def test_k_grows_on_full_acceptance_halves_on_a_miss_and_falls_to_zero_with_prob
     assert k.next_k() == 6
     k.update(6, 3)  # half accepted: k stays
     assert k.next_k() == 6
-    k.update(6, 1)  # one miss (an edit in copied text): half the drafts, not none
+    k.update(6, 1)  # one token accepted (an edit in copied text): the source was right, k stays
+    assert k.next_k() == 6
+    k.update(6, 0)  # wholly rejected: half the drafts, not none
     assert k.next_k() == 3
     k.update(3, 3)
     assert k.next_k() == 4
     for proposed in (4, 2, 1):  # drafts that keep failing reach 0 in log2(k) steps
         k.update(proposed, 0)
     assert [k.next_k() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+    strict = AdaptiveK(k_max=6, k=6, keep_fraction=0.5)  # the earlier rule: fewer than half accepted halves k
+    strict.update(6, 3)
+    assert strict.next_k() == 6
+    strict.update(6, 2)
+    assert strict.next_k() == 3
     with pytest.raises(ValueError):
         k.update(2, 3)

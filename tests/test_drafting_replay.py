@@ -68,3 +68,28 @@ def test_the_cli_writes_the_json_and_the_plot(tiny_model, tmp_path):
     assert {r["workload"] for r in data["rows"]} == {"code_edit", "summarise", "chat", "free"}
     assert all(r["free_first"] <= r["ratio_first"] + 1e-12 for r in data["rows"])
     assert set(data["live"]) == {"summarise", "free"} and out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_the_live_benchmark_pairs_its_repeats_and_takes_medians():
+    """bench_speculative runs each mode of a point several times, alternated; a point's ratios are the medians of
+    the paired runs' ratios (a run where the machine was slow for both modes cancels), and the text must agree in
+    every run."""
+    from experiments.bench.speculative import pair_point
+
+    def run(per_token, tps, text="a", drafted=0, accepted=0, errors=()):
+        return {"sessions": 1, "speculative": bool(drafted), "wall_s": 1.0, "tokens": 10, "tokens_per_s": tps,
+                "per_token_s": per_token, "ttft_s": 0.1, "drafted": drafted, "accepted": accepted,
+                "acceptance": 0.0, "chain_steps": 10 - accepted, "tokens_per_step": 1.0, "texts": [text],
+                "errors": list(errors)}
+
+    offs = [run(0.10, 10.0), run(0.20, 5.0), run(0.12, 8.0)]  # the second pair ran on a machine twice as slow
+    ons = [run(0.05, 20.0, drafted=6, accepted=4), run(0.10, 10.0, drafted=6, accepted=4),
+           run(0.09, 11.0, drafted=6, accepted=4)]
+    point = pair_point("chat", 1, offs, ons)
+    assert point["repeats"] == 3 and point["same_text"]
+    assert point["per_token_ratio"] == pytest.approx(0.5)  # paired ratios 0.5, 0.5, 0.75
+    assert point["throughput_ratio"] == pytest.approx(2.0)  # 2.0, 2.0, 1.375
+    assert point["off"]["per_token_s"] == pytest.approx(0.12) and point["on"]["chain_steps"] == 6
+    assert point["on"]["acceptance"] == pytest.approx(4 / 6) and len(point["on"]["runs"]) == 3
+    assert not pair_point("chat", 1, offs, [*ons[:2], run(0.09, 11.0, text="b")])["same_text"]
+    assert not pair_point("chat", 1, offs, [*ons[:2], run(0.09, 11.0, errors=["boom"])])["same_text"]

@@ -13,7 +13,9 @@ Cost model, per token against one token per step: ``(steps·t_step + drafted·t_
 to a step in its speculative runs (least squares over its 1-session points); ``free`` is the same with
 ``t_draft = 0`` — verification that costs no compute, the limit of a GPU server whose step time is flat in its
 positions. Policies: the product's (``ngram``), single-token matches (``ngram-min1``), other ``k_max``, a session
-whose drafts stopped probing every 16 steps instead of 4 (``ngram-probe16``, the default before 2026-11-28), and a
+whose drafts stopped probing every 16 steps instead of 4 (``ngram-probe16``, the default before 2026-11-28), one
+that halves ``k`` unless at least half of a draft was accepted (``ngram-keep-half``, the default before the
+partial-acceptance rule of the same day: now only a wholly rejected draft halves it), and a
 **ceiling**: an oracle that drafts the longest next stretch of the answer found anywhere in the text so far — the
 best any drafter copying from the prompt and output could do.
 """
@@ -43,10 +45,11 @@ class NgramPolicy:
     max_n: int = 4
     k_max: int = 8
     probe_every: int = AdaptiveK.probe_every  # at k = 0, one token drafted every this many steps
+    keep_fraction: float = AdaptiveK.keep_fraction  # k is kept when at least this share of a draft is accepted
 
     def start(self, answer: Sequence[int], prompt_len: int) -> tuple[Propose, AdaptiveK]:
         return ((lambda tokens, k: lookup_own(tokens, k, self.max_n, self.min_n)),
-                AdaptiveK(self.k_max, self.k_max, probe_every=self.probe_every))
+                AdaptiveK(self.k_max, self.k_max, probe_every=self.probe_every, keep_fraction=self.keep_fraction))
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ class CeilingPolicy:
 
 
 POLICIES = (NgramPolicy("ngram"), NgramPolicy("ngram-min1", min_n=1), NgramPolicy("ngram-k4", k_max=4),
-            NgramPolicy("ngram-k16", k_max=16), NgramPolicy("ngram-probe16", probe_every=16), CeilingPolicy())
+            NgramPolicy("ngram-k16", k_max=16), NgramPolicy("ngram-probe16", probe_every=16),
+            NgramPolicy("ngram-keep-half", keep_fraction=0.5), CeilingPolicy())
 
 
 def replay(prompt: Sequence[int], answer: Sequence[int], policy, tokens: int) -> dict:

@@ -4,9 +4,10 @@ without it and against vanilla petals' client, measured in one run.
 One orchestrator and three Chainswarm nodes of SmolLM2-135M-Instruct (float32), each node on a WAN host of the
 paper's RIPE Atlas EU RTTs (:meth:`wan.WanConfig.from_ripe_atlas`, 3 servers, seed 0) and sized to hold a third of
 the blocks, so every token crosses a 3-server chain. The orchestrator runs with ``--speculative ngram`` and otherwise
-default serving options; every point is run twice in a row on the same swarm, once with ``speculative: false``
-(one token per step) and once with drafts, through ``POST /v1/completions`` (streamed, greedy, ``--tokens``
-tokens), so the product's HTTP path with its defaults is what is measured. Four workloads: ``code_edit`` (a
+default serving options; every point runs on the same swarm with ``speculative: false`` (one token per step) and
+with drafts, alternated ``--repeats`` times (off, on, on, off: a drift of the shared machine's speed cancels in
+pairs; a point's ratios are the medians of the pairs' ratios), through ``POST /v1/completions`` (streamed, greedy,
+``--tokens`` tokens), so the product's HTTP path with its defaults is what is measured. Four workloads: ``code_edit`` (a
 function restated with a rename: the output copies the input), ``summarise`` (an article summarised in its own
 words), ``chat`` (a multi-turn conversation whose answer repeats what was said) and ``free`` (a story: drafts
 rarely match). Each request has a client id of its own, so only the request's own tokens draft (prompt lookup):
@@ -20,7 +21,7 @@ the same text. Vanilla petals (its own ``generate`` on the same servers, opened 
 Writes ``experiments/results/bench_speculative.json`` and ``.png``.
 
     python -m experiments.bench.speculative [--sessions 1,4,16] [--tokens 48] [--prefix-cache-tokens N]
-                                            [--batch-sessions N] [--replot]
+                                            [--batch-sessions N] [--repeats 2] [--replot]
 """
 from __future__ import annotations
 
@@ -183,8 +184,33 @@ def _node_gb(path: str) -> float:
     return 0.45 * config.num_hidden_layers * get_block_size(config, "memory", dtype=torch.float32) / 1e9
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One mode's repeats of a point as one: the median of every timing and count, the texts and errors of all."""
+    merged = dict(runs[0])
+    for key in ("wall_s", "tokens", "tokens_per_s", "per_token_s", "ttft_s", "drafted", "accepted", "chain_steps"):
+        values = [r[key] for r in runs if r[key] is not None]
+        merged[key] = statistics.median(values) if values else None
+    merged["acceptance"] = merged["accepted"] / merged["drafted"] if merged["drafted"] else 0.0
+    merged["tokens_per_step"] = merged["tokens"] / merged["chain_steps"] if merged["chain_steps"] else None
+    merged["runs"] = [{k: r[k] for k in ("wall_s", "tokens_per_s", "per_token_s", "ttft_s", "drafted", "accepted",
+                                        "chain_steps")} for r in runs]
+    merged["errors"] = [e for r in runs for e in r["errors"]]
+    return merged
+
+
+def pair_point(workload: str, sessions: int, offs: list[dict], ons: list[dict]) -> dict:
+    """A point from its repeated (off, on) runs: ratios are the medians of the paired repeats' ratios, and the
+    text must be the same in every run of both modes."""
+    texts = [r["texts"] for r in offs + ons]
+    return {"workload": workload, "sessions": sessions, "repeats": len(offs),
+            "off": _median_run(offs), "on": _median_run(ons),
+            "same_text": all(t == texts[0] for t in texts) and not any(r["errors"] for r in offs + ons),
+            "per_token_ratio": statistics.median(b["per_token_s"] / a["per_token_s"] for a, b in zip(offs, ons)),
+            "throughput_ratio": statistics.median(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(offs, ons))}
+
+
 def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix_cache_tokens: int = 0,
-          batch_sessions: int = 16, speculative_k: int = 8) -> dict:
+          batch_sessions: int = 16, speculative_k: int = 8, repeats: int = 2) -> dict:
     import httpx
     import torch
     from swarm.model.tokenizer import load_tokenizer
@@ -211,13 +237,11 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix
         for workload in WORKLOADS:
             for n in counts:
                 progress.set_postfix_str(f"{workload} × {n}")
-                pair = {mode: run_point(url, workload, n, tokens, mode, f"{workload}-{n}-{mode}")
-                        for mode in (False, True)}
-                off, on = pair[False], pair[True]
-                points.append({"workload": workload, "sessions": n, "off": off, "on": on,
-                               "same_text": off["texts"] == on["texts"] and not off["errors"] and not on["errors"],
-                               "per_token_ratio": on["per_token_s"] / off["per_token_s"],
-                               "throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"]})
+                runs: dict = {False: [], True: []}
+                for r in range(repeats):  # off, on, on, off, ...: a drift of the machine's speed cancels in pairs
+                    for mode in ((False, True) if r % 2 == 0 else (True, False)):
+                        runs[mode].append(run_point(url, workload, n, tokens, mode, f"{workload}-{n}-{mode}-{r}"))
+                points.append(pair_point(workload, n, runs[False], runs[True]))
                 progress.update()
         tokenizer = load_tokenizer(path)
         vanilla = {}
@@ -285,10 +309,16 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sessions", type=int, default=16,
                         help="the orchestrator's --batch-sessions (default 16, its default); 0: every request runs as "
                         "one petals session, which speculates on petals' per-session path")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each mode per point, alternated (off, on, on, off, ...); a point's ratios are the "
+                        "medians of the paired runs' ratios (default 2: on this shared 2-core machine one run of each "
+                        "is ±5%%, which decided the free-text target by noise)")
     parser.add_argument("--speculative-k", type=int, default=8,
                         help="the orchestrator's --speculative-k (default 8, its default): most drafted tokens a "
                         "session verifies per step")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if not 1 <= args.speculative_k <= 64:
         parser.error(f"--speculative-k must be between 1 and 64, got {args.speculative_k}")
     if replotted(args, plot):
@@ -301,9 +331,9 @@ def main(argv=None) -> int:
     began = time.monotonic()
     report = {"command": "python -m experiments.bench.speculative", "model": Path(path).name, "dtype": DTYPE,
               "tokens": args.tokens, "seed": args.seed, "prefix_cache_tokens": args.prefix_cache_tokens,
-              "batch_sessions": args.batch_sessions, "speculative_k": args.speculative_k,
+              "batch_sessions": args.batch_sessions, "speculative_k": args.speculative_k, "repeats": args.repeats,
               **bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens, args.batch_sessions,
-                      args.speculative_k)}
+                      args.speculative_k, args.repeats)}
     progress.close()
     report["wall_s"] = time.monotonic() - began
     report["targets"] = targets(report)
