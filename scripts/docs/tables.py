@@ -308,6 +308,8 @@ GEMMA_COMMAND = " --model ~/.cache/chainswarm/models/gemma-3-270m-float32 --out 
                 "experiments/results/bench_speculative_gemma3_270m.json"
 SINGLE_SPECULATIVE = "bench_speculative_single.json"  # petals' per-session path (--batch-sessions 0)
 SINGLE_COMMAND = " --sessions 1 --batch-sessions 0 --out experiments/results/bench_speculative_single.json"
+PREFIX_SPECULATIVE = "bench_speculative_prefix.json"  # prompt-prefix reuse on
+PREFIX_COMMAND = " --sessions 1 --prefix-cache-tokens 512 --out experiments/results/bench_speculative_prefix.json"
 
 
 SPECULATIVE_TARGETS = {"copy_heavy_at_most_half": "per-token latency ≤ 0.5× on the copy-heavy workloads at 1 session",
@@ -345,7 +347,9 @@ def speculative_table(name: str = "bench_speculative.json", command: str = "") -
     out = [f"`python -m experiments.bench.speculative{command}` ([{name}](results/{name}), "
            f"[plot](results/{png})), {d['model']} in {d['dtype']}, {d['tokens']} greedy tokens per "
            f"request, chains {'; '.join(' → '.join(c['servers']) for c in d['chains'])}, RTT to the orchestrator "
-           f"{rtts}.", "",
+           f"{rtts}; " + (f"each mode run {d['repeats']} times per point, alternated, ratios the medians of the "
+                          "paired runs' ratios." if d.get("repeats", 1) > 1 else "one run of each mode per point."),
+           "",
            table_row(["workload", "sessions", "per-token latency off → on (ratio)", "tokens/s off → on (ratio)",
                  "acceptance", "tokens per chain step", "same text"]), table_row(["---"] * 7)]
     for p in d["points"]:
