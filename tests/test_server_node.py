@@ -311,8 +311,21 @@ def test_assignment_is_served_with_cache_sized_to_the_slots(swarm, orchestrator_
 
     from petals.data_structures import ServerState
 
-    blocks = _wait(lambda: (lambda s: s if all(len(s[i]) == 1 for i in range(4)) else None)(
-        _block_servers(orchestrator_dht, swarm)), 15, "petals announcements")
+    # a node reports "serving" once its blocks run; petals' ONLINE announcement is a DHT store of its announcer thread
+    # that can land seconds later on a loaded machine (CI saw JOINING still announced): wait for it, bounded
+    last: dict = {}
+
+    def announced_online():
+        last["blocks"] = servers = _block_servers(orchestrator_dht, swarm)
+        return servers if all(len(servers[i]) == 1 and all(info.state == ServerState.ONLINE for info in
+                                                            servers[i].values()) for i in range(4)) else None
+
+    try:
+        blocks = _wait(announced_online, 30, "petals' ONLINE announcements of blocks 0-3")
+    except AssertionError as exc:
+        states = {i: {peer[-6:]: info.state.name for peer, info in servers.items()}
+                  for i, servers in last.get("blocks", {}).items()}
+        raise AssertionError(f"{exc}; last announced: {states}") from None
     for index in range(4):
         ((peer_id, info),) = blocks[index].items()
         node, slots, span = (a, 2, (0, 2)) if index < 2 else (b, 3, (2, 4))

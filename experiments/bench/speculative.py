@@ -310,9 +310,9 @@ def main(argv=None) -> int:
                         help="the orchestrator's --batch-sessions (default 16, its default); 0: every request runs as "
                         "one petals session, which speculates on petals' per-session path")
     parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of each mode per point, alternated (off, on, on, off, ...); a point's ratios are the "
-                        "medians of the paired runs' ratios (default 2: on this shared 2-core machine one run of each "
-                        "is ±5%%, which decided the free-text target by noise)")
+                        help="runs of each mode per point, alternated (off, on, on, off, ...); a point's ratios are "
+                        "the medians of the paired runs' ratios (default 2: on this shared 2-core machine one run of "
+                        "each is ±5%%, which decided the free-text target by noise)")
     parser.add_argument("--speculative-k", type=int, default=8,
                         help="the orchestrator's --speculative-k (default 8, its default): most drafted tokens a "
                         "session verifies per step")
