@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from client import SwarmClient
-from helpers import wait_for
+from helpers import describe_swarm, wait_for
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -255,8 +255,10 @@ def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(s
     assert all(r.json()["choices"][0]["text"] == expected for r in answered)
     assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["message"] for r in refused)
 
+    last: dict = {}
+
     def idle():
-        status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
+        status = last["status"] = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
         return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
 
-    wait_for(idle, 30, what="an idle swarm after the overload")
+    wait_for(idle, 30, what="an idle swarm after the overload", explain=lambda: describe_swarm(last.get("status", {})))
