@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from helpers import wait_for
 from server import profiling
 from server.batching import DEFAULT_MAX_BATCH
 from swarm.trust import records
@@ -320,12 +321,9 @@ def test_assignment_is_served_with_cache_sized_to_the_slots(swarm, orchestrator_
         return servers if all(len(servers[i]) == 1 and all(info.state == ServerState.ONLINE for info in
                                                             servers[i].values()) for i in range(4)) else None
 
-    try:
-        blocks = _wait(announced_online, 30, "petals' ONLINE announcements of blocks 0-3")
-    except AssertionError as exc:
-        states = {i: {peer[-6:]: info.state.name for peer, info in servers.items()}
-                  for i, servers in last.get("blocks", {}).items()}
-        raise AssertionError(f"{exc}; last announced: {states}") from None
+    blocks = wait_for(announced_online, 30, period=0.2, what="petals' ONLINE announcements of blocks 0-3",
+                      explain=lambda: {i: {peer[-6:]: info.state.name for peer, info in servers.items()}
+                                       for i, servers in last.get("blocks", {}).items()})
     for index in range(4):
         ((peer_id, info),) = blocks[index].items()
         node, slots, span = (a, 2, (0, 2)) if index < 2 else (b, 3, (2, 4))
