@@ -169,12 +169,12 @@ def test_free_port_is_outside_the_ephemeral_range_and_never_a_taken_one():
     """A daemon binds the picked port seconds later: nothing the kernel hands out may take it meanwhile."""
     import random
 
-    low, high = wan.config.ephemeral_range()
+    low, high = wan.ports.ephemeral_range()
     assert 1024 < low <= high
     ip = wan.host_ip(3)
     for _ in range(20):
         port = wan.free_port(ip)
-        assert wan.config.RESERVED_PORTS_LOW <= port < low
+        assert wan.ports.RESERVED_PORTS_LOW <= port < low
         with socket.socket() as s:
             s.bind((ip, port))  # it really is free
     # a port already bound is never returned: occupy the first pick of a seeded generator, then pick again

@@ -62,12 +62,12 @@ from wan.config import (
     WanConfig,
     WanError,
     default_ripe_atlas_csv,
-    free_port,
     host_ip,
     load_ripe_atlas_anchors,
     ripe_pair_rtt_ms,
 )
 from wan.emulator import BACKENDS, WanEmulator
+from wan.ports import free_port
 from wan.measure import EchoServers, RttMeasurement, format_report, measure_rtt, measure_wan
 from wan.netem import netem_available, netem_commands
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from wan.config import Endpoint, WanConfig, WanError, free_port
+from wan.config import Endpoint, WanConfig, WanError
+from wan.ports import free_port
 from wan.netem import NetemBackend, netem_available
 from wan.proxy import DelayProxy, Route
 from wan.service import ServiceProcess
