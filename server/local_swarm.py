@@ -30,7 +30,10 @@ from typing import Any
 from swarm.model.checkpoint import dht_prefix_for
 from swarm.runtime.process import stop_process_group
 
-_PRELOAD = ["swarm.model.compat", "torch._dynamo", "petals.server.server", "server.runner", "swarm.runtime.dht", "server.node", "swarm.service"]
+# What the forkserver imports once, so that every peer forked from it starts without importing it again
+# (petals.utils.peft: petals' backend imports it inside TransformerBackend.__init__, ~0.3 s in every server).
+_PRELOAD = ["swarm.model.compat", "torch._dynamo", "petals.server.server", "petals.utils.peft", "server.runner",
+            "swarm.runtime.dht", "server.node", "swarm.service"]
 
 # ChainswarmServer keyword arguments (the rest of add_node's options are petals Server kwargs).
 _NODE_OPTIONS = ("check_period", "assignment_poll", "drain_timeout", "profile_ttl_factor", "rtt_period",
@@ -421,14 +424,15 @@ class LocalSwarm:
         url = self.orchestrator.info["url"]
         deadline = time.monotonic() + timeout
         status: dict = {}
-        while time.monotonic() < deadline:
-            status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
-            planned = status["plan"] and {s["id"] for s in status["plan"]["servers"]} >= wanted
-            if planned and status["chains"] and all(c["ready"] for c in status["chains"]):
-                return status
-            if not self.orchestrator.process.is_alive():
-                raise SwarmStartError("the orchestrator exited")
-            time.sleep(0.25)
+        with httpx.Client(timeout=30) as http:  # one client for the polls (each httpx.get builds an SSL context)
+            while time.monotonic() < deadline:
+                status = http.get(f"{url}/v1/swarm").json()
+                planned = status["plan"] and {s["id"] for s in status["plan"]["servers"]} >= wanted
+                if planned and status["chains"] and all(c["ready"] for c in status["chains"]):
+                    return status
+                if not self.orchestrator.process.is_alive():
+                    raise SwarmStartError("the orchestrator exited")
+                time.sleep(0.25)
         raise SwarmStartError(f"chains not ready after {timeout:.0f} s: {status.get('plan_error') or status.get('chains')}")
 
     def stop(self, timeout: float = 10.0) -> None:

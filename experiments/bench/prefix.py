@@ -190,15 +190,7 @@ def main(argv=None) -> dict:
         for peer in nodes:
             local.wait_profiled(peer)
         url = local.orchestrator.info["url"]
-        deadline = time.monotonic() + 180
-        while True:
-            status = httpx.get(f"{url}/v1/swarm").json()
-            if status["chains"] and all(c["ready"] for c in status["chains"]) and status["plan"] and \
-                    len(status["plan"]["servers"]) == len(nodes):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"swarm not ready: {status.get('plan_error')}")
-            time.sleep(0.5)
+        status = local.wait_chains_ready(timeout=180)
         route = [tuple(r) for r in status["chains"][0]["route"]]
         engine = GenerationEngine(model, initial_peers=local.initial_peers, dht_prefix=local.dht_prefix,
                                   request_timeout=60.0)

@@ -83,14 +83,15 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
                        profile_cache_dir=profile_dir, num_handlers=1)
         url = swarm.orchestrator.info["url"]
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
-            if status.get("chains") and all(c["ready"] for c in status["chains"]) and status["plan"] and \
-                    {s["id"] for s in status["plan"]["servers"]} == set(config.servers):
-                break
-            time.sleep(0.5)
-        else:
-            raise TimeoutError("chains not ready")
+        with httpx.Client(timeout=30) as poll:  # one client for the polls (each httpx.get builds an SSL context)
+            while time.monotonic() < deadline:
+                status = poll.get(f"{url}/v1/swarm").json()
+                if status.get("chains") and all(c["ready"] for c in status["chains"]) and status["plan"] and \
+                        {s["id"] for s in status["plan"]["servers"]} == set(config.servers):
+                    break
+                time.sleep(0.5)
+            else:
+                raise TimeoutError("chains not ready")
         capacity = sum(c["capacity"] for c in status["chains"])
         log(f"  {policy}: chains " + "; ".join(f"{'→'.join(c['servers'])}×{c['capacity']}" for c in status["chains"]))
         cutoff = st["duration_s"] + st["drain_s"] if st.get("drain_s") else None
