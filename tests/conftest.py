@@ -11,6 +11,16 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `chainswarm orchestrator` keeps state in the user's state directory by default: the tests' own, never the user's
 os.environ["CHAINSWARM_STATE"] = __import__("tempfile").mkdtemp(prefix="chainswarm-test-state-")
+# the run's local-transformers references (tests/real_model.py:greedy_reference), shared by its xdist workers: made
+# by the process that starts the run (the workers inherit it), removed when that process ends
+_REFERENCE_DIR_MADE_HERE = "CHAINSWARM_REFERENCE_DIR" not in os.environ
+if _REFERENCE_DIR_MADE_HERE:
+    os.environ["CHAINSWARM_REFERENCE_DIR"] = __import__("tempfile").mkdtemp(prefix="chainswarm-references-")
+
+
+def pytest_unconfigure(config):
+    if _REFERENCE_DIR_MADE_HERE:
+        __import__("shutil").rmtree(os.environ["CHAINSWARM_REFERENCE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from helpers import wait_for
+from helpers import HTTP, wait_for
 from real_model import PROMPTS, greedy_reference
 from server.local_swarm import LocalSwarm
 
@@ -51,14 +51,14 @@ def swarm(smollm2_dir):
 
 
 def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = HTTP.get(f"{url}/metrics", timeout=30).text
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def _stream(url: str, prompt: str, max_tokens: int, pieces: list, errors: list, on_piece=None) -> None:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Client-Id": "batch"},
-                      timeout=300) as response:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Client-Id": "batch"},
+                     timeout=300) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -72,7 +72,7 @@ def _stream(url: str, prompt: str, max_tokens: int, pieces: list, errors: list, 
 
 
 def idle(url: str) -> bool:
-    status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+    status = HTTP.get(f"{url}/v1/swarm", timeout=30).json()
     return bool(status["chains"]) and all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
 
 
@@ -85,8 +85,8 @@ def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, 
     def one(i: int) -> str:
         time.sleep(0.15 * i)  # different start times: sessions join running batches
         body = {"prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0}
-        response = httpx.post(f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": f"c{i % 3}"},
-                              timeout=300)
+        response = HTTP.post(f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": f"c{i % 3}"},
+                             timeout=300)
         response.raise_for_status()
         return response.json()["choices"][0]["text"]
 
@@ -107,7 +107,7 @@ def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
     """Six concurrent streamed completions; when the first has 8 tokens, the last server of the chain it runs
     on is SIGKILLed. That chain's batch breaks; its sessions go on from their tokens on the other chain."""
     wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
-    status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     victim_name = status["chains"][0]["servers"][-1]  # JFFC fills the fastest chain, chain 0, first
     victim = next(p for p in swarm.nodes if p.name == victim_name)
     prompts = PROMPTS[:6]
@@ -124,13 +124,13 @@ def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
     for t in threads:
         t.join(300)
     for prompt, (pieces, errors) in zip(prompts, results):
-        assert not errors, (prompt[:40], errors, httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["chains"], victim_name)
+        assert not errors, (prompt[:40], errors, HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()["chains"], victim_name)
         assert "".join(pieces) == reference(prompt, 32), prompt[:40]
     assert _metric(swarm.url, "chainswarm_batched_fallbacks_total") > fallbacks  # the batch did break
     wait_for(lambda: idle(swarm.url), 60, what="every slot free and the queue empty after the failure")
     began = time.monotonic()
-    response = httpx.post(f"{swarm.url}/v1/completions", json={"prompt": "After the failure,", "max_tokens": 4},
-                          timeout=60)
+    response = HTTP.post(f"{swarm.url}/v1/completions", json={"prompt": "After the failure,", "max_tokens": 4},
+                         timeout=60)
     assert response.status_code == 200 and time.monotonic() - began < 15
 
 
@@ -144,8 +144,8 @@ def test_speculative_decoding_verifies_drafts_and_changes_no_token(swarm):
     answers, accepted = {}, {}
     for speculative in (False, True):
         before = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total")
-        response = httpx.post(f"{swarm.url}/v1/completions", json=dict(body, speculative=speculative),
-                              headers={"X-Client-Id": "spec"}, timeout=300)
+        response = HTTP.post(f"{swarm.url}/v1/completions", json=dict(body, speculative=speculative),
+                             headers={"X-Client-Id": "spec"}, timeout=300)
         response.raise_for_status()
         answers[speculative] = response.json()["choices"][0]
         accepted[speculative] = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total") - before

@@ -7,12 +7,11 @@ vanilla petals client keeps working against them. (Every other swarm test runs t
 import concurrent.futures as cf
 import time
 
-import httpx
 import pytest
 import torch
 
-from helpers import server_info
-from real_model import PROMPTS
+from helpers import HTTP, server_info
+from real_model import PROMPTS, greedy_reference
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -33,17 +32,8 @@ def _budget_gb(model_dir, servers: int, sessions: int) -> float:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
-    texts = {}
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        texts[prompt] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return texts
+    generate = greedy_reference(smollm2_dir)
+    return {prompt: generate(prompt, TOKENS) for prompt in PROMPTS}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +58,7 @@ def swarm(smollm2_dir):
 def _complete(url: str, prompt: str, delay: float) -> str:
     time.sleep(delay)
     body = {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "stop": None}
-    response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": "batch"}, timeout=300)
+    response = HTTP.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": "batch"}, timeout=300)
     response.raise_for_status()
     return response.json()["choices"][0]["text"]
 
@@ -90,9 +80,9 @@ def test_concurrent_sessions_are_batched_and_equal_local_transformers(swarm, ref
             texts = list(pool.map(lambda ip: _complete(swarm.url, ip[1], 0.2 * ip[0]), enumerate(PROMPTS)))
         for prompt, text in zip(PROMPTS, texts):
             assert text == reference[prompt], (round_, prompt[:40])
-        metrics = httpx.get(f"{swarm.url}/metrics", timeout=30).text
+        metrics = HTTP.get(f"{swarm.url}/metrics", timeout=30).text
         assert "chainswarm_batched_generators 2.0" in metrics.splitlines(), "the chain's sessions ran in two lanes"
-    assert httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["prefix"]["hits"] >= 1
+    assert HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()["prefix"]["hits"] >= 1
 
     from swarm.engine.petals_client import open_distributed_model
     from transformers import AutoTokenizer

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from browser import Browser, missing
-from helpers import wait_for
+from helpers import HTTP, wait_for
 
 REASON = missing()
 if REASON and os.environ.get("CHAINSWARM_REQUIRE_BROWSER") == "1":
@@ -95,7 +95,7 @@ def wait_js(browser, script: str, timeout: float, what: str, *args):
 
 
 def swarm_status(swarm) -> dict:
-    return httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
+    return HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
 
 
 def open_dashboard(page, url: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import describe_swarm, wait_for
+from helpers import HTTP, describe_swarm, wait_for
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -45,7 +45,7 @@ class Swarm:
         (self.failpoints / name).write_text(phase)
 
     def status(self) -> dict:
-        return httpx.get(f"{self.url}/v1/swarm", timeout=30).json()
+        return HTTP.get(f"{self.url}/v1/swarm", timeout=30).json()
 
     def settled(self, names=("n0", "n1", "n2", "n3"), timeout: float = 240.0) -> dict:
         """Wait until the plan covers ``names``, every chain is served, no re-plan is moving servers and nothing
@@ -106,8 +106,8 @@ def stream(url: str, prompt: str, max_tokens: int, after_first=None) -> str:
     """A greedy streamed completion; ``after_first()`` runs once the first token has arrived."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     pieces = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Client-Id": "tester"},
-                      timeout=300) as response:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Client-Id": "tester"},
+                     timeout=300) as response:
         assert response.status_code == 200, (response.status_code, response.read())
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from server.local_swarm import LocalSwarm
+from helpers import HTTP
 
 pytestmark = pytest.mark.swarm
 
@@ -72,8 +73,6 @@ def test_gemma3_through_the_orchestrator_batched_path_equals_the_block_code_run_
     import concurrent.futures as cf
     import shutil
 
-    import httpx
-
     from swarm.model.checkpoint import _train_tokenizer
     from swarm.model.local_model import LocalModel
 
@@ -109,13 +108,13 @@ def test_gemma3_through_the_orchestrator_batched_path_equals_the_block_code_run_
 
         def complete(prompt):
             body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "stop": None}
-            response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": "family"}, timeout=300)
+            response = HTTP.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": "family"}, timeout=300)
             response.raise_for_status()
             return response.json()["choices"][0]["text"]
 
         with cf.ThreadPoolExecutor(len(expected)) as pool:
             answers = dict(zip(expected, pool.map(complete, expected)))
-        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        metrics = HTTP.get(f"{url}/metrics", timeout=30).text
     assert answers == expected
     batched = [line for line in metrics.splitlines() if line.startswith("chainswarm_batched_session_steps_total")]
     assert batched and float(batched[0].split()[-1]) > 0, batched

@@ -11,11 +11,10 @@ tests/test_gemma3_real.py), with no near tie in the reference's logits.
 """
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
-from helpers import wait_for
+from helpers import HTTP, wait_for
 from server.local_swarm import LocalSwarm
 from test_gemma3_real import NEAR_TIE, gemma_dir  # noqa: F401  (the cached checkpoint, or a skip)
 
@@ -54,7 +53,7 @@ def swarm(gemma_dir):  # noqa: F811
 
 
 def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = HTTP.get(f"{url}/metrics", timeout=30).text
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
@@ -64,7 +63,7 @@ def _answers(url: str) -> tuple[dict, float]:
     for speculative in (False, True):
         before = _metric(url, "chainswarm_speculative_accepted_tokens_total")
         body = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "speculative": speculative}
-        response = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": "gemma"}, timeout=300)
+        response = HTTP.post(f"{url}/v1/completions", json=body, headers={"X-Client-Id": "gemma"}, timeout=300)
         response.raise_for_status()
         answers[speculative] = response.json()["choices"][0]["text"]
         accepted = _metric(url, "chainswarm_speculative_accepted_tokens_total") - before

@@ -16,7 +16,6 @@ import base64
 import os
 import time
 
-import httpx
 import pytest
 import torch
 
@@ -25,7 +24,7 @@ from server.local_swarm import LocalSwarm, SwarmStartError
 from swarm.trust import prefix as protocol, records, tickets
 from swarm.trust.identity import Identity
 from swarm.trust.validation import swarm_validators
-from helpers import server_info, wait_for
+from helpers import HTTP, server_info, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -72,15 +71,15 @@ def peers(swarm):
 
 
 def complete(swarm, prompt=PROMPT, max_tokens=12):
-    response = httpx.post(f"{swarm.url}/v1/completions", timeout=120, headers={"X-Client-Id": "honest"},
-                          json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    response = HTTP.post(f"{swarm.url}/v1/completions", timeout=120, headers={"X-Client-Id": "honest"},
+                         json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     assert response.status_code == 200, response.text
     prefix = dict(kv.split("=") for kv in response.headers["x-chainswarm-prefix"].split(";"))
     return response.json()["choices"][0]["text"], {k: int(v) for k, v in prefix.items()}
 
 
 def status(swarm) -> dict:
-    return httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    return HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
 
 
 def fake_signature() -> str:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from client import SwarmClient
-from helpers import describe_swarm, wait_for
+from helpers import HTTP, describe_swarm, wait_for
+from real_model import greedy_reference
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -28,10 +29,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def local(smollm2_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
 
     class Local:
         name = Path(smollm2_dir).name
@@ -44,16 +44,13 @@ def local(smollm2_dir):
         def chat_text(messages):
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-        @staticmethod
-        def greedy(text, max_new_tokens):
-            ids = tokenizer(text, return_tensors="pt").input_ids
-            with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        greedy = staticmethod(greedy_reference(smollm2_dir))
 
         @staticmethod
         def first_logprobs(text):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
             ids = tokenizer(text, return_tensors="pt").input_ids
             with torch.inference_mode():
                 return torch.log_softmax(model(ids).logits[0, -1].float(), -1)
@@ -109,7 +106,7 @@ def test_a_chat_without_max_tokens_grows_its_reservation_and_answers_in_full(cli
 
 
 def _preempted(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+    for line in HTTP.get(f"{url}/metrics", timeout=30).text.splitlines():
         if line.startswith('chainswarm_sessions_aborted_total{reason="preempted"}'):
             return float(line.split()[-1])
     return 0.0
@@ -120,7 +117,7 @@ def test_a_growing_chat_on_a_full_chain_is_preempted_and_still_answers_in_full(s
     reservation: when the chat's answer needs its next 16-token page there is no room, so its session is
     preempted (not ended at "length", not failed) and its rest waits in the queue; once the other sessions
     leave, it is recomputed from the prompt and the tokens so far and the answer is local greedy's, in full."""
-    chains = [c for c in httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["chains"] if c["ready"]]
+    chains = [c for c in HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()["chains"] if c["ready"]]
     assert len(chains) == 1 and chains[0]["active"] == 0, chains
     sea = [{"role": "user", "content": "Describe the sea in two sentences."}]  # 27 tokens: past its 3rd page
     chat_tokens = local.prompt_ids(local.chat_text(sea)).shape[1]
@@ -212,7 +209,7 @@ def test_n_choices_are_separate_sessions(client, local, swarm):
     reply = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=12, n=2)
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].message.content == reply.choices[1].message.content
-    status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
     assert status["clients"]["tester"]["service"] > 0  # both sessions were charged to the client
 
 
@@ -220,12 +217,12 @@ def test_unsupported_and_unknown_fields(client, local, swarm):
     with pytest.raises(openai.BadRequestError, match="functions"):  # the deprecated form of tools
         client.chat.completions.create(model=local.name, messages=QUESTION,
                                        extra_body={"functions": [{"name": "f", "parameters": {}}]})
-    response = httpx.post(f"{swarm.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-test"},
-                          json={"messages": QUESTION, "colour": "red"}, timeout=30)
+    response = HTTP.post(f"{swarm.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-test"},
+                         json={"messages": QUESTION, "colour": "red"}, timeout=30)
     assert response.status_code == 422 and "colour" in response.json()["error"]["message"]
-    response = httpx.get(f"{swarm.url}/health", headers={"X-Request-Id": "trace-me"}, timeout=30)
+    response = HTTP.get(f"{swarm.url}/health", headers={"X-Request-Id": "trace-me"}, timeout=30)
     assert response.status_code == 200 and response.headers["x-request-id"] == "trace-me"
-    assert httpx.get(f"{swarm.url}/ready", timeout=30).json()["ready"] is True
+    assert HTTP.get(f"{swarm.url}/ready", timeout=30).json()["ready"] is True
 
 
 def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(swarm, local):
@@ -237,8 +234,8 @@ def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(s
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
 
     def one(_):
-        return httpx.post(f"{swarm.url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-flood"},
-                          timeout=300)
+        return HTTP.post(f"{swarm.url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-flood"},
+                         timeout=300)
 
     def patient():  # the client library waits as told by Retry-After and gets its answer
         with SwarmClient(swarm.url, api_key="sk-flood", retries=20) as c:
@@ -258,7 +255,7 @@ def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(s
     last: dict = {}
 
     def idle():
-        status = last["status"] = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
+        status = last["status"] = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
         return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
 
     wait_for(idle, 30, what="an idle swarm after the overload", explain=lambda: describe_swarm(last.get("status", {})))

@@ -15,7 +15,7 @@ import torch
 
 from server.local_swarm import LocalSwarm
 from swarm.trust import prefix as protocol
-from helpers import wait_for
+from helpers import HTTP, wait_for
 from swarm.trust.identity import Identity
 from test_orchestrator_logic import MemoryDHT, node_key
 
@@ -48,7 +48,7 @@ def swarm(tiny_model, tmp_path_factory):
         url = local.orchestrator.info["url"]
 
         def ready():
-            status = httpx.get(f"{url}/v1/swarm").json()
+            status = HTTP.get(f"{url}/v1/swarm").json()
             planned = status["plan"] and {s["id"] for s in status["plan"]["servers"]} == set(nodes)
             ok = planned and len(status["chains"]) >= 2 and all(c["ready"] for c in status["chains"])
             return status if ok else None
@@ -98,7 +98,7 @@ def complete(swarm, prompt, max_tokens=12, key="key-a"):
 def route_of(swarm, *names):
     """A route over the named nodes' live ranges, the first name that covers a block serving it: e.g.
     ("left", "big") = left's blocks, big's for the rest."""
-    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm").json()
     servers = {s["node_id"]: s for s in status["servers"]}
     route, block = [], 0
     while block < 4:
@@ -174,10 +174,10 @@ def test_reuse_gives_the_same_tokens_as_no_reuse_and_transformers(swarm, referen
         assert doc["choices"][0]["text"] == reference(SHARED + question, 12)[1]
         assert head["reused"] >= 32 and head["prefill"] + head["reused"] == doc["usage"]["prompt_tokens"]
     assert first["choices"][0]["text"] == reference(SHARED + "Question: who kept the diary?", 12)[1]
-    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm").json()
     assert status["prefix"]["hits"] >= 2 and status["prefix"]["tokens_saved"] >= 64
     assert max(c["cached_prefix_tokens"] for c in status["chains"]) >= 64
-    metrics = httpx.get(f"{swarm.url}/metrics").text
+    metrics = HTTP.get(f"{swarm.url}/metrics").text
     assert "chainswarm_prefix_hit_rate" in metrics and "chainswarm_chain_cached_prefix_tokens" in metrics
     hit_rate = next(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("chainswarm_prefix_hit_rate"))
@@ -220,7 +220,7 @@ def test_prefix_evicted_between_dispatch_and_prefill_is_recomputed(swarm, engine
     for attempt in range(3):
         prompt = SHARED + f"Attempt {attempt}. Question: what did the keeper write down?"
         doc, head = complete(swarm, prompt)
-        chain = next(c for c in httpx.get(f"{swarm.url}/v1/swarm").json()["chains"]
+        chain = next(c for c in HTTP.get(f"{swarm.url}/v1/swarm").json()["chains"]
                      if c["id"] == doc["chainswarm"]["chain_id"])
         names = chain["servers"]
         # another namespace's sessions fill that chain's stores: the prompt's pages are evicted (LRU), or were
@@ -236,7 +236,7 @@ def test_prefix_evicted_between_dispatch_and_prefill_is_recomputed(swarm, engine
     else:
         pytest.fail("never caught the orchestrator with a stale index")
     # the eviction reports reach the orchestrator's radix index
-    wait_for(lambda: httpx.get(f"{swarm.url}/v1/swarm").json()["prefix"]["evictions_applied"] > 0, 30,
+    wait_for(lambda: HTTP.get(f"{swarm.url}/v1/swarm").json()["prefix"]["evictions_applied"] > 0, 30,
              what="eviction reports applied")
 
 
@@ -339,7 +339,7 @@ def test_a_session_that_reuses_a_prefix_is_batched_and_speculates(swarm, referen
     and its answer is the reference's. (Before the failover test, which kills a server; the shared pages are in
     the stores by now.)"""
     def drafted() -> float:
-        metrics = httpx.get(f"{swarm.url}/metrics").text
+        metrics = HTTP.get(f"{swarm.url}/metrics").text
         return sum(float(line.split()[-1]) for line in metrics.splitlines()
                    if line.startswith("chainswarm_speculative_drafted_tokens"))
 
@@ -367,7 +367,7 @@ def test_failover_of_a_prefix_hit_session_restarts_from_the_full_tokens(swarm, r
     thread = threading.Thread(target=run)
     thread.start()
     time.sleep(1.0)
-    status = httpx.get(f"{swarm.url}/v1/swarm").json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm").json()
     busy = [c for c in status["chains"] if c["active"] > 0]
     victim = busy[0]["servers"][-1] if busy else "big"
     swarm.kill(swarm.nodes_by_name[victim])

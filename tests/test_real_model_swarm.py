@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from helpers import wait_for
+from helpers import HTTP, wait_for
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -85,11 +85,11 @@ def complete(url: str, prompt: str, max_tokens: int, *, stream: bool = False, cl
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     headers = {"X-Client-Id": client}
     if not stream:
-        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
+        response = HTTP.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
         response.raise_for_status()
         return response
     pieces = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout) as response:
+    with HTTP.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -98,7 +98,7 @@ def complete(url: str, prompt: str, max_tokens: int, *, stream: bool = False, cl
 
 
 def idle(url: str) -> bool:
-    status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+    status = HTTP.get(f"{url}/v1/swarm", timeout=30).json()
     return bool(status["chains"]) and all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
 
 
@@ -135,9 +135,9 @@ def test_prefix_reuse_hits_and_changes_no_answer(swarm, prompts, reference):
     assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"] == reference(long_prompt, 32)
     reused = int(dict(kv.split("=") for kv in again.headers["x-chainswarm-prefix"].split(";"))["reused"])
     assert reused >= 256  # most of the 300+ token prompt came from the servers' prefix stores
-    prefix = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()["prefix"]
+    prefix = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()["prefix"]
     assert prefix["hits"] >= 1 and prefix["tokens_saved"] >= reused
-    metrics = httpx.get(f"{swarm.url}/metrics", timeout=30).text
+    metrics = HTTP.get(f"{swarm.url}/metrics", timeout=30).text
     hit_rate = next(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("chainswarm_prefix_hit_rate "))
     assert hit_rate > 0
@@ -172,7 +172,7 @@ BURST = 6  # requests per unit of planned capacity: every chain full and five ro
 
 
 def _capacity(url: str) -> int:
-    return sum(c["capacity"] for c in httpx.get(f"{url}/v1/swarm", timeout=30).json()["chains"])
+    return sum(c["capacity"] for c in HTTP.get(f"{url}/v1/swarm", timeout=30).json()["chains"])
 
 
 def test_a_burst_of_6x_capacity_is_answered_completely_and_leaves_the_swarm_idle(swarm):
@@ -189,7 +189,7 @@ def test_a_server_killed_mid_generation_and_mid_burst_changes_no_answer(swarm, p
     """A tracked greedy generation starts alone (so JFFC puts it on the fastest chain, chain 0); a burst of
     6x capacity follows; after the tracked session's 8th token the second server of chain 0 is SIGKILLed."""
     wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
-    status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     capacity = sum(c["capacity"] for c in status["chains"])
     victim_name = status["chains"][0]["servers"][-1]
     victim = next(p for p in swarm.nodes if p.name == victim_name)
@@ -198,8 +198,8 @@ def test_a_server_killed_mid_generation_and_mid_burst_changes_no_answer(swarm, p
 
     def tracked_request():
         body = {"prompt": tracked_prompt, "max_tokens": 64, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": "tracked"},
-                          timeout=300) as response:
+        with HTTP.stream("POST", f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": "tracked"},
+                         timeout=300) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     event = httpx.Response(200, content=line[6:]).json()
@@ -225,7 +225,7 @@ def test_a_server_killed_mid_generation_and_mid_burst_changes_no_answer(swarm, p
     assert not errors
     assert "".join(pieces) == reference(tracked_prompt, 64)
     wait_for(lambda: idle(swarm.url), 60, what="every slot free and the queue empty after the burst")
-    status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     assert status["chains"] and all(victim_name not in c["servers"] for c in status["chains"])
     began = time.monotonic()
     assert complete(swarm.url, "After the failure,", 4).status_code == 200

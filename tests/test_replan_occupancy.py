@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from helpers import server_info
+from helpers import HTTP, server_info
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -43,21 +43,10 @@ def _budget_gb(model_dir, blocks: int, sessions: int) -> float:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from real_model import greedy_reference
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
-    texts, threads = {}, torch.get_num_threads()
-    torch.set_num_threads(1)  # on a loaded 2-core machine two threads are 10x slower here, not faster
-    try:
-        for prompt in PROMPTS:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-            texts[prompt] = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    finally:
-        torch.set_num_threads(threads)
-    return texts
+    generate = greedy_reference(smollm2_dir)
+    return {prompt: generate(prompt, TOKENS) for prompt in PROMPTS}
 
 
 class Sampler(threading.Thread):
@@ -229,7 +218,7 @@ def wait_plan(url: str, servers, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     status: dict = {}
     while time.monotonic() < deadline:
-        status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+        status = HTTP.get(f"{url}/v1/swarm", timeout=30).json()
         plan, chains = status["plan"], status["chains"]
         if plan and servers({s for c in chains for s in c["servers"]}) and chains and all(
                 c["ready"] and c["id"].startswith(plan["plan_id"] + "/") for c in chains):

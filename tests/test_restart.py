@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from helpers import wait_for
+from helpers import HTTP, wait_for
 from server.local_swarm import LocalSwarm
 from swarm.trust.validation import swarm_validators
 
@@ -47,7 +47,7 @@ def retrying_complete(url, out: list):
 
 
 def admin_status(url):
-    return httpx.get(f"{url}/v1/swarm", headers=ADMIN, timeout=30).json()
+    return HTTP.get(f"{url}/v1/swarm", headers=ADMIN, timeout=30).json()
 
 
 def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_model, tmp_path):
@@ -190,7 +190,7 @@ def test_cli_orchestrator_sigkilled_leaves_no_orphan_and_restarts_on_the_same_ad
         wait_for(lambda: not _group_alive(proc.pid), 10, what="the orchestrator's DHT process and p2pd gone")
         proc, maddrs_again = start()
         assert maddrs_again == maddrs
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        assert HTTP.get(f"{url}/health", timeout=10).status_code == 200
     finally:
         for proc in started:
             if _group_alive(proc.pid):
@@ -241,7 +241,7 @@ def _cli_status(proc, node_file):
         raise AssertionError(f"the orchestrator exited with code {proc.returncode}")
     port = node_file.exists() and json.loads(node_file.read_text()).get("http_port")
     try:
-        return port and httpx.get(f"http://127.0.0.1:{port}/v1/swarm", timeout=5).json()
+        return port and HTTP.get(f"http://127.0.0.1:{port}/v1/swarm", timeout=5).json()
     except httpx.TransportError:
         return None
 

@@ -15,7 +15,7 @@ import torch
 from planner.model import ModelSpec, Placement, Server
 from planner.plan import plan as run_planner, plan_for_placement
 from server.local_swarm import LocalSwarm
-from helpers import wait_for
+from helpers import HTTP, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -116,7 +116,7 @@ def test_direct_swarm_model_routes_by_lease_and_matches_transformers(swarm, tiny
     with DirectSwarmModel.from_pretrained(tiny_model, orchestrator=swarm.url, api_key="key-alice") as model:
         out = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=2)
     assert torch.equal(out, expected)
-    status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
     assert status["leases"] == 0 and all(c["active"] == 0 for c in status["chains"])
     assert status["clients"]["alice"]["service"] > 0
 
@@ -131,7 +131,7 @@ def test_leases_live_while_renewed_and_a_hoarder_blocks_nobody_past_the_ttl(swar
         with client(swarm.url, key="key-alice") as alice:  # only its holder may renew or release it
             assert alice.post(f"/v1/leases/{lease['lease_id']}/renew").status_code == 404
         assert bob.delete(f"/v1/leases/{lease['lease_id']}").status_code == 200
-    capacity = sum(c["capacity"] for c in httpx.get(f"{swarm.url}/v1/swarm").json()["chains"] if c["ready"])
+    capacity = sum(c["capacity"] for c in HTTP.get(f"{swarm.url}/v1/swarm").json()["chains"] if c["ready"])
     with client(swarm.url, key="key-flood") as flood:  # takes every slot, then vanishes without a word
         for _ in range(capacity):
             assert flood.post("/v1/leases", json={"input_tokens": 8, "max_new_tokens": 8}).status_code == 200
@@ -141,16 +141,16 @@ def test_leases_live_while_renewed_and_a_hoarder_blocks_nobody_past_the_ttl(swar
     waited = time.monotonic() - started
     assert response.status_code == 200, response.text
     assert waited < LEASE_TTL + 10, f"the hoarded slots were held {waited:.1f} s"
-    status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
     assert sum(e["event"] == "lease_expired" and e["client"] == "flood" for e in status["events"]) >= 1
 
 
 def test_public_status_shows_no_clients_and_reroutes_cannot_be_abused(swarm):
     with client(swarm.url, key="key-bob") as bob:
         lease = bob.post("/v1/leases", json={"input_tokens": 8, "max_new_tokens": 8}).json()
-        public = httpx.get(f"{swarm.url}/v1/swarm")
+        public = HTTP.get(f"{swarm.url}/v1/swarm")
         assert lease["lease_id"] not in public.text and "bob" not in public.text and "events" not in public.json()
-        assert lease["lease_id"] in httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).text
+        assert lease["lease_id"] in HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN).text
         assert bob.get("/v1/swarm").json().get("events") is None  # a client's key is not an admin's
         own = {r["peer_id"] for r in lease["route"]}
         strangers = {p for c in swarm.status["chains"] for p, _, _ in c["route"]} - own
@@ -161,7 +161,7 @@ def test_public_status_shows_no_clients_and_reroutes_cannot_be_abused(swarm):
         response = bob.post(reroute, json={"start": 0, "end": 2, "failed_peers": sorted(own)[:1]})
         assert response.status_code in (200, 503)
         time.sleep(2.0)
-        status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
+        status = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
         assert not any(s["suspect"] for s in status["servers"])
         assert any(e["event"] == "failure_claim_refuted" for e in status["events"])
         assert bob.delete(f"/v1/leases/{lease['lease_id']}").status_code == 200
@@ -185,7 +185,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
     with client(swarm.url, key="wrong") as http:
         response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert response.status_code == 401 and "unknown API key" in response.json()["error"]["message"]
-    response = httpx.post(f"{swarm.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    response = HTTP.post(f"{swarm.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert response.status_code == 401
     with client(swarm.url) as http:  # still serving
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).status_code == 200
@@ -195,17 +195,17 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
 
 def test_a_client_that_disconnects_mid_generation_frees_its_slot(swarm):
     def idle():
-        status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
+        status = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
         return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
 
     wait_for(idle, 60, what="an idle swarm")
     body = {"prompt": "a client that leaves", "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{swarm.url}/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": "Bearer key-alice"}) as response:
+    with HTTP.stream("POST", f"{swarm.url}/v1/completions", json=body, timeout=60,
+                     headers={"Authorization": "Bearer key-alice"}) as response:
         # the first token has arrived: the session is generating when the client closes the connection
         assert next(line for line in response.iter_lines() if line.startswith("data: "))
     wait_for(idle, 30, what="the slot of the disconnected request to come back")
-    metrics_text = httpx.get(f"{swarm.url}/metrics", timeout=30).text
+    metrics_text = HTTP.get(f"{swarm.url}/metrics", timeout=30).text
     assert 'outcome="disconnected"' in metrics_text
     with client(swarm.url) as http:  # and the swarm serves the next request normally
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).status_code == 200
@@ -265,7 +265,7 @@ def test_dlpm_does_not_starve_a_light_client_behind_a_flood(swarm):
         t.start()
     for t in flood + light:
         t.join(300)
-    status = httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()
     assert all(code == 200 for code, _ in results["flood"] + results["light"])
     light_latency = max(t for _, t in results["light"])
     flood_latency = sorted(t for _, t in results["flood"])
@@ -314,7 +314,7 @@ def test_killed_server_sessions_complete_elsewhere_with_identical_text(swarm, ti
     doc = response.json()
     assert doc["choices"][0]["text"] == expected_text
     status = wait_for(lambda: (lambda s: s if all("big" not in c["servers"] for c in s["chains"]) else None)(
-        httpx.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()), 60, what="chains rebuilt without the killed server")
+        HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN).json()), 60, what="chains rebuilt without the killed server")
     # noticed by the failed step (server_failed) or by the expired heartbeat (a plan without it)
     assert any(e["event"] == "server_failed" or (e["event"] == "plan" and "big" not in e["servers"])
                for e in status["events"])

@@ -13,10 +13,9 @@ the other chain's servers and agrees — no honest server is ever struck.
 import concurrent.futures as cf
 import time
 
-import httpx
 import pytest
 
-from helpers import describe_swarm, wait_for
+from helpers import HTTP, describe_swarm, wait_for
 from real_model import PROMPTS
 from server.local_swarm import LocalSwarm
 
@@ -54,20 +53,20 @@ def reference(smollm2_dir):
 
 
 def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = HTTP.get(f"{url}/metrics", timeout=30).text
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def _checks(url: str) -> dict:
     """The spot checks' outcomes so far (``chainswarm_spot_checks_total{outcome=...}``)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = HTTP.get(f"{url}/metrics", timeout=30).text
     return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
             if line.startswith("chainswarm_spot_checks_total{")}
 
 
 def _complete(url: str, body: dict, client: str = "single") -> dict:
-    response = httpx.post(f"{url}/v1/completions", json=dict(body, temperature=0), headers={"X-Client-Id": client},
-                          timeout=300)
+    response = HTTP.post(f"{url}/v1/completions", json=dict(body, temperature=0), headers={"X-Client-Id": client},
+                         timeout=300)
     response.raise_for_status()
     return response.json()["choices"][0]
 
@@ -79,7 +78,7 @@ def _idle(url: str) -> bool:
     """Every chain ready and idle, and all four servers planned with KV: a server that a session reported failed
     (on a loaded machine a step can time out) is excluded for the orchestrator's grace period, and the plan
     without it leaves its chain partner no sessions, so no span could be re-executed there until it is back."""
-    status = httpx.get(f"{url}/v1/swarm", timeout=30).json()
+    status = HTTP.get(f"{url}/v1/swarm", timeout=30).json()
     _LAST["status"] = status
     whole = len(status["servers"]) == 4 and all(
         not s["suspect"] and s["assignment"] and s["assignment"]["cache_slots"] > 0 for s in status["servers"])
@@ -113,7 +112,7 @@ def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token
     # two spans per session: each re-executed on the other chain's server of the same blocks. A recording that still
     # held the rejected positions would not match the session's tokens, and its check would be skipped
     def unchecked() -> str:
-        status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+        status = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
         return f"checks {_checks(swarm.url)}, verification {status.get('verification')}, {describe_swarm(status)}"
     wait_for(lambda: _checks(swarm.url)["passed"] >= 4, 120, what="both sessions' spans re-executed and agreed",
              explain=unchecked)
@@ -141,7 +140,7 @@ def test_a_server_killed_in_a_verification_step_changes_no_answer(swarm, referen
     the session fails over to the other chain's server for those blocks and replays its history there — without
     the positions it had taken back — and the answer is unchanged."""
     _wait_idle(swarm.url)
-    status = httpx.get(f"{swarm.url}/v1/swarm", timeout=30).json()
+    status = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     victim_name = min(status["chains"], key=lambda c: c["service_time"])["servers"][-1]
     victim = next(p for p in swarm.nodes if p.name == victim_name)
     (swarm.failpoints / victim_name).write_text("verify")

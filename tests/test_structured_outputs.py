@@ -15,7 +15,6 @@ import json
 import math
 import time
 
-import httpx
 import jsonschema_rs
 import openai
 import pytest
@@ -27,6 +26,7 @@ from pydantic import BaseModel, Field
 from swarm.api.schemas import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
 from swarm.engine.grammar import GrammarMatcher, compile_grammar, json_schema_grammar, lark_grammar
 from swarm.engine.sampling import SamplingParams, StopMatcher, TokenChooser
+from helpers import HTTP
 
 VOCAB = 49_152
 
@@ -229,7 +229,7 @@ def test_tool_round_trip(client, stream):
 def test_named_tool_choice_and_streamed_argument_deltas(api):
     body = {"messages": ASK, "tools": [WEATHER, CLOCK], "temperature": 0, "max_tokens": 60, "stream": True,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    with httpx.stream("POST", f"{api}/v1/chat/completions", json=body, timeout=300) as response:
+    with HTTP.stream("POST", f"{api}/v1/chat/completions", json=body, timeout=300) as response:
         assert response.status_code == 200
         events = [json.loads(line[6:]) for line in response.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
@@ -246,11 +246,11 @@ def test_named_tool_choice_and_streamed_argument_deltas(api):
 def test_sampling_extensions_over_http(api):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "ignore_eos": True, "top_k": 20,
             "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 4, "seed": 5}
-    reply = httpx.post(f"{api}/v1/chat/completions", json=body, timeout=300).json()
+    reply = HTTP.post(f"{api}/v1/chat/completions", json=body, timeout=300).json()
     assert reply["usage"]["completion_tokens"] == 24 and reply["choices"][0]["finish_reason"] == "length"
-    bad = httpx.post(f"{api}/v1/chat/completions", json={**body, "min_tokens": 30}, timeout=30)
+    bad = HTTP.post(f"{api}/v1/chat/completions", json={**body, "min_tokens": 30}, timeout=30)
     assert bad.status_code == 400 and "min_tokens" in bad.json()["error"]["message"]
-    typo = httpx.post(f"{api}/v1/completions", json={"prompt": "a", "ignore_eoss": True}, timeout=30)
+    typo = HTTP.post(f"{api}/v1/completions", json={"prompt": "a", "ignore_eoss": True}, timeout=30)
     assert typo.status_code == 422 and "ignore_eoss" in typo.json()["error"]["message"]
 
 
@@ -286,7 +286,7 @@ def deep(levels: int) -> dict:
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
 ])
 def test_invalid_schemas_and_tools_get_clear_errors(api, extra, status, needle):
-    response = httpx.post(f"{api}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra}, timeout=60)
+    response = HTTP.post(f"{api}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra}, timeout=60)
     assert response.status_code == status, response.text
     assert needle in response.json()["error"]["message"]
 

@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from server.local_swarm import LocalSwarm
+from helpers import HTTP
 
 pytestmark = pytest.mark.swarm
 
@@ -183,12 +184,10 @@ def test_responses_api_function_call_round_trip(client, expected, stream):
 
 
 def test_responses_api_refuses_state_it_does_not_keep(swarm):
-    import httpx
-
-    reply = httpx.post(f"{swarm.url}/v1/responses", json={"input": "Hi", "previous_response_id": "resp_1"},
-                       timeout=30)
+    reply = HTTP.post(f"{swarm.url}/v1/responses", json={"input": "Hi", "previous_response_id": "resp_1"},
+                      timeout=30)
     assert reply.status_code == 400 and "previous_response_id" in reply.json()["error"]["message"]
-    reply = httpx.post(f"{swarm.url}/v1/responses", json={"input": []}, timeout=30)
+    reply = HTTP.post(f"{swarm.url}/v1/responses", json={"input": []}, timeout=30)
     assert reply.status_code == 400 and "at least one item" in reply.json()["error"]["message"]
-    reply = httpx.post(f"{swarm.url}/v1/responses", json={"input": "Hi", "tmperature": 0}, timeout=30)
+    reply = HTTP.post(f"{swarm.url}/v1/responses", json={"input": "Hi", "tmperature": 0}, timeout=30)
     assert reply.status_code == 422

@@ -17,7 +17,7 @@ import pytest
 
 from server.local_swarm import LocalSwarm
 from wan import WanConfig
-from helpers import wait_for
+from helpers import HTTP, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.alone]  # measures RTTs: nothing may run beside it
 
@@ -42,7 +42,7 @@ def wan_swarm(tiny_model, tmp_path_factory):
         url = local.orchestrator.info["url"]
 
         def ready():
-            status = httpx.get(f"{url}/v1/swarm").json()
+            status = HTTP.get(f"{url}/v1/swarm").json()
             servers = {s["node_id"]: s for s in status["servers"]}
             rtts_known = len(servers) == 2 and all(s["rtt_s"] for s in servers.values())
             return status if rtts_known and status["chains"] and all(c["ready"] for c in status["chains"]) else None
@@ -82,7 +82,7 @@ def test_achieved_rtt_from_the_orchestrator_host_matches_the_configuration(wan_s
 
 
 def test_profiles_rtt_reflects_the_emulated_wan(wan_swarm):
-    status = httpx.get(f"{wan_swarm.url}/v1/swarm").json()
+    status = HTTP.get(f"{wan_swarm.url}/v1/swarm").json()
     rtts = {s["node_id"]: s["rtt_s"] * 1e3 for s in status["servers"]}
     for name, configured in (("a", RTT_A), ("b", RTT_B)):
         assert configured - 1.0 <= rtts[name] <= configured + 10.0, rtts
