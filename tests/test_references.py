@@ -1,0 +1,55 @@
+"""The tests' ground truth, ``real_model.greedy_reference``: local transformers' greedy text, decoded once per run
+and shared through ``CHAINSWARM_REFERENCE_DIR`` — what a module reads from there is what transformers gives for
+that prompt and length, and a shorter length is the prefix of a longer decoding."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import real_model
+from real_model import greedy_reference
+
+
+def _transformers(model_dir: str, prompt: str, count: int) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=count, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_a_shared_reference_is_transformers_own_at_every_length(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("CHAINSWARM_REFERENCE_DIR", str(tmp_path))
+    prompt = "the quick brown fox"
+    first = greedy_reference(tiny_model, horizon=12)
+    assert first(prompt, 5) == _transformers(tiny_model, prompt, 5)  # decoded to 12, read back as 5
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    # another module or worker of the run: reads the file, never loads the model
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded although the reference was in the run's store")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_model)
+    second = greedy_reference(tiny_model, horizon=12)
+    assert second(prompt, 12) == first(prompt, 12)
+    assert second(prompt, 3) == first(prompt, 3)
+    # longer than what is stored (and the stored decoding did not end): decoded again, to the new length
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        second(prompt, 20)
+    monkeypatch.undo()
+    monkeypatch.setenv("CHAINSWARM_REFERENCE_DIR", str(tmp_path))
+    assert greedy_reference(tiny_model, horizon=12)(prompt, 20) == _transformers(tiny_model, prompt, 20)
+
+
+def test_a_decoding_that_ended_answers_every_longer_length(tmp_path, monkeypatch, tiny_model):
+    """A stored decoding that stopped at the end-of-sequence token is the answer for any length: nothing follows."""
+    monkeypatch.setenv("CHAINSWARM_REFERENCE_DIR", str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    generate = greedy_reference(tiny_model, horizon=4)
+    generate("hello", 4)
+    [stored] = tmp_path.glob("*.json")
+    ended = [7, 9, tokenizer.eos_token_id]
+    stored.write_text(real_model.json.dumps({"tokens": ended, "ended": True}))
+    later = greedy_reference(tiny_model, horizon=4)
+    assert later("hello", 50) == tokenizer.decode(ended, skip_special_tokens=True)
