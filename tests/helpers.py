@@ -5,10 +5,11 @@ import httpx
 
 # One client for the tests' plain requests. ``httpx.get``/``post``/``stream`` build a client, and with it an SSL
 # context (certifi's bundle), on every call: ~60 ms of CPU each on this machine, paid again by every poll of a
-# wait loop (the suite made thousands). No keep-alive, so each request opens its own connection as those calls
-# did (a pooled connection could outlive an orchestrator the test restarts); no bound on concurrent connections
-# (the overload tests send more requests at once than httpx's default pool of 100 would take).
-HTTP = httpx.Client(timeout=30, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+# wait loop (two API modules made 143 such calls). Otherwise as those calls: httpx's default timeout (5 s) where a
+# call names none; no keep-alive, so each request opens its own connection (a pooled connection could outlive an
+# orchestrator the test restarts); no bound on concurrent connections (the overload tests send more requests at
+# once than httpx's default pool of 100 would take).
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 def wait_for(predicate, timeout=90.0, period=0.25, what="condition", explain=None):

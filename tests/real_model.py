@@ -51,7 +51,7 @@ def greedy_reference(model_dir, horizon: int = 32):
     is a prefix of that (greedy decoding is prefix-consistent: the steps do not depend on the length asked for).
     The tokens are shared by every test module and xdist worker of the run through files in
     ``CHAINSWARM_REFERENCE_DIR`` (made per run by tests/conftest.py; without it, per process): at ~60 ms of CPU a
-    token here, the same references decoded again in every module were a tenth of the suite. The model is loaded
+    token here, decoding the same references again in every module cost ~60 s of CPU a run. The model is loaded
     only when a reference is not there yet."""
     import torch
     from transformers import AutoTokenizer

@@ -82,16 +82,7 @@ def run_policy(policy: str, model_dir: str, config, memory_gb: float, st: dict, 
         lc.start_nodes(swarm, config.servers, {h: memory_gb for h in config.servers}, gpus,
                        profile_cache_dir=profile_dir, num_handlers=1)
         url = swarm.orchestrator.info["url"]
-        deadline = time.monotonic() + 300
-        with httpx.Client(timeout=30) as poll:  # one client for the polls (each httpx.get builds an SSL context)
-            while time.monotonic() < deadline:
-                status = poll.get(f"{url}/v1/swarm").json()
-                if status.get("chains") and all(c["ready"] for c in status["chains"]) and status["plan"] and \
-                        {s["id"] for s in status["plan"]["servers"]} == set(config.servers):
-                    break
-                time.sleep(0.5)
-            else:
-                raise TimeoutError("chains not ready")
+        status = swarm.wait_chains_ready(timeout=300)  # the plan covers every node (config.servers) and is served
         capacity = sum(c["capacity"] for c in status["chains"])
         log(f"  {policy}: chains " + "; ".join(f"{'→'.join(c['servers'])}×{c['capacity']}" for c in status["chains"]))
         cutoff = st["duration_s"] + st["drain_s"] if st.get("drain_s") else None

@@ -128,9 +128,7 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
                        profile_cache_dir=profile_dir, num_handlers=1, rtt_period=20.0)
         url = swarm.orchestrator.info["url"]
 
-        poll = httpx.Client(timeout=30)  # one client for the polls (each httpx.get builds an SSL context)
-
-        def ready():
+        def ready(poll):
             status = poll.get(f"{url}/v1/swarm").json()
             plan = status.get("plan")
             ok = (plan and {s["id"] for s in plan["servers"]} == set(config.servers) and status["chains"]
@@ -138,8 +136,8 @@ def run_orchestrated(method: str, push: bool, model_dir: str, config, memory: di
                   and all(s["rtt_s"] for s in status["servers"]))
             return status if ok else None
 
-        with poll:
-            status = _wait(ready, 300, f"{method}: every chain ready")
+        with httpx.Client(timeout=30) as poll:  # one client for the polls (each httpx.get builds an SSL context)
+            status = _wait(lambda: ready(poll), 300, f"{method}: every chain ready")
         log(f"  {method}: {len(status['chains'])} chains, c={status['plan'].get('c')}; "
             + "; ".join(f"{'→'.join(c['servers'])} cap {c['capacity']}" for c in status["chains"]))
         elapsed = _timed_replay(lc.OrchestratorDriver(url, prompts), records, prompts)
