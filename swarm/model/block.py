@@ -12,8 +12,8 @@ There is one attention code path, :meth:`DecoderBlock.step`: the new tokens of s
 "ragged" batch of :class:`Segment` s — decode steps and prefills mixed), each over its own KV cache. The
 servers' batched cohort pass calls it with many segments; the single-session path (petals' ``forward``
 with ``layer_past``, :mod:`swarm.model.petals_block`) calls it with one. Matrix products go through
-:func:`swarm.model.kernels.linear` (oneDNN for batched float32 rows on CPU, ``F.linear`` everywhere else, CUDA
-included).
+:func:`swarm.model.kernels.linear` (for several float32 rows on CPU, MKL or oneDNN, whichever it measured faster
+for the shape on this host; ``F.linear`` everywhere else, CUDA included).
 """
 from __future__ import annotations
 
