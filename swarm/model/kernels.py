@@ -13,56 +13,64 @@ by every weight matrix of a block, and the client multiplies k rows by its LM he
   80 through oneDNN (4 runs in the other order: 37 / 49 / 66 / 75 against 54 / 67 / 78 / 103), while at the LM
   head MKL took 25-56 ms for 4 to 12 rows against oneDNN's 19-26 (and 12-14 against 19 for 2 or 3 rows).
 
-So the choice is measured, not assumed: :class:`KernelChooser` times both kernels on the calls themselves (the
-real products, weights as cold or warm as the step leaves them), :data:`TRIALS` calls each per weight shape and
-row bucket, and then keeps oneDNN for that key only where its median time is below :data:`MARGIN` of MKL's. One
-row always goes to MKL's gemv. Either kernel agrees with ``F.linear`` to float32 rounding.
+So the choice is measured, not assumed: the first time a product of a given weight shape and row bucket comes,
+:class:`KernelChooser` times both kernels on that very product (the call's own input and weights, each kernel once
+to warm up and then :data:`TRIALS` times, alternating, the best time of each kept) and fixes the key's kernel:
+oneDNN only where it takes under :data:`MARGIN` of MKL's time. Every result a caller gets comes from the fixed
+kernel, so identical requests give identical numbers within a process. One row always goes to MKL's gemv. Either
+kernel agrees with ``F.linear`` to float32 rounding.
 """
 from __future__ import annotations
 
 import bisect
-import statistics
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 MIN_ROWS = 2  # one row: MKL's gemv, as fast as oneDNN or faster on both hosts
-TRIALS = 8  # timed calls per kernel and key before the choice is fixed (the first of each is not counted)
-MARGIN = 0.95  # oneDNN is kept only where it takes under 95% of MKL's time: ties go to F.linear's own kernel
+TRIALS = 3  # timed runs of each kernel per key, after one warm-up run each; the best of each is compared
+MARGIN = 0.95  # oneDNN is chosen only where it takes under 95% of MKL's time: ties go to F.linear's own kernel
 ROW_BUCKETS = (3, 5, 9, 17, 33, 65)  # keys: rows 2, 3-4, 5-8, 9-16, 17-32, 33-64, 65 and more
 _ONEDNN = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 _ENABLED = _ONEDNN is not None and torch.backends.mkldnn.is_available()
 
 Key = tuple  # (row bucket, out features, in features)
+Product = Callable[[], torch.Tensor]
 
 
 class KernelChooser:
-    """Which kernel a product of a given key uses: alternate and time both for the first ``trials`` calls each,
-    then the faster (oneDNN only below ``margin`` × MKL's median)."""
+    """Which kernel the products of a key use, fixed by timing both on the key's first product."""
 
-    def __init__(self, trials: int = TRIALS, margin: float = MARGIN):
-        if trials < 2:
-            raise ValueError("trials must be >= 2 (the first call of each kernel is not counted)")
-        self.trials, self.margin = trials, margin
-        self._times: dict[Key, tuple[list, list]] = {}  # key -> (MKL seconds, oneDNN seconds)
+    def __init__(self, trials: int = TRIALS, margin: float = MARGIN, clock: Callable[[], float] = time.perf_counter):
+        if trials < 1:
+            raise ValueError("trials must be >= 1")
+        self.trials, self.margin, self.clock = trials, margin, clock
         self._chosen: dict[Key, bool] = {}  # key -> True: oneDNN
+        self._lock = threading.Lock()
 
-    def chosen(self, key: Key) -> Optional[bool]:
-        """True (oneDNN) or False (MKL) once the key's trials are done; None while they run."""
-        return self._chosen.get(key)
+    def onednn(self, key: Key, mkl: Product, onednn: Product) -> bool:
+        """Whether ``key`` uses oneDNN: decided on its first call by running ``mkl`` and ``onednn`` (the two
+        kernels on the same product) and timing them; later calls just read the decision."""
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            with self._lock:
+                chosen = self._chosen.get(key)
+                if chosen is None:
+                    chosen = self._chosen[key] = self._measure(mkl, onednn)
+        return chosen
 
-    def next_trial(self, key: Key) -> bool:
-        """The kernel the next trial call of ``key`` uses: the one with fewer timings so far (MKL first)."""
-        mkl, onednn = self._times.setdefault(key, ([], []))
-        return len(onednn) < len(mkl)
-
-    def record(self, key: Key, onednn: bool, seconds: float) -> None:
-        mkl, dnn = self._times.setdefault(key, ([], []))
-        (dnn if onednn else mkl).append(seconds)
-        if len(mkl) >= self.trials and len(dnn) >= self.trials and key not in self._chosen:
-            self._chosen[key] = statistics.median(dnn[1:]) < self.margin * statistics.median(mkl[1:])
+    def _measure(self, mkl: Product, onednn: Product) -> bool:
+        best = {False: float("inf"), True: float("inf")}
+        mkl(), onednn()  # warm-up: caches, and oneDNN's primitive for this shape
+        for _ in range(self.trials):
+            for use_onednn, run in ((False, mkl), (True, onednn)):
+                start = self.clock()
+                run()
+                best[use_onednn] = min(best[use_onednn], self.clock() - start)
+        return best[True] < self.margin * best[False]
 
     def choices(self) -> dict[Key, str]:
         """Every decided key and its kernel (``"onednn"`` or ``"mkl"``), for diagnostics."""
@@ -70,10 +78,6 @@ class KernelChooser:
 
 
 CHOOSER = KernelChooser()
-
-
-def _onednn(flat: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return _ONEDNN(flat, weight.contiguous(), bias, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -87,20 +91,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         return F.linear(x, weight, bias)
     chooser = CHOOSER if chooser is None else chooser
     key = (bisect.bisect_right(ROW_BUCKETS, rows), weight.shape[0], weight.shape[1])
-    onednn = chooser.chosen(key)
-    timed = onednn is None
-    if timed:
-        onednn = chooser.next_trial(key)
-    start = time.perf_counter() if timed else 0.0
-    if onednn:
-        flat = x.reshape(rows, x.shape[-1])
-        out = _onednn(flat if flat.is_contiguous() else flat.contiguous(), weight, bias)
-        out = out.reshape(*x.shape[:-1], weight.shape[0])
-    else:
-        out = F.linear(x, weight, bias)
-    if timed:
-        chooser.record(key, onednn, time.perf_counter() - start)
-    return out
+    flat = x.reshape(rows, x.shape[-1])
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+
+    def onednn(rows: torch.Tensor = flat) -> torch.Tensor:
+        return _ONEDNN(rows, weight.contiguous(), bias, "none", [], "")
+
+    sample = flat[:ROW_BUCKETS[-1]]  # a long prefill is timed on its first rows: the last bucket's kernels scale
+    if chooser.onednn(key, lambda: F.linear(sample, weight, bias), lambda: onednn(sample)):
+        return onednn().reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def module_linear(x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
