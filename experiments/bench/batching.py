@@ -41,6 +41,7 @@ import threading
 import time
 from pathlib import Path
 
+from experiments.bench.cli import host_cpu
 from experiments.bench.http_throughput import HTTP_LAYOUTS, PROMPTS, store_http, together, bench_http
 from experiments.bench.runtime import DTYPE, _Stamps
 
@@ -401,7 +402,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.torch_threads)
     report = {"model": Path(model_dir).name, "dtype": DTYPE, "tokens": args.tokens, "max_batch": args.max_batch,
               "server_device": "cuda" if torch.cuda.is_available() else "cpu",
-              "torch_threads": args.torch_threads, "load_average_at_start": os.getloadavg(),
+              "torch_threads": args.torch_threads, "cpu": host_cpu(), "load_average_at_start": os.getloadavg(),
               "servers": 2, "client": "petals generate, one thread per session",
               "repeats": args.repeats,
               "results": bench_servers(model_dir, counts, args.tokens, args.max_batch, args.repeats, progress)}

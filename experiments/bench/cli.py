@@ -27,3 +27,18 @@ def model_dir(args: argparse.Namespace, dtype: str) -> str:
     from swarm.model.store import DEFAULT_MODEL, ensure_model
 
     return args.model or str(ensure_model(DEFAULT_MODEL, dtype))
+
+
+def host_cpu() -> str:
+    """The processor's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere): the development machine's
+    host changes between sessions, and CPU figures are only comparable on the same one."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
