@@ -4,8 +4,6 @@ Either kernel gives ``F.linear``'s result to float32 rounding, for any leading s
 kernel is fixed on its first call by timing both (oneDNN only with a clear lead), so identical products give
 identical numbers afterwards; one row, other dtypes and autograd always take ``F.linear``.
 """
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +21,7 @@ class Fixed(KernelChooser):
         super().__init__()
         self.use_onednn, self.keys = use_onednn, []
 
-    def onednn(self, key, mkl, onednn):
+    def decided(self, key):
         self.keys.append(key)
         return self.use_onednn
 
@@ -57,12 +55,10 @@ def test_one_row_other_dtypes_and_autograd_take_f_linear():
 def test_a_key_is_decided_once_by_the_best_times(mkl_s, onednn_s, expected):
     """Each kernel runs once to warm up, then ``trials`` times alternating; the best times are compared, and
     oneDNN needs a lead beyond the margin. Later calls of the key run nothing more."""
-    ticks = itertools.count()
     durations, runs = {"mkl": mkl_s, "onednn": onednn_s}, []
     now = [0.0]
 
     def clock():
-        next(ticks)
         return now[0]
 
     def kernel(name):
@@ -73,9 +69,11 @@ def test_a_key_is_decided_once_by_the_best_times(mkl_s, onednn_s, expected):
 
     chooser = KernelChooser(trials=3, margin=0.95, clock=clock)
     key = (2, 96, 64)
-    assert chooser.onednn(key, kernel("mkl"), kernel("onednn")) is expected
+    assert chooser.decided(key) is None
+    assert chooser.decide(key, kernel("mkl"), kernel("onednn")) is expected
     assert runs == ["mkl", "onednn"] + ["mkl", "onednn"] * 3
-    assert chooser.onednn(key, kernel("mkl"), kernel("onednn")) is expected and len(runs) == 8
+    assert chooser.decided(key) is expected
+    assert chooser.decide(key, kernel("mkl"), kernel("onednn")) is expected and len(runs) == 8  # not timed again
     assert chooser.choices() == {key: "onednn" if expected else "mkl"}
     with pytest.raises(ValueError):
         KernelChooser(trials=0)

@@ -51,15 +51,17 @@ class KernelChooser:
         self._chosen: dict[Key, bool] = {}  # key -> True: oneDNN
         self._lock = threading.Lock()
 
-    def onednn(self, key: Key, mkl: Product, onednn: Product) -> bool:
-        """Whether ``key`` uses oneDNN: decided on its first call by running ``mkl`` and ``onednn`` (the two
-        kernels on the same product) and timing them; later calls just read the decision."""
-        chosen = self._chosen.get(key)
-        if chosen is None:
-            with self._lock:
-                chosen = self._chosen.get(key)
-                if chosen is None:
-                    chosen = self._chosen[key] = self._measure(mkl, onednn)
+    def decided(self, key: Key) -> Optional[bool]:
+        """Whether ``key`` uses oneDNN, once :meth:`decide` has run for it; None before."""
+        return self._chosen.get(key)
+
+    def decide(self, key: Key, mkl: Product, onednn: Product) -> bool:
+        """Fix ``key``'s kernel by running ``mkl`` and ``onednn`` (the two kernels on the same product) and timing
+        them, unless another thread has just done so; returns whether it is oneDNN."""
+        with self._lock:
+            chosen = self._chosen.get(key)
+            if chosen is None:
+                chosen = self._chosen[key] = self._measure(mkl, onednn)
         return chosen
 
     def _measure(self, mkl: Product, onednn: Product) -> bool:
@@ -80,6 +82,11 @@ class KernelChooser:
 CHOOSER = KernelChooser()
 
 
+def _onednn(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's inner product of a contiguous 2-D ``rows`` by ``weight`` (dense, no copy when contiguous)."""
+    return _ONEDNN(rows, weight.contiguous(), bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            chooser: Optional[KernelChooser] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; float32 products of at least :data:`MIN_ROWS` rows on CPU (any leading
@@ -93,13 +100,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     key = (bisect.bisect_right(ROW_BUCKETS, rows), weight.shape[0], weight.shape[1])
     flat = x.reshape(rows, x.shape[-1])
     flat = flat if flat.is_contiguous() else flat.contiguous()
-
-    def onednn(rows: torch.Tensor = flat) -> torch.Tensor:
-        return _ONEDNN(rows, weight.contiguous(), bias, "none", [], "")
-
-    sample = flat[:ROW_BUCKETS[-1]]  # a long prefill is timed on its first rows: the last bucket's kernels scale
-    if chooser.onednn(key, lambda: F.linear(sample, weight, bias), lambda: onednn(sample)):
-        return onednn().reshape(*x.shape[:-1], weight.shape[0])
+    use_onednn = chooser.decided(key)
+    if use_onednn is None:  # the key's first product: time both (a long prefill on its first rows only)
+        sample = flat[:ROW_BUCKETS[-1]]
+        use_onednn = chooser.decide(key, lambda: F.linear(sample, weight, bias),
+                                    lambda: _onednn(sample, weight, bias))
+    if use_onednn:
+        return _onednn(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
