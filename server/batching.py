@@ -38,7 +38,7 @@ from petals.data_structures import InferenceMetadata
 from petals.server.backend import TransformerBackend, _MergedInferenceStep
 from petals.server.task_pool import PrioritizedTaskPool, Task, _move_to_device_if_tensor
 from petals.utils.misc import DUMMY_INT64
-from server.kv_pool import fit_pages
+from server.kv_pool import receive, step_tensors
 from swarm.model.block import DecoderBlock, Segment, token_positions
 from swarm.model.families import install_server_hooks
 
@@ -277,11 +277,11 @@ class BatchedInferenceStep:
         return self.merged(*args)
 
     def _check(self, group: _Group, index: int) -> list[tuple]:
-        """Fit the session's KV to this step and check it; its cache tensors per block, taken now: a handler
-        that frees the session meanwhile (it closed while this step was queued) removes its handles from the
-        pool as the next lookup reads the pipe, and that must fail neither this session's step nor its batch
-        mates' (a CI run saw a cohort step fail with ``KeyError`` on a handle freed between the check and the
-        pass)."""
+        """Fit the session's KV to this step and check it; its cache tensors per block, taken now. The pool's
+        pipe was read once at the start of the pass (:func:`server.kv_pool.receive`): a session freed before
+        that (it closed while this step was queued) fails here alone; one freed later loses its handles at the
+        next pass, and the tensors taken here stay valid for this one (a CI run once saw a cohort step fail with
+        ``KeyError`` on a handle freed between the check and the pass, when every lookup read the pipe)."""
         hidden, _hypo, infos, *_ = group.inputs[index]
         b, t = group.shapes[index]
         taken = []
@@ -290,11 +290,10 @@ class BatchedInferenceStep:
             if self._layers.get(info.uid) is None:
                 raise ValueError(f"block {info.uid} cannot run in a batched pass")
             pos = info.prefix_length + _offset(backend, info.cache_handles)
-            fit_pages(backend.memory_cache, info.cache_handles, pos + t)
-            with backend.memory_cache.use_cache(*info.cache_handles) as tensors:
-                capacity = tensors[0].shape[-1]
-                if tensors[0].shape[0] != b:
-                    raise ValueError(f"batch {b} does not match the session's cache")
+            tensors = step_tensors(backend.memory_cache, info.cache_handles, pos + t)
+            capacity = tensors[0].shape[-1]
+            if tensors[0].shape[0] != b:
+                raise ValueError(f"batch {b} does not match the session's cache")
             if pos + t > capacity:
                 raise ValueError(f"positions {pos}..{pos + t - 1} exceed the session's {capacity} KV slots")
             taken.append(tensors)
@@ -303,6 +302,7 @@ class BatchedInferenceStep:
     def run_group(self, group: _Group) -> torch.Tensor:
         """Run a group (same span) through its blocks; returns every entry's outputs as flat token rows."""
         live, caches = [], {}
+        receive(self.backends[info.uid].memory_cache for info in group.inputs[0][2])  # the pipe, once per pass
         for i in range(len(group.inputs)):
             try:
                 caches[i] = self._check(group, i)
