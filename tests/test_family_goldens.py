@@ -165,3 +165,29 @@ def test_kv_bytes_use_the_real_head_dim_and_kv_heads():
     assert sum(p.numel() for p in block.parameters()) == spec.block_params()
     versions = json.loads((GOLDENS / "qwen3" / "golden.json").read_text())["versions"]
     assert tuple(int(x) for x in versions["transformers"].split(".")[:2]) >= (4, 50)  # an independent reference
+
+
+def test_a_steps_cos_and_sin_are_computed_once_for_all_its_blocks():
+    """Blocks share one rotary per (rope, head_dim) — Gemma 3's local and global layers two — and the next block
+    of a step, with equal positions, gets the cos and sin the first computed, equal to a fresh computation; cos
+    and sin made in inference mode never reach a pass that records autograd (the mode is part of the memo)."""
+    from swarm.model.rope import Rotary
+
+    model = LocalModel.from_pretrained(GOLDENS / "gemma3")
+    rotaries = {id(block._rotary): block._rotary for block in model.layers}
+    assert {r.rope.theta for r in rotaries.values()} == {block.layer_spec.rope.theta for block in model.layers}
+    assert len(rotaries) == 2
+    rotary = model.layers[0]._rotary
+    with torch.inference_mode():
+        cos, sin = rotary.cos_sin(torch.arange(5, 9), 0)
+        again = rotary.cos_sin(torch.arange(5, 9), 0)  # the next block: another tensor, equal positions
+        assert again[0] is cos and again[1] is sin
+        fresh = Rotary(rotary.rope, rotary.dim).cos_sin(torch.arange(5, 9), 0)
+        assert torch.equal(fresh[0], cos) and torch.equal(fresh[1], sin)
+        assert rotary.cos_sin(torch.arange(6, 10), 0)[0] is not cos  # other positions: computed anew
+    hidden = torch.randn(1, 4, model.spec.hidden_size, requires_grad=True)
+    with torch.inference_mode():
+        model.layers[0].run(hidden.detach())  # positions 0..3 memoised in inference mode
+    out, _ = model.layers[0].run(hidden)  # the same positions with autograd: no inference tensor is saved
+    out.sum().backward()
+    assert hidden.grad is not None and bool(torch.isfinite(hidden.grad).all())

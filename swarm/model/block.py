@@ -131,7 +131,7 @@ class DecoderBlock(nn.Module):
         return self
 
     def _bind(self, layer: LayerSpec) -> None:
-        self.layer_spec, self._rotary = layer, Rotary(layer.rope, self.spec.head_dim)
+        self.layer_spec, self._rotary = layer, Rotary.shared(layer.rope, self.spec.head_dim)
 
     # -- the one forward path ----------------------------------------------------------------------------
 
@@ -172,9 +172,10 @@ class DecoderBlock(nn.Module):
 
     def _rotate(self, q, k, segments, token_pos):
         rotary = self._rotary
-        if rotary.rope.kind != "dynamic":  # one set of frequencies for every row
+        if rotary.rope.kind != "dynamic":  # one set of frequencies for every row; q and k rotated in one pass
             cos, sin = rotary.cos_sin(token_pos, 0)
-            return rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+            rotated = rotary.apply(torch.cat((q, k), dim=1), cos, sin)
+            return rotated[:, :q.shape[1]], rotated[:, q.shape[1]:]
         q_out, k_out, start = torch.empty_like(q), torch.empty_like(k), 0
         for s in segments:  # dynamic NTK: each sequence's step uses its own length
             rows = slice(start, start + s.b * s.t)

@@ -13,7 +13,9 @@ inv_freq`` loses whole radians at a few thousand positions); the rotated q/k are
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Optional
 
 import torch
 
@@ -42,11 +44,20 @@ def inv_freq(rope: RopeSpec, dim: int, seq_len: int = 0, device=None) -> torch.T
 
 
 class Rotary:
-    """Applies ``rope`` to (rows, heads, dim) tensors at given positions; caches the static frequencies."""
+    """Applies ``rope`` to (rows, heads, dim) tensors at given positions; caches the static frequencies and the
+    last positions' cos and sin. The blocks of a model share one instance per (rope, dim) (:meth:`shared`), so a
+    step's cos and sin are computed once for all its blocks, not once per block."""
 
     def __init__(self, rope: RopeSpec, dim: int):
         self.rope, self.dim = rope, dim
         self._freq: dict[torch.device, torch.Tensor] = {}
+        self._last: Optional[tuple] = None  # (positions, seq_len, cos, sin) of the last call
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def shared(rope: RopeSpec, dim: int) -> "Rotary":
+        """The process's one :class:`Rotary` for ``rope`` and ``dim``."""
+        return Rotary(rope, dim)
 
     def _frequencies(self, device, seq_len: int) -> torch.Tensor:
         if self.rope.kind == "dynamic":
@@ -57,10 +68,18 @@ class Rotary:
         return freq
 
     def cos_sin(self, positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``(rows, 1, dim)`` cos and sin at ``positions`` (a step whose sequence ends at ``seq_len``)."""
+        """float32 ``(rows, 1, dim)`` cos and sin at ``positions`` (a step whose sequence ends at ``seq_len``); the
+        last call's, when ``positions`` is that call's tensor or equal to it (the next block of the same step)."""
+        last, inference = self._last, torch.is_inference_mode_enabled()  # one read: another thread may replace it
+        if (last is not None and last[1] == (seq_len, inference) and (last[0] is positions or (
+                last[0].shape == positions.shape and last[0].device == positions.device
+                and torch.equal(last[0], positions)))):
+            return last[2], last[3]  # (inference tensors are never handed to autograd: the mode is in the key)
         angles = positions.to(torch.float32)[:, None] * self._frequencies(positions.device, seq_len)[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        return angles.cos(), angles.sin()
+        cos, sin = angles.cos(), angles.sin()
+        self._last = (positions, (seq_len, inference), cos, sin)
+        return cos, sin
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
