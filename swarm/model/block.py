@@ -139,8 +139,8 @@ class DecoderBlock(nn.Module):
              token_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The layer over the new tokens of several sequences: ``hidden`` is ``(N, H)``, every segment's ``b·t``
         rows one after the other. Projections, norms and the MLP run over all N rows at once; RoPE at each
-        token's own position; attention per segment over its own cache (causal, windowed), decode segments
-        together in one padded pass; each segment's new keys/values are written at its positions."""
+        token's own position; attention per segment over its own cache where it lies (causal, windowed); each
+        segment's new keys/values are written at its positions."""
         if self._rotary is None:
             raise RuntimeError("this block's layer index is unknown: call bind_layer(index) after loading it")
         spec, attn = self.spec, self.self_attn
@@ -156,13 +156,8 @@ class DecoderBlock(nn.Module):
         q, k = self._rotate(q, k, segments, token_pos)
         out = torch.empty(n, heads, d, dtype=hidden.dtype, device=hidden.device)
         starts = list(itertools.accumulate([0, *(s.b * s.t for s in segments)]))
-        decodes = [i for i, s in enumerate(segments) if s.t == 1]
-        batched = len(decodes) > 1
-        if batched:
-            self._attend_decodes(q, k, v, out, [segments[i] for i in decodes], [starts[i] for i in decodes])
         for i, s in enumerate(segments):
-            if not (batched and s.t == 1):
-                self._attend(q, k, v, out, s, starts[i], starts[i + 1])
+            self._attend(q, k, v, out, s, starts[i], starts[i + 1])
         attended = module_linear(out.view(n, heads * d), attn.o_proj)
         if spec.sandwich_norms:
             hidden = hidden + self.post_attention_layernorm(attended)
@@ -185,52 +180,35 @@ class DecoderBlock(nn.Module):
         return q_out, k_out
 
     def _attend(self, q, k, v, out, s: Segment, start: int, stop: int) -> None:
-        """Attention of one segment's new tokens over its cache (causal within them, windowed)."""
+        """Attention of one segment's new tokens over its own cache (causal within them, windowed), read where it
+        lies: the new keys/values are written at their positions, then the ``groups · t`` queries of each KV head
+        are one ``(groups·t, d) @ (d, keys)`` product per sequence and head — batch dimensions equal to the
+        cache's, so no broadcast copies the cache — over only the keys some query may see (a window's start)."""
         spec, end = self.spec, s.pos + s.t
-        kv_heads, d = spec.num_kv_heads, spec.head_dim
+        kv_heads, d, window = spec.num_kv_heads, spec.head_dim, self.layer_spec.window
         groups = spec.num_heads // kv_heads
         s.keys[:, :, :, s.pos:end] = k[start:stop].view(s.b, s.t, kv_heads, d).permute(0, 2, 3, 1)
         s.values[:, :, s.pos:end, :] = v[start:stop].view(s.b, s.t, kv_heads, d).transpose(1, 2)
-        q_s = q[start:stop].view(s.b, s.t, kv_heads, groups, d).permute(0, 2, 3, 1, 4)  # (b, kv, g, t, d)
-        scores = torch.matmul(q_s, s.keys[:, :, None, :, :end]) * spec.scale  # (b, kv, g, t, end)
-        window = self.layer_spec.window
-        if s.t > 1 or (window is not None and end > window):
+        first = 0 if window is None else max(0, s.pos + 1 - window)  # the first key the first query may see
+        rows = groups * s.t
+        if s.t == 1:
+            q_s = q[start:stop].view(s.b, kv_heads, groups, d)
+        else:  # (b, kv, g·t, d): query row g·t + i is head g's query of new token i
+            q_s = q[start:stop].view(s.b, s.t, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(s.b, kv_heads,
+                                                                                                   rows, d)
+        scores = torch.matmul(q_s, s.keys[:, :, :, first:end]) * spec.scale  # (b, kv, g·t, keys)
+        if s.t > 1 or (window is not None and end - first > window):
             device = q.device
-            visible = _visible(torch.arange(s.pos, end, device=device), torch.arange(end, device=device), window)
-            scores = scores.masked_fill(~visible, float("-inf"))
+            visible = _visible(torch.arange(s.pos, end, device=device), torch.arange(first, end, device=device),
+                               window)  # (t, keys)
+            scores = scores.masked_fill(~visible.repeat(groups, 1), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        attended = torch.matmul(probs, s.values[:, :, None, :end])  # (b, kv, g, t, d)
-        out[start:stop] = attended.permute(0, 3, 1, 2, 4).reshape(s.b * s.t, spec.num_heads, d)
-
-    def _attend_decodes(self, q, k, v, out, segments: Sequence[Segment], starts: Sequence[int]) -> None:
-        """One-token segments in one pass: each writes its new key/value into its own cache, the caches are
-        copied into one zero-padded block, and keys past each row's length (or outside its window) are masked."""
-        spec = self.spec
-        rows, kv_heads, d = sum(s.b for s in segments), spec.num_kv_heads, spec.head_dim
-        length = max(s.pos + 1 for s in segments)
-        keys = q.new_zeros(rows, kv_heads, d, length)
-        values = q.new_zeros(rows, kv_heads, length, d)
-        index, lengths, row = [], [], 0
-        for s, start in zip(segments, starts):
-            end = s.pos + 1
-            s.keys[:, :, :, s.pos] = k[start:start + s.b]
-            s.values[:, :, s.pos, :] = v[start:start + s.b]
-            keys[row:row + s.b, :, :, :end] = s.keys[:, :, :, :end]
-            values[row:row + s.b, :, :end] = s.values[:, :, :end]
-            index.extend(range(start, start + s.b))
-            lengths.extend([end] * s.b)
-            row += s.b
-        index = torch.tensor(index, device=q.device)
-        ends = torch.tensor(lengths, device=q.device)[:, None]
-        q_rows = q.index_select(0, index).view(rows, kv_heads, -1, d)  # (rows, kv_heads, groups, d)
-        scores = torch.matmul(q_rows, keys) * spec.scale  # (rows, kv_heads, groups, L)
-        positions = torch.arange(length, device=q.device)[None, :]
-        hidden_keys = positions >= ends
-        if self.layer_spec.window is not None:
-            hidden_keys |= positions < ends - self.layer_spec.window
-        scores = scores.masked_fill(hidden_keys[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out.index_copy_(0, index, torch.matmul(probs, values).view(rows, -1, d))
+        attended = torch.matmul(probs, s.values[:, :, first:end])  # (b, kv, g·t, d)
+        if s.t == 1:
+            out[start:stop] = attended.view(s.b, spec.num_heads, d)
+        else:
+            out[start:stop] = attended.view(s.b, kv_heads, groups, s.t, d).permute(0, 3, 1, 2, 4).reshape(
+                s.b * s.t, spec.num_heads, d)
 
     # -- a whole sequence, with or without a cache ---------------------------------------------------------
 
