@@ -2,8 +2,10 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from planner.drafting import AdaptiveK, Drafter, SuffixIndex, lookup_own
+from planner.drafting import AdaptiveK, Drafter, OwnNgrams, SuffixIndex, lookup_own
 
 
 def test_the_longest_earlier_suffix_proposes_what_followed_it():
@@ -13,6 +15,18 @@ def test_the_longest_earlier_suffix_proposes_what_followed_it():
     assert lookup_own([1, 2, 3, 4], 3) == []  # nothing repeats
     assert lookup_own([1, 2, 1, 2, 3, 1, 2], 2) == [3, 1]  # the latest earlier occurrence wins
     assert lookup_own(code, 0) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), max_size=60), cuts=st.lists(st.integers(0, 60), max_size=8),
+       k=st.integers(0, 6), other=st.lists(st.integers(0, 4), max_size=20))
+def test_a_sequences_own_index_drafts_what_the_scan_drafts_as_the_sequence_grows(tokens, cuts, k, other):
+    """OwnNgrams (indexed once per token) proposes exactly lookup_own's draft at every length the sequence is
+    drafted at, and a sequence that does not extend the last one (another request) is indexed anew."""
+    own = OwnNgrams(max_n=4, min_n=2)
+    for cut in sorted(cuts) + [len(tokens)]:
+        assert own.propose(tokens[:cut], k) == lookup_own(tokens[:cut], k, 4, 2)
+    assert own.propose(other, k) == lookup_own(other, k, 4, 2)
 
 
 def test_the_suffix_index_keeps_scopes_apart_and_its_memory_bounded():
@@ -36,6 +50,8 @@ def test_a_drafter_uses_the_request_first_then_its_scope():
     assert drafter.propose("alice", [1, 7, 8], 3) == [40, 41, 42]
     assert drafter.propose("bob", [1, 7, 8], 3) == []
     assert drafter.propose("alice", [3, 4, 5, 3, 4], 2) == [5, 3]  # its own tokens come first
+    assert drafter.propose("alice", [3, 4, 5, 3, 4], 2, own=drafter.own()) == [5, 3]  # indexed: the same draft
+    assert drafter.propose("alice", [1, 7, 8], 3, own=drafter.own()) == [40, 41, 42]
     shared = Drafter(SuffixIndex(max_tokens=1000, key_n=2), shared=True)
     shared.learn("alice", [40, 41], prompt_tail=[7, 8])
     assert shared.propose("bob", [7, 8], 2) == [40, 41]

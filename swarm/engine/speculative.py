@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from planner.drafting import AdaptiveK, Drafter, SuffixIndex
+from planner.drafting import AdaptiveK, Drafter, OwnNgrams, SuffixIndex
 
 
 def sample_or_accept(probs: torch.Tensor, draft: int, generator: Optional[torch.Generator] = None
@@ -44,11 +44,12 @@ class SessionDrafts:
     def __init__(self, speculation: "Speculation", client: str):
         self.speculation, self.client = speculation, client
         self.adaptive = AdaptiveK(k_max=speculation.k_max, k=speculation.k_max)
+        self.own = speculation.drafter.own()  # this sequence's own n-grams, indexed as it grows
         self.drafted = self.accepted = 0  # this sequence's drafted tokens and the ones its steps verified
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` drafted tokens to follow ``tokens``."""
-        return self.speculation.propose(self.client, tokens, min(self.adaptive.next_k(), limit))
+        return self.speculation.propose(self.client, tokens, min(self.adaptive.next_k(), limit), self.own)
 
     def update(self, proposed: int, accepted: int) -> None:
         self.adaptive.update(proposed, accepted)
@@ -72,12 +73,16 @@ class Speculation:
     def session(self, client: str) -> SessionDrafts:
         return SessionDrafts(self, client)
 
-    def propose(self, client: str, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` drafted tokens to follow ``tokens`` in ``client``'s scope."""
+    def propose(self, client: str, tokens: Sequence[int], k: int, own: Optional[OwnNgrams] = None) -> list[int]:
+        """Up to ``k`` drafted tokens to follow ``tokens`` in ``client``'s scope (``own``: the sequence's own
+        n-gram index; its draft needs no lock)."""
         if k <= 0:
             return []
+        draft = self.drafter.propose_own(tokens, k, own)
+        if draft:
+            return draft[:k]
         with self._lock:  # the index changes as other sessions finish
-            return self.drafter.propose(client, tokens, k)[:k]
+            return self.drafter.propose_index(client, tokens, k)[:k]
 
     def learn(self, client: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Index a finished output for later drafts (in the client's scope)."""
