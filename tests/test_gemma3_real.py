@@ -122,3 +122,14 @@ def test_models_known_states_the_gemma_terms(capsys):
     assert cli_main(["models", "--known"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "gemma-3-270m" in line and "licence" in line)
     assert "Gemma Terms of Use" in line and "https://ai.google.dev/gemma/terms" in line
+
+
+def test_the_engines_decoder_gives_what_tokenizer_decode_gives(gemma_dir):
+    """Gemma 3's SentencePiece vocabulary (byte fallback, 6,414 added tokens) through the engine's Rust decode."""
+    from swarm.model.tokenizer import load_tokenizer, text_decoder
+    from test_tokenizer_load import SAMPLES, decoder_cases
+
+    tokenizer = load_tokenizer(gemma_dir)
+    decode = text_decoder(tokenizer)
+    for ids in decoder_cases(tokenizer, SAMPLES):
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), ids

@@ -66,3 +66,31 @@ def test_an_added_token_only_the_config_lists_is_added_as_transformers_adds_it(s
     assert ours.convert_tokens_to_ids(["<scratch>", "<scratch_special>", "<scratch_after>"]) == [size, size + 1,
                                                                                                  size + 2]
     _same(ours, theirs)
+
+
+def decoder_cases(tokenizer, samples, seed: int = 0) -> list[list[int]]:
+    """The samples' ids, random id lists over the whole vocabulary and over the added and special tokens (few and
+    short: transformers' own decode takes ~10 ms per random id there)."""
+    import random
+
+    rng = random.Random(seed)
+    added = sorted(tokenizer.added_tokens_decoder)
+    return [tokenizer(text).input_ids for text in samples] + [
+        [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))] for _ in range(6)] + [
+        [rng.choice(added) if rng.random() < 0.5 else rng.randrange(len(tokenizer)) for _ in range(8)]
+        for _ in range(4)]
+
+
+def test_the_engines_decoder_gives_what_tokenizer_decode_gives(smollm2_dir):
+    """swarm.model.tokenizer.text_decoder (the Rust decode the engine's streams and stop strings use, without
+    transformers' per-id walk) against the tokenizer's own decode, special tokens skipped, with and without
+    clean_up_tokenization_spaces."""
+    from swarm.model.tokenizer import load_tokenizer, text_decoder
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    cases = decoder_cases(tokenizer, SAMPLES)
+    for clean_up in (False, True):
+        tokenizer.clean_up_tokenization_spaces = clean_up
+        decode = text_decoder(tokenizer)
+        for ids in cases:
+            assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True), (clean_up, ids)

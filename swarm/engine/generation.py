@@ -114,11 +114,12 @@ class GenerationEngine:
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
                  batch_sessions: int = 16, batch_lanes: int = 1, speculation=None):
-        from swarm.model.tokenizer import load_tokenizer
+        from swarm.model.tokenizer import load_tokenizer, text_decoder
 
         from swarm.model.compat import petals
 
         self.tokenizer = load_tokenizer(model_dir)
+        self._decode = text_decoder(self.tokenizer)  # tokenizer.decode(ids, skip_special_tokens=True), in Rust
         self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
             model_dir, initial_peers=list(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries,
             show_route=False, torch_dtype=getattr(torch, torch_dtype), request_timeout=request_timeout,
@@ -145,7 +146,7 @@ class GenerationEngine:
         return self.tokenizer(prompt).input_ids
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self._decode(token_ids)
 
     @torch.inference_mode()
     def embed(self, token_ids: list[int]) -> torch.Tensor:
