@@ -24,6 +24,7 @@ from swarm.api.errors import ApiError
 from swarm.api.openai_routes import add_openai_routes
 from swarm.engine.completion import Finished
 from swarm.engine.sampling import StopMatcher, TokenChooser
+from swarm.model.tokenizer import text_decoder
 
 
 class LocalEngine:
@@ -33,12 +34,13 @@ class LocalEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
         self.eos_token_id = self.tokenizer.eos_token_id
+        self._decode = text_decoder(self.tokenizer)  # as the swarm's engine decodes
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self._decode(token_ids)
 
 
 class LocalRunner:
