@@ -15,6 +15,7 @@ Pure Python, no I/O, no torch: the orchestrator owns the tokens and calls :meth:
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -79,12 +80,14 @@ class SuffixIndex:
 
     ``add(scope, tokens)`` indexes one output (its every ``n``-gram, ``n`` = ``key_n``); ``continuation(scope,
     context, k)`` proposes up to ``k`` tokens that followed the context's last ``key_n`` tokens in the most recent
-    output of that scope containing them. A scope never sees another scope's outputs."""
+    output of that scope containing them. A scope never sees another scope's outputs. Thread-safe: sessions draft
+    from it while others finish and add theirs."""
 
     def __init__(self, max_tokens: int = 1_000_000, key_n: int = 3):
         if max_tokens < 1 or key_n < 1:
             raise ValueError("max_tokens and key_n must be >= 1")
         self.max_tokens, self.key_n = max_tokens, key_n
+        self._lock = threading.Lock()
         self._docs: OrderedDict[int, tuple[str, tuple[int, ...]]] = OrderedDict()  # id -> (scope, tokens)
         self._keys: dict[tuple[str, tuple[int, ...]], list[tuple[int, int]]] = {}  # -> [(doc id, end of n-gram)]
         self._next_id, self.tokens = 0, 0
@@ -93,13 +96,14 @@ class SuffixIndex:
         tokens = tuple(int(t) for t in tokens)
         if len(tokens) <= self.key_n or len(tokens) > self.max_tokens:
             return
-        doc, self._next_id = self._next_id, self._next_id + 1
-        self._docs[doc] = (scope, tokens)
-        self.tokens += len(tokens)
-        for end in range(self.key_n, len(tokens)):
-            self._keys.setdefault((scope, tokens[end - self.key_n:end]), []).append((doc, end))
-        while self.tokens > self.max_tokens:
-            self._evict()
+        with self._lock:
+            doc, self._next_id = self._next_id, self._next_id + 1
+            self._docs[doc] = (scope, tokens)
+            self.tokens += len(tokens)
+            for end in range(self.key_n, len(tokens)):
+                self._keys.setdefault((scope, tokens[end - self.key_n:end]), []).append((doc, end))
+            while self.tokens > self.max_tokens:
+                self._evict()
 
     def _evict(self) -> None:
         doc, (scope, tokens) = self._docs.popitem(last=False)
@@ -115,11 +119,13 @@ class SuffixIndex:
     def continuation(self, scope: str, context: Sequence[int], k: int) -> list[int]:
         if k <= 0 or len(context) < self.key_n:
             return []
-        entries = self._keys.get((scope, tuple(int(t) for t in context[-self.key_n:])))
-        if not entries:
-            return []
-        doc, end = entries[-1]  # the most recent output
-        return list(self._docs[doc][1][end:end + k])
+        key = (scope, tuple(int(t) for t in context[-self.key_n:]))
+        with self._lock:
+            entries = self._keys.get(key)
+            if not entries:
+                return []
+            doc, end = entries[-1]  # the most recent output
+            return list(self._docs[doc][1][end:end + k])
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -139,19 +145,12 @@ class Drafter:
         return "*" if self.shared else f"client:{client}"
 
     def own(self) -> OwnNgrams:
-        """A sequence's incremental index of its own tokens (:meth:`propose_own`)."""
+        """A sequence's incremental index of its own tokens, kept between its steps (:meth:`propose`'s ``own``)."""
         return OwnNgrams(self.max_n, self.min_n)
 
-    def propose_own(self, tokens: Sequence[int], k: int, own: Optional[OwnNgrams] = None) -> list[int]:
-        """A draft from the request's own tokens (``own``: that sequence's index, kept between its steps)."""
-        return own.propose(tokens, k) if own is not None else lookup_own(tokens, k, self.max_n, self.min_n)
-
-    def propose_index(self, client: str, tokens: Sequence[int], k: int) -> list[int]:
-        """A draft from the recent outputs in the client's scope."""
-        return self.index.continuation(self.scope(client), tokens, k)
-
     def propose(self, client: str, tokens: Sequence[int], k: int, own: Optional[OwnNgrams] = None) -> list[int]:
-        return self.propose_own(tokens, k, own) or self.propose_index(client, tokens, k)
+        mine = own.propose(tokens, k) if own is not None else lookup_own(tokens, k, self.max_n, self.min_n)
+        return mine or self.index.continuation(self.scope(client), tokens, k)
 
     def learn(self, client: str, output: Sequence[int], prompt_tail: Optional[Sequence[int]] = None) -> None:
         """Index a finished output (with the prompt's last tokens before it, so its start can be matched)."""

@@ -195,7 +195,7 @@ class PagedKvPool(MemoryCache):
     @contextlib.contextmanager
     def use_cache(self, *handles: Handle) -> Sequence[torch.Tensor]:
         assert os.getpid() == self.runtime_pid, "use_cache runs in the runtime process"
-        self._receive()
+        self.receive()
         yield tuple(self._allocated_tensors[handle] for handle in handles)
 
     def fit(self, handles: Sequence[Handle], positions: int) -> None:
@@ -203,7 +203,7 @@ class PagedKvPool(MemoryCache):
         shrunk after a rollback), their first positions kept. The handler took those pages from the pool when it
         accepted the step; nothing travels through petals' pipe for it (whose reader, this runtime, drains it only
         when it runs a step: a handler that sent one message per page would block on a full pipe)."""
-        self._receive()
+        self.receive()
         self.fitted(handles, positions)
 
     def fitted(self, handles: Sequence[Handle], positions: int) -> tuple[torch.Tensor, ...]:
@@ -221,11 +221,7 @@ class PagedKvPool(MemoryCache):
         return tuple(tensors)
 
     def receive(self) -> None:
-        """Runtime: apply what the handlers sent through the pipe so far (creations and deletions)."""
-        self._receive()
-
-    def _receive(self) -> None:
-        """Apply the handlers' creations and deletions, in the order they sent them."""
+        """Runtime: apply the handlers' creations and deletions sent through the pipe so far, in their order."""
         while self._pipe_recv.poll():
             recv_handles, data = self._pipe_recv.recv()
             if data is None:

@@ -75,20 +75,15 @@ class Speculation:
 
     def propose(self, client: str, tokens: Sequence[int], k: int, own: Optional[OwnNgrams] = None) -> list[int]:
         """Up to ``k`` drafted tokens to follow ``tokens`` in ``client``'s scope (``own``: the sequence's own
-        n-gram index; its draft needs no lock)."""
+        n-gram index; the shared index of outputs guards itself)."""
         if k <= 0:
             return []
-        draft = self.drafter.propose_own(tokens, k, own)
-        if draft:
-            return draft[:k]
-        with self._lock:  # the index changes as other sessions finish
-            return self.drafter.propose_index(client, tokens, k)[:k]
+        return self.drafter.propose(client, tokens, k, own)[:k]
 
     def learn(self, client: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Index a finished output for later drafts (in the client's scope)."""
         if output:
-            with self._lock:
-                self.drafter.learn(client, output, prompt)
+            self.drafter.learn(client, output, prompt)
 
     def count(self, proposed: int, accepted: int) -> None:
         if proposed:

@@ -51,7 +51,7 @@ class Rotary:
     def __init__(self, rope: RopeSpec, dim: int):
         self.rope, self.dim = rope, dim
         self._freq: dict[torch.device, torch.Tensor] = {}
-        self._last: Optional[tuple] = None  # (positions, seq_len, cos, sin) of the last call
+        self._last: Optional[tuple] = None  # (positions, (seq_len, inference mode), cos, sin) of the last call
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
