@@ -10,15 +10,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `chainswarm orchestrator` keeps state in the user's state directory by default: the tests' own, never the user's
-os.environ["CHAINSWARM_STATE"] = __import__("tempfile").mkdtemp(prefix="chainswarm-test-state-")
-# the run's local-transformers references (tests/real_model.py:greedy_reference), shared by its xdist workers: made
-# by the process that starts the run (the workers inherit it), removed when that process ends
-_REFERENCE_DIR_MADE_HERE = "CHAINSWARM_REFERENCE_DIR" not in os.environ
+# (one per pytest process, removed when it ends)
+_STATE_DIR = os.environ["CHAINSWARM_STATE"] = __import__("tempfile").mkdtemp(prefix="chainswarm-test-state-")
+# the local-transformers references (tests/real_model.py:greedy_reference) live in the user cache, keyed by a
+# digest of the checkpoint and library versions; CHAINSWARM_FRESH_REFERENCES=1 decodes them anew into a directory of
+# this run's own, shared by its xdist workers: made by the process that starts the run, removed when it ends
+_REFERENCE_DIR_MADE_HERE = (os.environ.get("CHAINSWARM_FRESH_REFERENCES") == "1"
+                            and "CHAINSWARM_REFERENCE_DIR" not in os.environ)
 if _REFERENCE_DIR_MADE_HERE:
     os.environ["CHAINSWARM_REFERENCE_DIR"] = __import__("tempfile").mkdtemp(prefix="chainswarm-references-")
 
 
 def pytest_unconfigure(config):
+    __import__("shutil").rmtree(_STATE_DIR, ignore_errors=True)
     if _REFERENCE_DIR_MADE_HERE:
         __import__("shutil").rmtree(os.environ["CHAINSWARM_REFERENCE_DIR"], ignore_errors=True)
 

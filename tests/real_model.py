@@ -43,21 +43,62 @@ PROMPTS = [  # completion prompts of different lengths (the batching tests run t
 ]
 
 
+_DIGESTS: dict = {}
+
+
+def decoding_digest(model_dir) -> str:
+    """sha256 over what a greedy decoding of ``model_dir`` depends on: the bytes of its weights, config, generation
+    config and tokenizer files, and the versions of transformers and torch (computed once per process and
+    checkpoint state; ~0.6 s of CPU for SmolLM2's 538 MB of weights)."""
+    import torch
+    import transformers
+
+    files = sorted(p for p in Path(model_dir).resolve().iterdir()
+                   if p.suffix in (".safetensors", ".bin") or p.name in (
+                       "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                       "special_tokens_map.json", "tokenizer.model"))
+    state = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if (model_dir, state) not in _DIGESTS:
+        digest = hashlib.sha256(f"transformers {transformers.__version__} torch {torch.__version__}\0".encode())
+        for p in files:
+            digest.update(f"{p.name}\0{p.stat().st_size}\0".encode())
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+        _DIGESTS[(model_dir, state)] = digest.hexdigest()
+    return _DIGESTS[(model_dir, state)]
+
+
+def reference_dir(model_dir) -> Path:
+    """Where :func:`greedy_reference` keeps ``model_dir``'s references: ``$CHAINSWARM_REFERENCE_DIR`` (a test's or
+    a run's own: tests/conftest.py makes one per run with ``CHAINSWARM_FRESH_REFERENCES=1``), else the user
+    cache's ``references/``; under either, one folder per :func:`decoding_digest` (a changed checkpoint or library
+    version never reads another's tokens)."""
+    from swarm.model.store import cache_root
+
+    root = Path(os.environ.get("CHAINSWARM_REFERENCE_DIR") or cache_root() / "references")
+    path = root / decoding_digest(model_dir)[:32]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def greedy_reference(model_dir, horizon: int = 32):
     """``generate(prompt, max_new_tokens) -> text``: greedy decoding of the checkpoint in local transformers
     (float32, stopping at the end-of-sequence token) — the ground truth.
 
     Each prompt is decoded once per test run, to ``max(max_new_tokens, horizon)`` tokens, and every shorter length
     is a prefix of that (greedy decoding is prefix-consistent: the steps do not depend on the length asked for).
-    The tokens are shared by every test module and xdist worker of the run through files in
-    ``CHAINSWARM_REFERENCE_DIR`` (made per run by tests/conftest.py; without it, per process): at ~60 ms of CPU a
-    token here, decoding the same references again in every module cost ~60 s of CPU a run. The model is loaded
-    only when a reference is not there yet."""
+    The tokens are kept in files (:func:`reference_dir`), shared by every test module and xdist worker and kept
+    from one run to the next in the user cache, under a digest of everything the decoding depends on: the
+    checkpoint's weights, config and tokenizer files and the versions of transformers and torch
+    (:func:`decoding_digest`). At ~60 ms of CPU a token here, the run's references cost ~60-90 s of CPU when
+    decoded anew. The model is loaded only when a reference is not there yet;
+    ``tests/test_references.py`` decodes one real-model reference anew in every run and compares."""
     import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    store = os.environ.get("CHAINSWARM_REFERENCE_DIR")
+    store: list = []  # the reference directory, found (and the checkpoint digested) at the first lookup
     loaded: list = []
     memory: dict = {}
 
@@ -77,20 +118,20 @@ def greedy_reference(model_dir, horizon: int = 32):
         return entry is not None and (entry["ended"] or len(entry["tokens"]) >= count)
 
     def tokens(prompt: str, count: int) -> list[int]:
-        key = hashlib.sha256(f"{Path(model_dir).resolve()}\0{prompt}".encode()).hexdigest()[:40]
+        key = hashlib.sha256(prompt.encode()).hexdigest()[:40]
         if not enough(memory.get(key), count):
-            if store is None:
-                memory[key] = decode_anew(prompt, max(count, horizon))
-            else:
-                path = Path(store) / f"{key}.json"
-                with open(path.with_suffix(".lock"), "w") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX)  # a worker decoding this prompt: wait for its answer
-                    entry = json.loads(path.read_text()) if path.exists() else None
-                    if not enough(entry, count):
-                        entry = decode_anew(prompt, max(count, horizon))
-                        path.with_suffix(".tmp").write_text(json.dumps(entry))
-                        path.with_suffix(".tmp").replace(path)
-                memory[key] = entry
+            if not store:
+                store.append(reference_dir(model_dir))
+            path = store[0] / f"{key}.json"
+            with open(path.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # a worker decoding this prompt: wait for its answer
+                entry = json.loads(path.read_text()) if path.exists() else None
+                if not enough(entry, count):
+                    entry = decode_anew(prompt, max(count, horizon))
+                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                    tmp.write_text(json.dumps(entry))
+                    tmp.replace(path)
+            memory[key] = entry
         return memory[key]["tokens"][:count]
 
     def generate(prompt: str, max_new_tokens: int) -> str:

@@ -1,6 +1,7 @@
-"""The tests' ground truth, ``real_model.greedy_reference``: local transformers' greedy text, decoded once per run
-and shared through ``CHAINSWARM_REFERENCE_DIR`` — what a module reads from there is what transformers gives for
-that prompt and length, and a shorter length is the prefix of a longer decoding."""
+"""The tests' ground truth, ``real_model.greedy_reference``: local transformers' greedy text, decoded once and kept
+in files (the user cache's ``references/``, or ``CHAINSWARM_REFERENCE_DIR``) under a digest of the checkpoint and
+library versions — what a module reads from there is what transformers gives for that prompt and length, a shorter
+length is the prefix of a longer decoding, and a changed checkpoint reads none of another's tokens."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,7 +25,7 @@ def test_a_shared_reference_is_transformers_own_at_every_length(tiny_model, tmp_
     prompt = "the quick brown fox"
     first = greedy_reference(tiny_model, horizon=12)
     assert first(prompt, 5) == _transformers(tiny_model, prompt, 5)  # decoded to 12, read back as 5
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(tmp_path.rglob("*.json"))) == 1
 
     # another module or worker of the run: reads the file, never loads the model
     def no_model(*args, **kwargs):
@@ -48,8 +49,33 @@ def test_a_decoding_that_ended_answers_every_longer_length(tmp_path, monkeypatch
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     generate = greedy_reference(tiny_model, horizon=4)
     generate("hello", 4)
-    [stored] = tmp_path.glob("*.json")
+    [stored] = tmp_path.rglob("*.json")
     ended = [7, 9, tokenizer.eos_token_id]
     stored.write_text(real_model.json.dumps({"tokens": ended, "ended": True}))
     later = greedy_reference(tiny_model, horizon=4)
     assert later("hello", 50) == tokenizer.decode(ended, skip_special_tokens=True)
+
+
+def test_a_changed_checkpoint_reads_none_of_the_old_ones_tokens(tiny_model, tmp_path, monkeypatch):
+    import shutil
+
+    store = tmp_path / "references"
+    monkeypatch.setenv("CHAINSWARM_REFERENCE_DIR", str(store))
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)
+    greedy_reference(str(copy), horizon=4)("hello", 4)
+    [stored] = store.rglob("*.json")
+    stored.write_text(real_model.json.dumps({"tokens": [5, 6, 7, 8], "ended": False}))  # what the old weights gave
+    assert greedy_reference(str(copy), horizon=4)("hello", 4) == AutoTokenizer.from_pretrained(copy).decode([5, 6, 7, 8])
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    assert real_model.reference_dir(str(copy)) != stored.parent
+    assert greedy_reference(str(copy), horizon=4)("hello", 4) == _transformers(str(copy), "hello", 4)
+
+
+def test_the_kept_real_model_reference_is_what_transformers_gives_now(smollm2_dir):
+    """The references kept from earlier runs: one, decoded anew in every run, equals what is kept."""
+    prompt = real_model.PROMPTS[0]
+    assert greedy_reference(smollm2_dir)(prompt, 32) == _transformers(smollm2_dir, prompt, 32)
