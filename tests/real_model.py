@@ -137,6 +137,8 @@ def greedy_reference(model_dir, horizon: int = 32):
     def generate(prompt: str, max_new_tokens: int) -> str:
         return tokenizer.decode(tokens(prompt, max_new_tokens), skip_special_tokens=True)
 
+    generate.tokens = tokens  # the token ids themselves: tokens(prompt, count) -> list[int]
+    generate.tokenizer = tokenizer
     return generate
 
 

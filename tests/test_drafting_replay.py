@@ -41,13 +41,16 @@ def test_the_cost_model_fits_the_extra_time_per_drafted_position():
 @pytest.mark.swarm
 def test_the_replay_reproduces_the_live_benchmarks_counts_on_the_real_model(smollm2_dir):
     """The committed bench_speculative.json ran the orchestrator's drafter through a live swarm; replaying the same
-    classes on local transformers' greedy answers gives the same chain steps, drafts and accepted tokens on every
-    workload's 1-session point (the first prompt of each)."""
+    classes on local transformers' greedy answers (the tests' kept references: tests/real_model.py) gives the same
+    chain steps, drafts and accepted tokens on every workload's 1-session point (the first prompt of each)."""
+    from experiments.bench.speculative import prompts
+    from real_model import greedy_reference
+
     bench = json.loads((RESULTS / "bench_speculative.json").read_text())
-    workloads = ["code_edit", "summarise", "chat", "free"]
-    answers = drafting.greedy_answers(str(smollm2_dir), workloads, bench["tokens"], variants=1)
-    for workload in workloads:
-        prompt, answer = answers[workload][0]
+    reference = greedy_reference(smollm2_dir)
+    for workload in ["code_edit", "summarise", "chat", "free"]:
+        text = prompts(workload)[0]
+        prompt, answer = reference.tokenizer(text).input_ids, reference.tokens(text, bench["tokens"])
         counts = drafting.replay(prompt, answer, drafting.NgramPolicy("ngram"), bench["tokens"])
         live = next(p["on"] for p in bench["points"] if p["workload"] == workload and p["sessions"] == 1)
         assert (counts["steps"], counts["drafted"], counts["accepted"]) == (
