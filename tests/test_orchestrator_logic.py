@@ -470,6 +470,24 @@ def test_a_server_back_after_it_left_serves_again_while_the_others_keep_their_ra
     assert {s.id: s.span for s in little.servers} == {**spans, "tiny": None}  # a joiner that adds nothing: none
 
 
+def test_servers_back_after_their_partners_formed_one_chain_get_a_chain_of_their_own():
+    """Two chains a->b and c->d; b and d fail, a re-plan moves c to the second half (one chain a->c); b and d come
+    back. The fresh plan's ranges for them are both the second half, which adds nothing beside the kept chain, so
+    with ranges kept they were planned with no blocks and the swarm stayed at one chain for good (a real-model test
+    swarm under a CPU hog waited for its second chain in vain). Planned alone, they form a chain of their own."""
+    expect = Expectations(max_length=1024, input_tokens=64, output_tokens=16, arrival_rate=4.0, kv_admission="slots",
+                          replan_tolerance=100.0)
+    swarm = [profile(n, 5) for n in "abcd"]
+    first, _ = planning.choose_plan(swarm, 12, expect, None)
+    assert [c.servers for c in first.chains] == [("a", "b"), ("c", "d")]
+    pair, _ = planning.choose_plan([p for p in swarm if p.node_id in "ac"], 12, expect, None)
+    assert [c.servers for c in pair.chains] == [("a", "c")]
+    back, kept = planning.choose_plan(swarm, 12, expect, pair)
+    after = {s.id: s.span for s in back.servers}
+    assert kept and (after["a"], after["c"]) == ((0, 6), (6, 12))  # nobody that serves moved
+    assert len(back.chains) == 2 and {after["b"], after["d"]} == {(0, 6), (6, 12)}
+
+
 def test_standby_chains_put_idle_servers_to_use_without_moving_the_plan():
     """--standby-chains N: the servers a plan leaves idle hold up to N extra whole chains (planner.standby);
     the plan's own ranges, c and tuning stay as the placement method chose them."""

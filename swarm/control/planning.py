@@ -203,8 +203,20 @@ def _choose(model, servers, expect: Expectations, current: Plan | None) -> tuple
     if current is not None:
         old_spans = {sp.id: sp.span for sp in current.servers}
         layouts = [tuple(old_spans.get(s.id) for s in servers)]
-        if fresh is not None:  # servers that hold nothing now (a joiner, a rejoiner, an idle one) take their fresh
-            new_spans = {sp.id: sp.span for sp in fresh.servers}  # ranges where that is better: it moves nobody
+        # servers that hold nothing now (a joiner, a rejoiner, an idle one) take ranges where that is better: it
+        # moves nobody. Their ranges in the fresh plan, or, for those the fresh plan puts to use, ranges planned
+        # for them alone (chains of their own): the fresh plan's ranges may only duplicate the kept ones (two
+        # rejoiners whose old partners now form one chain together got the second half twice, and the swarm
+        # stayed at one chain for good)
+        choices = [fresh] if fresh is not None else []
+        used = {sp.id for sp in fresh.servers if sp.span} if fresh is not None else set()
+        idle = [s for s in servers if old_spans.get(s.id) is None and s.id in used]
+        if idle and len(idle) < len(servers):
+            with contextlib.suppress(InfeasibleError, ValueError):
+                choices.append(plan(model, idle, expect.arrival_rate, target_load=expect.target_load, c=expect.c,
+                                    tuning=expect.tuning, placement=expect.placement, min_c=expect.min_c))
+        for choice in choices:
+            new_spans = {sp.id: sp.span for sp in choice.servers}
             layouts.append(tuple(old_spans.get(s.id) or new_spans.get(s.id) for s in servers))
         for layout in dict.fromkeys(layouts):
             try:
