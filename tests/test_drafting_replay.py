@@ -27,6 +27,17 @@ def test_a_replay_counts_steps_as_the_chain_would():
     assert drafting.ratio(plain, {"t_step_s": 0.1, "t_draft_s": 0.01}) == pytest.approx(1.0)
 
 
+def test_a_single_token_drafts_only_where_it_occurred_once():
+    """``ngram-unique1``: with no n-gram match, the last token drafts what followed it if it occurred exactly once
+    before (30 here: one step saved); a token seen twice (the second 7) drafts nothing."""
+    prompt, answer = [10, 20, 30, 40, 50], [7, 30, 40, 50, 8]
+    assert drafting.replay(prompt, answer, drafting.NgramPolicy("ngram"), tokens=5) == {
+        "tokens": 5, "steps": 4, "drafted": 1, "accepted": 1}
+    unique = drafting.NgramPolicy("ngram-unique1", unique_single=True)
+    assert drafting.replay(prompt, answer, unique, tokens=5) == {"tokens": 5, "steps": 3, "drafted": 2, "accepted": 2}
+    assert drafting.replay([7, 1, 7, 2], [7, 3, 4], unique, tokens=3)["drafted"] == 0
+
+
 def test_the_cost_model_fits_the_extra_time_per_drafted_position():
     bench = {"points": [
         {"sessions": 1, "off": {"per_token_s": 0.1}, "on": {"drafted": 10, "tokens": 20, "chain_steps": 10,

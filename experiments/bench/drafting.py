@@ -12,7 +12,8 @@ Cost model, per token against one token per step: ``(steps·t_step + drafted·t_
 ``t_step`` the benchmark's per-token latency without speculation and ``t_draft`` what one drafted position added
 to a step in its speculative runs (least squares over its 1-session points); ``free`` is the same with
 ``t_draft = 0`` — verification that costs no compute, the limit of a GPU server whose step time is flat in its
-positions. Policies: the product's (``ngram``), single-token matches (``ngram-min1``), other ``k_max``, a session
+positions. Policies: the product's (``ngram``), single-token matches (``ngram-min1``), a single token only where it
+occurred exactly once before (``ngram-unique1``), suffixes of up to 8 tokens (``ngram-n8``), other ``k_max``, a session
 whose drafts stopped probing every 16 steps instead of 4 (``ngram-probe16``, the default before 2026-11-28), one
 that halves ``k`` unless at least half of a draft was accepted (``ngram-keep-half``, the default before the
 partial-acceptance rule of the same day: now only a wholly rejected draft halves it), and a
@@ -46,10 +47,17 @@ class NgramPolicy:
     k_max: int = 8
     probe_every: int = AdaptiveK.probe_every  # at k = 0, one token drafted every this many steps
     keep_fraction: float = AdaptiveK.keep_fraction  # k is kept when at least this share of a draft is accepted
+    unique_single: bool = False  # no n-gram match: the last token, where it occurred exactly once before, drafts
 
     def start(self, answer: Sequence[int], prompt_len: int) -> tuple[Propose, AdaptiveK]:
-        return ((lambda tokens, k: lookup_own(tokens, k, self.max_n, self.min_n)),
-                AdaptiveK(self.k_max, self.k_max, probe_every=self.probe_every, keep_fraction=self.keep_fraction))
+        def propose(tokens: Sequence[int], k: int) -> list:
+            draft = lookup_own(tokens, k, self.max_n, self.min_n)
+            if draft or not self.unique_single or k <= 0:
+                return draft
+            earlier = [i for i in range(len(tokens) - 1) if tokens[i] == tokens[-1]]
+            return list(tokens[earlier[0] + 1:earlier[0] + 1 + k]) if len(earlier) == 1 else []
+        return propose, AdaptiveK(self.k_max, self.k_max, probe_every=self.probe_every,
+                                  keep_fraction=self.keep_fraction)
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,9 @@ class CeilingPolicy:
         return propose, AdaptiveK(self.k_max, self.k_max)
 
 
-POLICIES = (NgramPolicy("ngram"), NgramPolicy("ngram-min1", min_n=1), NgramPolicy("ngram-k4", k_max=4),
+POLICIES = (NgramPolicy("ngram"), NgramPolicy("ngram-min1", min_n=1),
+            NgramPolicy("ngram-unique1", unique_single=True), NgramPolicy("ngram-n8", max_n=8),
+            NgramPolicy("ngram-k4", k_max=4),
             NgramPolicy("ngram-k16", k_max=16), NgramPolicy("ngram-probe16", probe_every=16),
             NgramPolicy("ngram-keep-half", keep_fraction=0.5), CeilingPolicy())
 
