@@ -86,7 +86,7 @@ def greedy_reference(model_dir, horizon: int = 32):
     """``generate(prompt, max_new_tokens) -> text``: greedy decoding of the checkpoint in local transformers
     (float32, stopping at the end-of-sequence token) — the ground truth.
 
-    Each prompt is decoded once per test run, to ``max(max_new_tokens, horizon)`` tokens, and every shorter length
+    Each prompt is decoded once, to ``max(max_new_tokens, horizon)`` tokens, and every shorter length
     is a prefix of that (greedy decoding is prefix-consistent: the steps do not depend on the length asked for).
     The tokens are kept in files (:func:`reference_dir`), shared by every test module and xdist worker and kept
     from one run to the next in the user cache, under a digest of everything the decoding depends on: the
@@ -125,7 +125,10 @@ def greedy_reference(model_dir, horizon: int = 32):
             path = store[0] / f"{key}.json"
             with open(path.with_suffix(".lock"), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # a worker decoding this prompt: wait for its answer
-                entry = json.loads(path.read_text()) if path.exists() else None
+                try:
+                    entry = json.loads(path.read_text())
+                except (OSError, ValueError):  # not there yet, or unreadable: decoded (again)
+                    entry = None
                 if not enough(entry, count):
                     entry = decode_anew(prompt, max(count, horizon))
                     tmp = path.with_suffix(f".{os.getpid()}.tmp")
