@@ -57,11 +57,12 @@ def decoding_digest(model_dir) -> str:
                    if p.suffix in (".safetensors", ".bin") or p.name in (
                        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                        "special_tokens_map.json", "tokenizer.model"))
-    state = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    stats = [p.stat() for p in files]
+    state = tuple((p.name, st.st_size, st.st_mtime_ns) for p, st in zip(files, stats))
     if (model_dir, state) not in _DIGESTS:
         digest = hashlib.sha256(f"transformers {transformers.__version__} torch {torch.__version__}\0".encode())
-        for p in files:
-            digest.update(f"{p.name}\0{p.stat().st_size}\0".encode())
+        for p, st in zip(files, stats):
+            digest.update(f"{p.name}\0{st.st_size}\0".encode())
             with open(p, "rb") as f:
                 while chunk := f.read(1 << 24):
                     digest.update(chunk)

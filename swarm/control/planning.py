@@ -208,8 +208,9 @@ def _choose(model, servers, expect: Expectations, current: Plan | None) -> tuple
         # for them alone (chains of their own): the fresh plan's ranges may only duplicate the kept ones (two
         # rejoiners whose old partners now form one chain together got the second half twice, and the swarm
         # stayed at one chain for good)
-        choices = [fresh] if fresh is not None else []
-        used = {sp.id for sp in fresh.servers if sp.span} if fresh is not None else set()
+        choices, used = [], set()
+        if fresh is not None:
+            choices, used = [fresh], {sp.id for sp in fresh.servers if sp.span}
         idle = [s for s in servers if old_spans.get(s.id) is None and s.id in used]
         if idle and len(idle) < len(servers):
             with contextlib.suppress(InfeasibleError, ValueError):
