@@ -134,12 +134,14 @@ def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
     assert response.status_code == 200 and time.monotonic() - began < 15
 
 
-def test_speculative_decoding_verifies_drafts_and_changes_no_token(swarm):
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.7, "seed": 5}], ids=["greedy", "seeded"])
+def test_speculative_decoding_verifies_drafts_and_changes_no_token(swarm, sampling):
     """A prompt whose continuation repeats it (a list it restates): drafted from the request's own tokens, verified
-    by the chain several at a time — the same greedy text and logprobs as with ``speculative: false``."""
+    by the chain several at a time — the same text and logprobs as with ``speculative: false``, greedy and sampled
+    with a seed (each token is drawn from the seed and its position, and a draft is kept when it is that draw)."""
     prompt = ("Copy the list exactly.\nList: red apple, green pear, yellow banana, purple plum, orange peach.\n"
               "Copy: red apple, green pear,")
-    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 2}
+    body = {"prompt": prompt, "max_tokens": 24, "logprobs": 2, **sampling}
     wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
     answers, accepted = {}, {}
     for speculative in (False, True):

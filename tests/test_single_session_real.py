@@ -65,7 +65,7 @@ def _checks(url: str) -> dict:
 
 
 def _complete(url: str, body: dict, client: str = "single") -> dict:
-    response = HTTP.post(f"{url}/v1/completions", json=dict(body, temperature=0), headers={"X-Client-Id": client},
+    response = HTTP.post(f"{url}/v1/completions", json={"temperature": 0, **body}, headers={"X-Client-Id": client},
                          timeout=300)
     response.raise_for_status()
     return response.json()["choices"][0]
@@ -108,6 +108,12 @@ def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token
     for mine, theirs in zip(answers[True]["logprobs"]["token_logprobs"], answers[False]["logprobs"]["token_logprobs"]):
         assert abs(mine - theirs) < 1e-3
     assert accepted[False] == 0 and accepted[True] >= 8, accepted
+    # sampled with a seed: each token is drawn from the seed and its position, a draft kept when it is that draw
+    seeded = dict(body, temperature=0.7, seed=5)
+    before = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total")
+    drafted = _complete(swarm.url, dict(seeded, speculative=True))
+    assert _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total") - before >= 4
+    assert drafted["text"] == _complete(swarm.url, dict(seeded, speculative=False))["text"]
     assert _metric(swarm.url, "chainswarm_batched_steps_total") == 0  # every session ran on petals' path
     # two spans per session: each re-executed on the other chain's server of the same blocks. A recording that still
     # held the rejected positions would not match the session's tokens, and its check would be skipped

@@ -1,5 +1,7 @@
 """The acceptance rule of speculative decoding (swarm.engine.speculative): greedy equality and, for sampled
-requests, the emitted tokens' distribution (a chi-square test over many draws)."""
+requests, the emitted tokens' distribution (a chi-square test over many seeds) and a seeded request's tokens,
+which no draft changes."""
+import dataclasses
 from concurrent.futures import Future
 
 import torch
@@ -27,17 +29,15 @@ def test_greedy_accepts_while_the_draft_is_the_argmax_and_continues_with_the_mod
 
 def test_sampled_tokens_keep_the_models_distribution():
     """Draft a token the model finds unlikely and one it finds likely: either way the first emitted token is
-    distributed as p_0, and the second (when the first was accepted) as p_1."""
+    distributed as p_0, and the second (when the first was accepted) as p_1 — over requests of different seeds."""
     p0 = torch.tensor([0.1, 0.5, 0.15, 0.25])
     p1 = torch.tensor([0.4, 0.1, 0.3, 0.2])
     rows = torch.stack([p0, p1, p1]).log()
-    chooser = TokenChooser(SamplingParams(10, temperature=1.0, seed=1234), 4)
     draws = 8_000
     for draft in ([0, 2], [1, 0]):
         first, second = torch.zeros(4), torch.zeros(4)
-        for _ in range(draws):
-            chooser.generated = []  # the same context every draw (choose records its choices)
-            emitted, _ = verify(rows, draft, chooser)
+        for seed in range(draws):
+            emitted, _ = verify(rows, draft, TokenChooser(SamplingParams(10, temperature=1.0, seed=seed), 4))
             first[emitted[0]] += 1
             if emitted[0] == draft[0]:
                 second[emitted[1]] += 1
@@ -51,10 +51,28 @@ def test_sampled_acceptance_is_reproducible_from_the_requests_seed():
     assert runs[0] == runs[1] == runs[2]
 
 
+def test_a_seeded_request_emits_the_same_tokens_whatever_was_drafted():
+    """The tokens of a seeded sampled request chosen one per step, and the same request's verification steps with
+    drafts that are right, wrong at some position, or out of the vocabulary: every step emits a prefix of the
+    same tokens (the drafts change how many come per step, never which)."""
+    vocab = 40
+    rows = torch.randn(5, vocab, generator=torch.Generator().manual_seed(3)) * 0.5  # flat: most drafts fail
+    params = SamplingParams(10, temperature=1.0, top_p=0.95, seed=2024)
+    alone = TokenChooser(params, vocab)
+    expected = [alone.choose(torch.tensor([[0]]), rows[i:i + 1])[0] for i in range(5)]
+    drafts = [expected[:4], expected[:2] + [(expected[2] + 1) % vocab, expected[3]], [(expected[0] + 1) % vocab],
+              [vocab + 5, 1], [], expected[:1]]
+    for draft in drafts:
+        emitted, rollback = verify(rows[:len(draft) + 1], draft, TokenChooser(params, vocab), produced=())
+        assert emitted == expected[:len(emitted)], (draft, emitted, expected)
+        kept = next((i for i, (d, e) in enumerate(zip(draft, expected)) if d != e), len(draft))
+        assert len(emitted) == kept + 1 and rollback == len(draft) - kept
+
+
 def test_a_request_choosers_draft_rule_keeps_its_sampling_distribution_with_top_k_and_penalties():
     """TokenChooser.choose with a drafted token (what the engine's verification step calls per position): with
     temperature, top_k and a presence penalty, the emitted token is distributed as the chooser's own distribution
-    whichever token was drafted — also a token top_k cut (never accepted)."""
+    whichever token was drafted — also a token top_k cut (never accepted) — over requests of different seeds."""
     logits = torch.tensor([[1.0, 2.0, 0.5, 1.5, -1.0]])
     params = SamplingParams(1, temperature=0.8, top_k=4, presence_penalty=0.7, seed=7)
     reference = TokenChooser(params, 5)
@@ -65,9 +83,9 @@ def test_a_request_choosers_draft_rule_keeps_its_sampling_distribution_with_top_
     draws = 6000
     for draft in (1, 2, 4):
         counts, accepted = torch.zeros(5), 0
-        chooser = TokenChooser(params, 5)
-        for _ in range(draws):
-            chooser.generated = [3]  # the same context every draw (choose records its choice)
+        for seed in range(draws):
+            chooser = TokenChooser(dataclasses.replace(params, seed=seed), 5)
+            chooser.generated = [3]  # the same context every draw
             token, ok = chooser.choose(torch.tensor([[0]]), logits, draft)
             counts[token] += 1
             accepted += ok

@@ -352,8 +352,8 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 def emit_verified(seq: Decoding, scores: torch.Tensor) -> bool:
     """Emit the sequence's tokens from its step's ``scores`` ``(k + 1, V)`` (``k`` drafted tokens; 0 without
     speculation); True when it is complete. Row ``i`` is the model's prediction after the drafts before it:
-    drafts are accepted while the choice at their row equals them (greedy: the argmax; sampled: the rule of
-    :func:`swarm.engine.speculative.sample_or_accept`), then the choice at the first other row is emitted too,
+    drafts are accepted while the choice at their row equals them (greedy: the argmax; sampled: the request's own
+    draw, :mod:`swarm.engine.speculative`), then the choice at the first other row is emitted too,
     so the tokens are those of decoding one at a time. The rejected drafts' positions are rolled back on the
     servers with the next step."""
     draft, accepted = seq.draft, 0

@@ -251,12 +251,9 @@ class GenerationEngine:
 
         if budget <= 0 or ended():  # the earlier sessions had delivered everything
             return result("stop" if ended() else "length")
-        # a seeded sampled request does not speculate: how many tokens are drafted depends on what else runs (they
-        # share a step's positions) and decides which random draws it uses, and the same seed and prompt must give
-        # the same text whatever runs concurrently
-        seeded = params.seed is not None and chooser is not None and params.temperature > 0
-        drafts = (self.speculation.session(client)
-                  if self.speculation is not None and params.speculative and not seeded else None)
+        # every request may speculate: a seeded sampled one draws each token from its seed and position, so its text
+        # is the same however many tokens its steps drafted (swarm.engine.speculative)
+        drafts = self.speculation.session(client) if self.speculation is not None and params.speculative else None
         try:
             try:
                 if self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:

@@ -10,8 +10,9 @@ applied here, on the real logits:
   tokens generated so far); sets every token the request's grammar (``response_format``, tool calls:
   :mod:`swarm.engine.grammar`) forbids to −∞; then picks greedily (temperature 0) or samples with
   temperature, ``min_p`` (tokens below ``min_p`` × the most likely one's probability dropped), ``top_k`` and
-  ``top_p`` (in that order, as vLLM) from a per-request ``torch.Generator`` (same seed and prompt → same text,
-  whatever else runs concurrently). It records the chosen token's log-probability and the ``top_logprobs``
+  ``top_p`` (in that order, as vLLM) from a per-request ``torch.Generator``. A seeded request draws each token
+  from its seed and the token's position alone (same seed and prompt → same text, whatever else runs concurrently
+  and however many tokens a speculative step verified). It records the chosen token's log-probability and the ``top_logprobs``
   alternatives from the model's own distribution (log-softmax of the raw logits), then returns logits that
   put all mass on its choice, so transformers' greedy loop emits exactly that token.
 * :class:`StopMatcher` — ``stop`` strings matched across token boundaries on the decoded text; text that
@@ -32,8 +33,6 @@ from typing import Iterable
 import torch
 
 from swarm.engine.grammar import Grammar, GrammarMatcher, fill_masks
-from swarm.engine.speculative import sample_or_accept
-
 
 logger = logging.getLogger(__name__)
 _MASKS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-masks")  # TokenChooser.prepare_async
@@ -110,15 +109,13 @@ class TokenChooser:
 
     def choose(self, input_ids: torch.LongTensor, scores: torch.FloatTensor,
                draft: int | None = None) -> tuple[int, bool]:
-        """(the next token, whether it is ``draft``). Without ``draft``: the request's own choice. With a drafted
-        token (speculative decoding, :mod:`swarm.engine.speculative`): greedy keeps the argmax (the draft is
-        accepted when it is the argmax); sampling accepts the draft with its probability and otherwise samples
-        from the distribution without it, so the emitted token is distributed exactly as without a draft. The
-        choice is recorded (penalties, logprobs, grammar) either way."""
+        """(the next token, whether it is ``draft``). The choice is the request's own, made exactly as without a
+        draft: a drafted token (speculative decoding, :mod:`swarm.engine.speculative`) is accepted when it is the
+        choice — the argmax for greedy requests; for sampled ones the token drawn from the request's distribution,
+        which is the drafted one with exactly its probability. The choice is recorded (penalties, logprobs,
+        grammar)."""
         raw = scores[0].float()
         logits, allowed = self._adjusted(input_ids, raw)
-        if draft is not None and not 0 <= draft < logits.numel():
-            draft = None
         if not torch.isfinite(logits).any():  # nothing left: the grammar ends here, min_tokens or not
             fallback = raw.masked_fill(~allowed, -math.inf) if allowed is not None else raw
             choice = int(torch.argmax(fallback))
@@ -128,12 +125,18 @@ class TokenChooser:
             probs = self._probs(logits)
             if not (torch.isfinite(probs).all() and probs.sum() > 0):  # degenerate (non-finite logits): its mode
                 choice = int(torch.argmax(logits))
-            elif draft is not None:
-                choice, _ = sample_or_accept(probs / probs.sum(), draft, self.generator)
             else:
-                choice = int(torch.multinomial(probs, 1, generator=self.generator))
+                choice = int(torch.multinomial(probs, 1, generator=self._draws()))
         self._record(choice, raw)
         return choice, choice == draft
+
+    def _draws(self) -> torch.Generator:
+        """The random stream of the next token's draw. A seeded request's is seeded from its seed and the token's
+        position: its text does not depend on which tokens a step drafted or verified, on what ran beside it, or
+        on a session restart. An unseeded request draws from one stream."""
+        if self.params.seed is not None:
+            self.generator.manual_seed(hash((self.params.seed, len(self.generated))) & 0x7FFF_FFFF_FFFF_FFFF)
+        return self.generator
 
     def _adjusted(self, input_ids: torch.LongTensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits after bias, ``min_tokens``, penalties and the grammar's mask (and the mask)."""
@@ -189,15 +192,13 @@ class TokenChooser:
 
     def replay(self, tokens: Iterable[int], logprobs: Iterable[TokenLogprob] = ()) -> None:
         """Continue a request whose earlier session chose ``tokens`` (with ``logprobs``): penalties, ``min_tokens``
-        and the grammar go on from them. A seeded request's random stream restarts from its seed and the number
-        of tokens already chosen, so the same seed and failure point give the same text."""
+        and the grammar go on from them (a seeded request's draws depend on its seed and positions only, so the
+        text is the one an unbroken session gives)."""
         self.generated = list(tokens)
         self.logprobs = list(logprobs)[:len(self.generated)]
         if self.grammar is not None:
             for token in self.generated:
                 self.grammar.consume(token)
-        if self.params.seed is not None:
-            self.generator.manual_seed(hash((self.params.seed, len(self.generated))) & 0x7FFF_FFFF_FFFF_FFFF)
 
     def truncate(self, tokens: int) -> None:
         """Forget every choice after the first ``tokens`` (a session that restarts re-chooses them)."""

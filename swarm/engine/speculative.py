@@ -6,12 +6,14 @@ sequence plus ``draft[:i]``; so:
 
 * **greedy**: accept ``draft[i]`` while it is the argmax of ``p_i``; the token after the accepted prefix is the
   argmax at the first position that disagreed (or at position ``k``): exactly the tokens greedy decoding gives.
-* **sampled** (speculative sampling, Leviathan et al. / Chen et al., with a draft that puts all its probability
-  on one token, ``q = δ_x``): accept ``x = draft[i]`` with probability ``min(1, p_i(x) / q(x)) = p_i(x)``; on the
-  first rejection, sample from the residual ``max(0, p_i − q)`` normalised — ``p_i`` without ``x`` — and stop.
-  Every emitted token is then distributed exactly as ``p_i``: P(x) = p_i(x), and P(y ≠ x) = (1 − p_i(x)) ·
-  p_i(y) / (1 − p_i(x)) = p_i(y). The draws use the request's own generator, so a seeded request stays
-  reproducible.
+* **sampled**: position ``i``'s token is drawn from ``p_i`` exactly as without a draft (the request's own draw for
+  that position), and ``draft[i]`` is accepted when it is that token; the first token that differs is emitted and
+  the step stops there. This is speculative sampling (Leviathan et al., Chen et al.) with a draft that puts all its
+  probability on one token, ``q = δ_x``: ``x`` is accepted with probability ``p_i(x) = min(1, p_i(x) / q(x))``
+  and every emitted token is distributed as ``p_i``, since it *is* the draw from ``p_i``. Coupling the accept
+  test to that draw adds one property: a seeded request, whose draws depend on its seed and positions alone
+  (:meth:`swarm.engine.sampling.TokenChooser.choose`), emits the very tokens it emits without speculation,
+  whatever was drafted.
 
 Rows are the *chooser's* distributions (penalties, temperature, top-p, grammar masks already applied).
 """
@@ -20,22 +22,7 @@ from __future__ import annotations
 import threading
 from typing import Optional, Sequence
 
-import torch
-
 from planner.drafting import AdaptiveK, Drafter, OwnNgrams, SuffixIndex
-
-
-def sample_or_accept(probs: torch.Tensor, draft: int, generator: Optional[torch.Generator] = None
-                     ) -> tuple[int, bool]:
-    """One position of the sampled rule: (the emitted token, whether it is ``draft``) for ``probs`` ``(V,)``."""
-    if torch.rand((), generator=generator) < probs[draft]:
-        return int(draft), True
-    residual = probs.clone()
-    residual[draft] = 0.0
-    total = residual.sum()
-    if total <= 0:  # p was all on the drafted token: it cannot be rejected (rand < 1 always): unreachable
-        return int(draft), True
-    return int(torch.multinomial(residual / total, 1, generator=generator)), False
 
 
 class SessionDrafts:
