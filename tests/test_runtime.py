@@ -182,6 +182,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
             assert response.json()["error"]["message"]
         assert "exceeds" in bad[3][0].json()["error"]["message"]
         assert "colour" in bad[1][0].json()["error"]["message"]
+        assert bad[0][0].json()["error"]["message"].startswith("the request body is not valid JSON (")
     with client(swarm.url, key="wrong") as http:
         response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert response.status_code == 401 and "unknown API key" in response.json()["error"]["message"]

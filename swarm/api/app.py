@@ -92,6 +92,10 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
     async def _validation_error(_: Request, exc: RequestValidationError):
         parts = []
         for err in exc.errors():
+            if err.get("type") == "json_invalid":  # loc: ("body", character offset)
+                reason = (err.get("ctx") or {}).get("error", "malformed")
+                parts.append(f"the request body is not valid JSON ({reason} at character {err['loc'][-1]})")
+                continue
             where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
             parts.append(f"{where or 'body'}: {err.get('msg')}")
         return JSONResponse({"error": {"type": "invalid_request", "message": "; ".join(parts)}}, status_code=422)
