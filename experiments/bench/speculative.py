@@ -7,7 +7,8 @@ the blocks, so every token crosses a 3-server chain. The orchestrator runs with 
 default serving options; every point runs on the same swarm with ``speculative: false`` (one token per step) and
 with drafts, alternated ``--repeats`` times (off, on, on, off: a drift of the shared machine's speed cancels in
 pairs; a point's ratios are the medians of the pairs' ratios), through ``POST /v1/completions`` (streamed, greedy,
-``--tokens`` tokens), so the product's HTTP path with its defaults is what is measured. Four workloads: ``code_edit`` (a
+``--tokens`` tokens; ``--temperature T``: sampled, session ``i`` seeded ``--seed + i`` in both modes), so the
+product's HTTP path with its defaults is what is measured. Four workloads: ``code_edit`` (a
 function restated with a rename: the output copies the input), ``summarise`` (an article summarised in its own
 words), ``chat`` (a multi-turn conversation whose answer repeats what was said) and ``free`` (a story: drafts
 rarely match). Each request has a client id of its own, so only the request's own tokens draft (prompt lookup):
@@ -21,7 +22,7 @@ the same text. Vanilla petals (its own ``generate`` on the same servers, opened 
 Writes ``experiments/results/bench_speculative.json`` and ``.png``.
 
     python -m experiments.bench.speculative [--sessions 1,4,16] [--tokens 48] [--prefix-cache-tokens N]
-                                            [--batch-sessions N] [--repeats 2] [--replot]
+                                            [--batch-sessions N] [--repeats 2] [--temperature T] [--replot]
 """
 from __future__ import annotations
 
@@ -89,10 +90,12 @@ def prompts(workload: str) -> list[str]:
 WORKLOADS = ("code_edit", "summarise", "chat", "free")
 
 
-def _stream(url: str, prompt: str, tokens: int, speculative: bool, client: str) -> dict:
+def _stream(url: str, prompt: str, tokens: int, speculative: bool, client: str, temperature: float = 0.0,
+            seed: int = 0) -> dict:
     import httpx
 
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "speculative": speculative}
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": temperature, "stream": True,
+            "speculative": speculative, **({"seed": seed} if temperature > 0 else {})}
     start, stamps, pieces = time.monotonic(), [], []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Client-Id": client},
                       timeout=600) as response:
@@ -114,8 +117,10 @@ def _metric(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def run_point(url: str, workload: str, sessions: int, tokens: int, speculative: bool, tag: str) -> dict:
-    """``sessions`` concurrent streamed completions of ``workload``, all started together."""
+def run_point(url: str, workload: str, sessions: int, tokens: int, speculative: bool, tag: str,
+              temperature: float = 0.0, seed: int = 0) -> dict:
+    """``sessions`` concurrent streamed completions of ``workload``, all started together (sampled at
+    ``temperature`` > 0 with seed ``seed + i`` for session ``i``, the same in every run: the same text)."""
     variants = prompts(workload)
     names = ("chainswarm_speculative_drafted_tokens_total", "chainswarm_speculative_accepted_tokens_total",
              "chainswarm_batched_session_steps_total")
@@ -127,7 +132,8 @@ def run_point(url: str, workload: str, sessions: int, tokens: int, speculative: 
     def one(i: int) -> None:
         barrier.wait()
         try:
-            results[i] = _stream(url, variants[i % len(variants)], tokens, speculative, f"{tag}-{i}")
+            results[i] = _stream(url, variants[i % len(variants)], tokens, speculative, f"{tag}-{i}", temperature,
+                                 seed + i)
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.append(repr(exc))
 
@@ -210,7 +216,7 @@ def pair_point(workload: str, sessions: int, offs: list[dict], ons: list[dict]) 
 
 
 def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix_cache_tokens: int = 0,
-          batch_sessions: int = 16, speculative_k: int = 8, repeats: int = 2) -> dict:
+          batch_sessions: int = 16, speculative_k: int = 8, repeats: int = 2, temperature: float = 0.0) -> dict:
     import httpx
     import torch
     from swarm.model.tokenizer import load_tokenizer
@@ -240,14 +246,15 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix
                 runs: dict = {False: [], True: []}
                 for r in range(repeats):  # off, on, on, off, ...: a drift of the machine's speed cancels in pairs
                     for mode in ((False, True) if r % 2 == 0 else (True, False)):
-                        runs[mode].append(run_point(url, workload, n, tokens, mode, f"{workload}-{n}-{mode}-{r}"))
+                        runs[mode].append(run_point(url, workload, n, tokens, mode, f"{workload}-{n}-{mode}-{r}",
+                                                    temperature, seed))
                 points.append(pair_point(workload, n, runs[False], runs[True]))
                 progress.update()
         tokenizer = load_tokenizer(path)
         vanilla = {}
         with open_distributed_model(path, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
                                     torch_dtype=torch.float32) as model:
-            for workload in WORKLOADS:
+            for workload in WORKLOADS if temperature == 0 else ():  # petals' generate: greedy runs only
                 progress.set_postfix_str(f"vanilla petals {workload}")
                 vanilla[workload] = run_vanilla(model, tokenizer, workload, tokens)
                 progress.update()
@@ -291,8 +298,10 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xlabel("concurrent sessions")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{report['model']} on a 3-server chain, RIPE Atlas RTTs (WAN emulator), {report['tokens']} greedy "
-                 "tokens per request", fontsize=9)
+    how = (f"tokens per request, sampled at T = {report['temperature']} (seeded)" if report.get("temperature")
+           else "greedy tokens per request")
+    fig.suptitle(f"{report['model']} on a 3-server chain, RIPE Atlas RTTs (WAN emulator), {report['tokens']} {how}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -313,12 +322,18 @@ def main(argv=None) -> int:
                         help="runs of each mode per point, alternated (off, on, on, off, ...); a point's ratios are "
                         "the medians of the paired runs' ratios (default 2: on this shared 2-core machine one run of "
                         "each is ±5%%, which decided the free-text target by noise)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (default 0: greedy); above 0 session i's requests "
+                        "carry seed --seed + i in both modes, so the text must be the same with and without drafts "
+                        "(vanilla petals, greedy only, is not run)")
     parser.add_argument("--speculative-k", type=int, default=8,
                         help="the orchestrator's --speculative-k (default 8, its default): most drafted tokens a "
                         "session verifies per step")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if not 0 <= args.temperature <= 2:
+        parser.error(f"--temperature must be between 0 and 2, got {args.temperature}")
     if not 1 <= args.speculative_k <= 64:
         parser.error(f"--speculative-k must be between 1 and 64, got {args.speculative_k}")
     if replotted(args, plot):
@@ -327,13 +342,14 @@ def main(argv=None) -> int:
 
     path = model_dir(args, DTYPE)
     counts = [int(s) for s in args.sessions.split(",")]
-    progress = tqdm(total=len(WORKLOADS) * (len(counts) + 1), desc="bench_speculative")
+    progress = tqdm(total=len(WORKLOADS) * (len(counts) + (args.temperature == 0)), desc="bench_speculative")
     began = time.monotonic()
     report = {"command": "python -m experiments.bench.speculative", "model": Path(path).name, "dtype": DTYPE,
               "tokens": args.tokens, "seed": args.seed, "prefix_cache_tokens": args.prefix_cache_tokens,
               "batch_sessions": args.batch_sessions, "speculative_k": args.speculative_k, "repeats": args.repeats,
+              "temperature": args.temperature,
               **bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens, args.batch_sessions,
-                      args.speculative_k, args.repeats)}
+                      args.speculative_k, args.repeats, args.temperature)}
     progress.close()
     report["wall_s"] = time.monotonic() - began
     report["targets"] = targets(report)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tables import (  # noqa: E402  (scripts/docs/tables.py)
-    GEMMA_COMMAND, GEMMA_SPECULATIVE, PREFIX_COMMAND, PREFIX_SPECULATIVE, SINGLE_COMMAND, SINGLE_SPECULATIVE, RESULTS, ROOT, by_sessions, minus,
+    GEMMA_COMMAND, GEMMA_SPECULATIVE, PREFIX_COMMAND, PREFIX_SPECULATIVE, SAMPLED_COMMAND, SAMPLED_SPECULATIVE, SINGLE_COMMAND, SINGLE_SPECULATIVE, RESULTS, ROOT, by_sessions, minus,
     table_row, sci, batching_table,
     chaos_table, chaos_waves_table, drafting_table, device_check_table, device_swarm_table, http_table, kv_lengths_table, load, runtime_table,
     soak_table, speculative_table, verification_spread_table, verification_steps_table, verification_table)
@@ -153,6 +153,8 @@ def write(out_dir: Path) -> None:
                      SINGLE_SPECULATIVE, SINGLE_COMMAND).replace("](results/", "](reference/results/"),
                  "speculative_prefix.md": speculative_table(
                      PREFIX_SPECULATIVE, PREFIX_COMMAND).replace("](results/", "](reference/results/"),
+                 "speculative_sampled.md": speculative_table(
+                     SAMPLED_SPECULATIVE, SAMPLED_COMMAND).replace("](results/", "](reference/results/"),
                  "drafting.md": drafting_table().replace("](results/", "](reference/results/"),
                  "headline.md": headline_table("reference/results/", "")}
     for name, text in generated.items():
@@ -179,6 +181,7 @@ def write(out_dir: Path) -> None:
             "## Speculative decoding", "", speculative_table(), "", speculative_table(GEMMA_SPECULATIVE, GEMMA_COMMAND), "",
             "On petals' per-session path:", "", speculative_table(SINGLE_SPECULATIVE, SINGLE_COMMAND), "",
             "With prompt-prefix reuse:", "", speculative_table(PREFIX_SPECULATIVE, PREFIX_COMMAND), "",
+            "Sampled requests with a seed:", "", speculative_table(SAMPLED_SPECULATIVE, SAMPLED_COMMAND), "",
             "Drafting policies replayed on the greedy answers (see [Speculative decoding](../speculative.md)):", "",
             drafting_table(), "",
             "## Report sections", "",
