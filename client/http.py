@@ -1,4 +1,4 @@
-"""``SwarmClient``: generate text through a Chainswarm orchestrator over HTTP (OpenAI-style completions)."""
+"""``SwarmClient``: generate text through a Chainswarm orchestrator over HTTP (OpenAI-style completions and chat)."""
 from __future__ import annotations
 
 import json
@@ -56,6 +56,11 @@ class SwarmClient:
     >>> client = SwarmClient("http://127.0.0.1:8000", api_key="secret")
     >>> client.generate("Once upon a time", max_new_tokens=32, temperature=0).text
     >>> for piece in client.stream("Once upon a time", max_new_tokens=32): print(piece, end="")
+    >>> client.chat([{"role": "user", "content": "What is the capital of France?"}], temperature=0).text
+
+    Sampling keywords of :meth:`generate`, :meth:`stream`, :meth:`chat` and :meth:`chat_stream`: ``temperature``
+    (0: greedy), ``top_p``, ``seed`` (same seed and prompt: same text) and ``stop`` (strings that end the text,
+    never part of it).
     """
 
     def __init__(self, url: str, api_key: str | None = None, *, client_id: str | None = None,
@@ -102,25 +107,57 @@ class SwarmClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _body(self, prompt: str, max_new_tokens: int, temperature: float, top_p: float, stream: bool) -> dict:
-        return {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                "stream": stream}
+    @staticmethod
+    def _sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
+                  stop: list[str] | None, stream: bool) -> dict:
+        body = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "stream": stream}
+        if seed is not None:
+            body["seed"] = seed
+        if stop:
+            body["stop"] = list(stop)
+        return body
 
-    def generate(self, prompt: str, max_new_tokens: int = 32, *, temperature: float = 1.0,
-                 top_p: float = 1.0) -> Completion:
-        response = self._post("/v1/completions", self._body(prompt, max_new_tokens, temperature, top_p, False))
+    def _complete(self, path: str, body: dict) -> tuple[dict, dict]:
+        response = self._post(path, body)
         _raise_for(response)
         doc = response.json()
-        choice, usage, swarm = doc["choices"][0], doc["usage"], doc.get("chainswarm", {})
-        return Completion(choice["text"], choice["finish_reason"], usage["prompt_tokens"],
-                          usage["completion_tokens"], swarm.get("chain_id"), swarm.get("waiting_s"),
-                          swarm.get("service_s"), doc)
+        return doc, doc["choices"][0]
 
-    def stream(self, prompt: str, max_new_tokens: int = 32, *, temperature: float = 1.0,
-               top_p: float = 1.0) -> Iterator[str]:
+    @staticmethod
+    def _completion(doc: dict, text: str, choice: dict) -> Completion:
+        usage, swarm = doc["usage"], doc.get("chainswarm", {})
+        return Completion(text, choice["finish_reason"], usage["prompt_tokens"], usage["completion_tokens"],
+                          swarm.get("chain_id"), swarm.get("waiting_s"), swarm.get("service_s"), doc)
+
+    def generate(self, prompt: str, max_new_tokens: int = 32, *, temperature: float = 1.0, top_p: float = 1.0,
+                 seed: int | None = None, stop: list[str] | None = None) -> Completion:
+        """The text that follows ``prompt`` (``POST /v1/completions``)."""
+        body = {"prompt": prompt, **self._sampling(max_new_tokens, temperature, top_p, seed, stop, False)}
+        doc, choice = self._complete("/v1/completions", body)
+        return self._completion(doc, choice["text"], choice)
+
+    def stream(self, prompt: str, max_new_tokens: int = 32, *, temperature: float = 1.0, top_p: float = 1.0,
+               seed: int | None = None, stop: list[str] | None = None) -> Iterator[str]:
         """Yield text pieces as the swarm generates them (server-sent events)."""
-        body = self._body(prompt, max_new_tokens, temperature, top_p, True)
-        with self._http.stream("POST", "/v1/completions", json=body) as response:
+        body = {"prompt": prompt, **self._sampling(max_new_tokens, temperature, top_p, seed, stop, True)}
+        yield from self._events("/v1/completions", body, lambda choice: choice.get("text"))
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 32, *, temperature: float = 1.0, top_p: float = 1.0,
+             seed: int | None = None, stop: list[str] | None = None) -> Completion:
+        """The assistant's answer to ``messages`` (``[{"role": ..., "content": ...}]``, through the model's chat
+        template: ``POST /v1/chat/completions``)."""
+        body = {"messages": messages, **self._sampling(max_new_tokens, temperature, top_p, seed, stop, False)}
+        doc, choice = self._complete("/v1/chat/completions", body)
+        return self._completion(doc, choice["message"].get("content") or "", choice)
+
+    def chat_stream(self, messages: list[dict], max_new_tokens: int = 32, *, temperature: float = 1.0,
+                    top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None) -> Iterator[str]:
+        """Yield the answer's text pieces as the swarm generates them."""
+        body = {"messages": messages, **self._sampling(max_new_tokens, temperature, top_p, seed, stop, True)}
+        yield from self._events("/v1/chat/completions", body, lambda choice: choice.get("delta", {}).get("content"))
+
+    def _events(self, path: str, body: dict, text_of) -> Iterator[str]:
+        with self._http.stream("POST", path, json=body) as response:
             if response.status_code >= 400:
                 response.read()
                 _raise_for(response)
@@ -133,7 +170,7 @@ class SwarmClient:
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise SwarmError(503, chunk["error"].get("type", "error"), chunk["error"].get("message", ""))
-                text = chunk["choices"][0]["text"]
+                text = text_of(chunk["choices"][0]) if chunk.get("choices") else None
                 if text:
                     yield text
 

@@ -128,6 +128,21 @@ def test_greedy_completions_and_streams_equal_local_transformers(swarm, prompts,
         assert text == expected[prompt], prompt[:40]
 
 
+def test_generate_cli_chats_through_the_models_template(swarm, prompts, reference):
+    """``chainswarm generate --chat``: the prompt as a user message through the chat template, greedy, printed and
+    streamed — the model's answer to the templated question, as local transformers gives it."""
+    import subprocess
+    import sys
+
+    expected = reference(prompts[4], 32)
+    base = [sys.executable, "-m", "swarm.cli", "generate", "What is the capital of France?", "--chat",
+            "--orchestrator", swarm.url, "--max-new-tokens", "32", "--temperature", "0"]
+    for extra in ([], ["--stream"]):
+        run = subprocess.run(base + extra, capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout == expected + "\n" and "Paris" in run.stdout
+
+
 def test_prefix_reuse_hits_and_changes_no_answer(swarm, prompts, reference):
     long_prompt = prompts[-1]
     first = complete(swarm.url, long_prompt, 32)

@@ -292,6 +292,18 @@ def test_generate_cli_prints_the_swarms_text(swarm, tiny_model):
     assert streamed.returncode == 0 and streamed.stdout == expected + "\n"
     refused = subprocess.run(base[:-4] + ["--api-key", "nope"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "unknown API key" in refused.stderr
+    # --stop cuts before the string (taken from the greedy text); --seed samples the same text twice
+    stop = expected[len(expected) // 2:][:3]
+    cut = subprocess.run(base + ["--stop", stop], capture_output=True, text=True, timeout=120)
+    assert cut.returncode == 0 and cut.stdout == expected[:expected.index(stop)] + "\n", (stop, cut.stdout)
+    sampled = [subprocess.run(base[:-2] + ["--temperature", "1.0", "--seed", "7"] + extra, capture_output=True,
+                              text=True, timeout=120) for extra in ([], ["--stream"])]
+    assert all(r.returncode == 0 for r in sampled) and sampled[0].stdout == sampled[1].stdout
+    # the tiny model has no chat template: a clear refusal; --system without --chat is a usage error
+    chat = subprocess.run(base + ["--chat"], capture_output=True, text=True, timeout=120)
+    assert chat.returncode == 2 and "no chat template" in chat.stderr
+    lonely = subprocess.run(base + ["--system", "Be brief."], capture_output=True, text=True, timeout=120)
+    assert lonely.returncode == 2 and "--system needs --chat" in lonely.stderr
 
 
 def test_killed_server_sessions_complete_elsewhere_with_identical_text(swarm, tiny_model):
