@@ -7,7 +7,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    parser.add_argument("prompt", help="the prompt text (with --chat: the user's message); - reads it from stdin")
     parser.add_argument("--orchestrator", default=os.environ.get("CHAINSWARM_URL", "http://127.0.0.1:8000"),
                         help="orchestrator URL (default $CHAINSWARM_URL or http://127.0.0.1:8000)")
     parser.add_argument("--api-key", default=os.environ.get("CHAINSWARM_API_KEY"))
@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         print("chainswarm generate: error: --system needs --chat", file=sys.stderr)
         return 2
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop)
     messages = [*([{"role": "system", "content": args.system}] if args.system is not None else []),
                 {"role": "user", "content": args.prompt}]

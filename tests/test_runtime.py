@@ -290,6 +290,9 @@ def test_generate_cli_prints_the_swarms_text(swarm, tiny_model):
     assert plain.stdout == expected + "\n" and "tokens on chain" in plain.stderr
     streamed = subprocess.run(base + ["--stream"], capture_output=True, text=True, timeout=120)
     assert streamed.returncode == 0 and streamed.stdout == expected + "\n"
+    piped = subprocess.run([part if part != prompt else "-" for part in base], input=prompt, capture_output=True,
+                           text=True, timeout=120)
+    assert piped.returncode == 0 and piped.stdout == expected + "\n", piped.stderr
     refused = subprocess.run(base[:-4] + ["--api-key", "nope"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "unknown API key" in refused.stderr
     # --stop cuts before the string (taken from the greedy text); --seed samples the same text twice
