@@ -267,15 +267,16 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix
 
 def targets(report: dict) -> dict:
     """The issue's targets: ≤ 0.5× per-token latency on the copy-heavy workloads at 1 session, ≥ 1.3× aggregate
-    tokens/s at 16 sessions, ≤ 1.05× per-token latency on free generation."""
+    tokens/s at 16 sessions (judged only where 16 sessions were measured), ≤ 1.05× per-token latency on free
+    generation."""
     by = {(p["workload"], p["sessions"]): p for p in report["points"]}
     copy = [by[(w, 1)]["per_token_ratio"] for w in ("code_edit", "summarise", "chat") if (w, 1) in by]
-    most = max(p["sessions"] for p in report["points"])
-    crowd = [by[(w, most)]["throughput_ratio"] for w in WORKLOADS if (w, most) in by]
+    crowd = [by[(w, 16)]["throughput_ratio"] for w in WORKLOADS if (w, 16) in by]
     free = [p["per_token_ratio"] for p in report["points"] if p["workload"] == "free"]
+    throughput = ({"throughput_at_16_sessions": crowd, "throughput_at_least_1_3x": min(crowd) >= 1.3}
+                  if crowd else {})
     return {"copy_heavy_per_token_at_1_session": copy, "copy_heavy_at_most_half": bool(copy) and max(copy) <= 0.5,
-            f"throughput_at_{most}_sessions": crowd, "throughput_at_least_1_3x": bool(crowd) and min(crowd) >= 1.3,
-            "free_per_token": free, "free_at_most_1_05x": bool(free) and max(free) <= 1.05,
+            **throughput, "free_per_token": free, "free_at_most_1_05x": bool(free) and max(free) <= 1.05,
             "same_text_everywhere": all(p["same_text"] for p in report["points"])}
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tables import (  # noqa: E402  (scripts/docs/tables.py)
-    GEMMA_COMMAND, GEMMA_SPECULATIVE, PREFIX_COMMAND, PREFIX_SPECULATIVE, SAMPLED_COMMAND, SAMPLED_SPECULATIVE, SINGLE_COMMAND, SINGLE_SPECULATIVE, RESULTS, ROOT, by_sessions, minus,
+    GEMMA_COMMAND, GEMMA_SPECULATIVE, PREFIX_COMMAND, PREFIX_SPECULATIVE, SAMPLED_COMMAND, SAMPLED_SPECULATIVE,
+    SINGLE_COMMAND, SINGLE_SPECULATIVE, RESULTS, ROOT, by_sessions, minus,
     table_row, sci, batching_table,
     chaos_table, chaos_waves_table, drafting_table, device_check_table, device_swarm_table, http_table, kv_lengths_table, load, runtime_table,
     soak_table, speculative_table, verification_spread_table, verification_steps_table, verification_table)

@@ -12,8 +12,8 @@ applied here, on the real logits:
   temperature, ``min_p`` (tokens below ``min_p`` × the most likely one's probability dropped), ``top_k`` and
   ``top_p`` (in that order, as vLLM) from a per-request ``torch.Generator``. A seeded request draws each token
   from its seed and the token's position alone (same seed and prompt → same text, whatever else runs concurrently
-  and however many tokens a speculative step verified). It records the chosen token's log-probability and the ``top_logprobs``
-  alternatives from the model's own distribution (log-softmax of the raw logits), then returns logits that
+  and however many tokens a speculative step verified). It records the chosen token's log-probability and the
+  ``top_logprobs`` alternatives from the model's own distribution (log-softmax of the raw logits), then returns logits that
   put all mass on its choice, so transformers' greedy loop emits exactly that token.
 * :class:`StopMatcher` — ``stop`` strings matched across token boundaries on the decoded text; text that
   could still be the start of a stop string is held back, so a stop string is never part of what a client
