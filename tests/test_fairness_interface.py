@@ -100,6 +100,9 @@ def test_explicit_errors():
         s.on_tokens("r", 1, 0)  # still queued
     with pytest.raises(InvalidEventError):
         s.submit("bad", "a", 0, 0)
+    with pytest.raises(InvalidEventError, match="max_new_tokens must be >= 0"):
+        s.submit("bad", "a", 5, 0, max_new_tokens=-1)
+    assert s.submit("score", "a", 5, 0, max_new_tokens=0)  # a prompt scored (echo with logprobs): no output
     with pytest.raises(UnknownRequestError, match="unknown request 'nope' in on_finish"):
         s.on_finish("nope", 0)
     with pytest.raises(UnknownClientError, match="unknown client 'zed'"):

@@ -47,13 +47,18 @@ def local(smollm2_dir):
         greedy = staticmethod(greedy_reference(smollm2_dir))
 
         @staticmethod
-        def first_logprobs(text):
+        def logprobs(text):
+            """log-softmax of the model's logits at every position of ``text`` ``(T, V)``."""
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
             ids = tokenizer(text, return_tensors="pt").input_ids
             with torch.inference_mode():
-                return torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+                return torch.log_softmax(model(ids).logits[0].float(), -1)
+
+        @staticmethod
+        def first_logprobs(text):
+            return Local.logprobs(text)[-1]
 
     return Local
 
@@ -187,8 +192,11 @@ def test_same_seed_same_text(client, local):
 
 
 def test_logprobs_are_the_models_own(client, local):
+    # one token per step in both runs: a step that verifies drafts multiplies more rows at once, which rounds the
+    # float32 sums differently (a logprob's seventh digit); the stream must equal the reply bit for bit
+    plain = {"speculative": False}
     reply = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=4,
-                                           logprobs=True, top_logprobs=3)
+                                           logprobs=True, top_logprobs=3, extra_body=plain)
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens == 4
     reference = local.first_logprobs(local.chat_text(QUESTION))
@@ -196,13 +204,93 @@ def test_logprobs_are_the_models_own(client, local):
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
     assert all(t.logprob <= 0 for entry in content for t in entry.top_logprobs)
     chunks = client.chat.completions.create(model=local.name, messages=QUESTION, temperature=0, max_tokens=4,
-                                            logprobs=True, top_logprobs=3, stream=True)
+                                            logprobs=True, top_logprobs=3, stream=True, extra_body=plain)
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     legacy = client.completions.create(model=local.name, prompt="Paris is the capital of", temperature=0,
                                        max_tokens=3, logprobs=2)
     assert len(legacy.choices[0].logprobs.token_logprobs) == 3
     assert all(len(top) == 2 for top in legacy.choices[0].logprobs.top_logprobs)
+
+
+def test_echo_scores_the_prompt_as_transformers_does(client, local):
+    """``echo`` with ``logprobs`` (what lm-evaluation-harness sends for log-likelihoods): every prompt token's
+    log-probability after the ones before it, computed through the chain, equal to local transformers'; the first
+    token has none. With max_tokens 0 nothing is generated; with more, the answer follows the echoed prompt."""
+    prompt = "Paris is the capital of France, and Berlin is the capital of"
+    ids = local.prompt_ids(prompt)[0].tolist()
+    reference = local.logprobs(prompt)
+    scored = client.completions.create(model=local.name, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice, logprobs = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(logprobs.tokens) == len(ids) and "".join(logprobs.tokens) == prompt
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(ids))]
+    for t in range(1, len(ids)):
+        assert logprobs.token_logprobs[t] == pytest.approx(float(reference[t - 1, ids[t]]), abs=1e-3)
+        best = reference[t - 1].topk(2).values.tolist()
+        assert sorted(logprobs.top_logprobs[t].values(), reverse=True) == pytest.approx(best, abs=1e-3)
+    # lm-evaluation-harness's request: echo and one token
+    answer = local.greedy(prompt, 3)
+    one = client.completions.create(model=local.name, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                    temperature=0)
+    assert one.choices[0].text == prompt + local.greedy(prompt, 1) and answer.startswith(" Germany")
+    assert one.choices[0].logprobs.token_logprobs[:len(ids)] == pytest.approx(logprobs.token_logprobs, abs=1e-5)
+    assert len(one.choices[0].logprobs.tokens) == len(ids) + 1
+    # streamed: the echoed prompt first, then the answer; every logprob with the choice's last chunk
+    chunks = list(client.completions.create(model=local.name, prompt=prompt, max_tokens=3, echo=True, logprobs=1,
+                                            temperature=0, stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0] == prompt and "".join(texts) == prompt + answer
+    last = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(last) == 1 and len(last[0].tokens) == len(ids) + 3 and last[0].token_logprobs[0] is None
+    # echo alone costs nothing; max_tokens 0 without it is refused
+    plain = client.completions.create(model=local.name, prompt=prompt, max_tokens=0, echo=True, n=2)
+    assert [c.text for c in plain.choices] == [prompt, prompt] and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=local.name, prompt=prompt, max_tokens=0)
+
+
+def test_score_cli_gives_transformers_perplexity(swarm, local, smollm2_dir):
+    """``chainswarm score``: the fixed paragraph's perplexity through the swarm (one prefill through the chain,
+    the LM head at the orchestrator) equals local transformers' (float32)."""
+    import json
+    import subprocess
+    import sys
+
+    from real_model import paragraph, perplexity
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    text = paragraph()
+    run = subprocess.run([sys.executable, "-m", "swarm.cli", "score", "-", "--orchestrator", swarm.url,
+                          "--api-key", "sk-test", "--top", "2", "--json"], input=text, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+    expected = perplexity(model, AutoTokenizer.from_pretrained(smollm2_dir), text)
+    assert doc["scored_tokens"] == len(local.prompt_ids(text)[0]) - 1 >= 100
+    assert doc["perplexity"] == pytest.approx(expected, rel=1e-4)
+    assert all(len(top) == 2 for top in doc["top"][1:]) and doc["top"][0] is None
+
+
+def test_a_batch_of_prompts_as_text_or_token_ids(client, local):
+    """A completions request with several prompts, as text or as token ids (lm-evaluation-harness's
+    ``local-completions`` sends ``[[ids...], ...]``): n choices per prompt, in prompt order, each the prompt's own."""
+    first, second = "Paris is the capital of France, and Berlin is the capital of", "The three primary colours are"
+    ids = [local.prompt_ids(p)[0].tolist() for p in (first, second)]
+    scored = client.completions.create(model=local.name, prompt=ids, max_tokens=1, echo=True, logprobs=1,
+                                       temperature=0)
+    assert [c.index for c in scored.choices] == [0, 1]
+    assert [c.text for c in scored.choices] == [p + local.greedy(p, 1) for p in (first, second)]
+    assert [len(c.logprobs.token_logprobs) for c in scored.choices] == [len(i) + 1 for i in ids]
+    assert scored.usage.prompt_tokens == sum(map(len, ids)) and scored.usage.completion_tokens == 2
+    texts = client.completions.create(model=local.name, prompt=[first, second], max_tokens=4, temperature=0, n=2)
+    assert [c.text for c in texts.choices] == [local.greedy(first, 4)] * 2 + [local.greedy(second, 4)] * 2
+    with pytest.raises(openai.BadRequestError, match="not in the model's vocabulary"):
+        client.completions.create(model=local.name, prompt=[ids[0] + [10 ** 7]], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="a stream answers one prompt"):
+        client.completions.create(model=local.name, prompt=[first, second], max_tokens=1, stream=True)
 
 
 def test_n_choices_are_separate_sessions(client, local, swarm):

@@ -172,7 +172,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         bad = [
             (http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 422),
             (http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "colour": "red"}), 422),
-            (http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}), 422),
+            (http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}), 400),
             (http.post("/v1/completions", json={"prompt": "hi " * 400, "max_tokens": 8}), 400),
             (http.post("/v1/completions", json={"max_tokens": 8}), 422),
             (http.delete("/v1/leases/no-such-lease"), 404),
@@ -183,6 +183,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         assert "exceeds" in bad[3][0].json()["error"]["message"]
         assert "colour" in bad[1][0].json()["error"]["message"]
         assert bad[0][0].json()["error"]["message"].startswith("the request body is not valid JSON (")
+        assert "only with echo" in bad[2][0].json()["error"]["message"]
     with client(swarm.url, key="wrong") as http:
         response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert response.status_code == 401 and "unknown API key" in response.json()["error"]["message"]

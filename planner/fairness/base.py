@@ -186,8 +186,8 @@ class CentralQueueScheduler(DispatchRounds):
             raise DuplicateRequestError(f"request {request_id!r} is already queued or running")
         if input_tokens < 1:
             raise InvalidEventError(f"request {request_id!r}: input_tokens must be >= 1, got {input_tokens}")
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise InvalidEventError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if max_new_tokens is not None and max_new_tokens < 0:  # 0: a prompt scored, nothing generated
+            raise InvalidEventError(f"request {request_id!r}: max_new_tokens must be >= 0, got {max_new_tokens}")
         if client_id not in self._clients:
             self._clients[client_id] = len(self._clients)
             self._service.setdefault(client_id, 0.0)

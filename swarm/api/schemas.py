@@ -18,10 +18,12 @@ MAX_STOP = 4
 MAX_LOGIT_BIAS = 300
 MAX_MESSAGES = 256
 MAX_PROMPT_CHARS = 1_000_000  # bounded before any tokenization; the token limit is the swarm's session length
+MAX_PROMPTS = 64  # prompts of one completions request (a batch, as evaluation harnesses send)
+MAX_PROMPT_IDS = 1_000_000  # token ids of a prompt given as ids (the session length is checked when it is queued)
 
 # OpenAI request fields Chainswarm does not implement: accepted by the schema so that a request using one gets
 # a 400 that names it (a field OpenAI does not define at all is a 422, like any typo).
-UNSUPPORTED_COMPLETION_FIELDS = ("best_of", "echo", "suffix")
+UNSUPPORTED_COMPLETION_FIELDS = ("best_of", "suffix")
 UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "service_tier",
                            "store", "metadata", "reasoning_effort", "web_search_options")
 
@@ -102,14 +104,31 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """OpenAI-compatible ``POST /v1/completions``."""
 
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the prompt text")
-    max_tokens: Optional[int] = Field(16, ge=1, description="tokens to generate (prompt + max_tokens <= max "
-                                      "session length); null = up to the session length")
+    prompt: Union[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)],
+                  Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]],
+                            Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_IDS)],
+                  Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1,
+                                                                                     max_length=MAX_PROMPT_IDS)]],
+                            Field(min_length=1, max_length=MAX_PROMPTS)]] = Field(
+        description=f"the prompt: a text, token ids, or a batch of up to {MAX_PROMPTS} of either (the choices "
+                    "come in prompt order, n per prompt; a batch is not streamed)")
+    max_tokens: Optional[int] = Field(16, ge=0, description="tokens to generate (prompt + max_tokens <= max "
+                                      "session length); null = up to the session length; 0 only with echo "
+                                      "(the prompt scored, nothing generated)")
     logprobs: Optional[int] = Field(None, ge=0, le=5, description="log-probabilities of the chosen tokens and "
                                     "the top N alternatives")
+    echo: bool = Field(False, description="the text starts with the prompt; with logprobs, every prompt token "
+                       "but the first has its log-probability and alternatives too (one more prefill of the prompt)")
     best_of: Optional[Any] = None
-    echo: Optional[Any] = None
     suffix: Optional[Any] = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request, each a text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
 
 
 class JsonSchemaFormat(_Strict):
@@ -353,7 +372,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
-    chainswarm: SwarmTiming
+    chainswarm: Optional[SwarmTiming] = Field(None, description="how the swarm served it (absent only for an echo of "
+                                              "max_tokens 0 without logprobs: nothing ran)")
 
 
 class LeaseRequest(_Strict):

@@ -152,11 +152,15 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
+    def response_meta(self) -> dict:
+        """A response's ``id``, ``created`` and ``model``."""
+        return {"id": f"{self.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                "model": self.model_name}
+
     def begin(self, body, client: str, input_ids: list[int], max_tokens: int | None, logprobs: int | None,
               request: Request, grammar=None):
         """Start the request's ``n`` runs: its stop strings, the response's id/created/model, the items."""
-        meta = {"id": f"{self.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": self.model_name}
+        meta = self.response_meta()
         params = self.sampling(body, input_ids, max_tokens, logprobs, grammar)
         dual = getattr(body, "dual_execution", False) or client in self.dual_clients
         return body.stop_strings(), meta, self.choices(client, input_ids, params, request, dual)

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from planner.fairness.types import Grant
-from swarm.engine.generation import GenerationEngine, Preempted, Progress, ReservationFull, StopGeneration
+from swarm.engine.generation import (
+    GenerationEngine, GenerationResult, Preempted, Progress, ReservationFull, StopGeneration,
+)
 from swarm.engine.routing import Lease, NoRouteError, SessionControl, splice
 from swarm.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
 
@@ -69,6 +71,7 @@ class Finished:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     request_id: str = ""
     verified: str | None = None  # spot checks: "pending", "true" or "false" (None: checks are off)
+    prompt_logprobs: list[TokenLogprob] | None = None  # SamplingParams.prompt_logprobs: each prompt token's but the 1st
 
 
 class _LoopProvider:
@@ -349,13 +352,25 @@ class CompletionRunner:
         checks = getattr(orchestrator, "checks", None)  # spot checks: is this session drawn (swarm.control.spot_checks)
         if dual and checks is None:
             raise DualExecutionUnavailable("dual execution needs the orchestrator's spot checker (a generation engine)")
+        if dual and (params.prompt_logprobs is not None or params.max_new_tokens == 0):
+            raise DualExecutionUnavailable("dual execution re-executes generated tokens; a prompt's scores are not "
+                                           "re-executed")
         try:
-            recorder = checks.recorder(chain.route, dual=dual) if checks is not None else None
+            recorder = (checks.recorder(chain.route, dual=dual) if checks is not None and params.max_new_tokens > 0
+                        else None)  # a prompt's scoring is not recorded (swarm.engine.scoring)
         except RuntimeError as exc:  # a span no other server holds
             raise DualExecutionUnavailable(str(exc)) from None
 
+        scored: list[TokenLogprob] | None = None
+
         def generate():
-            return engine.generate(lease, _LoopProvider(orchestrator, loop), input_ids, params, on_token,
+            nonlocal scored
+            provider = _LoopProvider(orchestrator, loop)
+            if params.prompt_logprobs is not None:  # echo with logprobs: a prefill that keeps every position
+                scored = engine.score(lease, provider, input_ids, params.prompt_logprobs, control)
+            if params.max_new_tokens == 0:  # a prompt scored or echoed, nothing generated
+                return GenerationResult([], "length", prefill_tokens=len(input_ids) if scored is not None else 0)
+            return engine.generate(lease, provider, input_ids, params, on_token,
                                    page_hashes=page_hashes or None, on_prefix=on_prefix if page_hashes else None,
                                    control=control, prior=prior, recorder=recorder, client=client)
 
@@ -411,7 +426,7 @@ class CompletionRunner:
                 verified = orchestrator.ledger.verdict(grant.request_id)
             yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
                            list(chain.route), 0.0, 0.0, prefix, logprobs=result.logprobs,
-                           request_id=grant.request_id, verified=verified)
+                           request_id=grant.request_id, verified=verified, prompt_logprobs=scored)
         finally:
             orchestrator.running.pop(grant.request_id, None)
             if not settled:  # the consumer went away mid-stream (cancelled / closed): stop in the background

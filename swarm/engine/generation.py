@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from swarm.engine import single
+from swarm.engine import scoring, single
 from swarm.engine.batching import ChainGenerator, Decoding, SequenceFailed, StopSequence
 from swarm.engine.multi_client import ChainBatch
 from swarm.engine.multi_wire import Prefix
@@ -167,6 +167,14 @@ class GenerationEngine:
             if sid in failed:
                 raise RuntimeError(f"the server refused the span: {failed[sid]}")
             return outputs[sid][0]
+
+    def score(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], top: int,
+              control: SessionControl | None = None) -> list[TokenLogprob]:
+        """Every prompt token's log-probability after the ones before it, with ``top`` alternatives (blocking; one
+        prefill on ``lease``'s chain, :mod:`swarm.engine.scoring`)."""
+        if self._closed.is_set():
+            raise RuntimeError("the generation engine is closed")
+        return scoring.score_prompt(self.model, lease, provider, input_ids, top, control)
 
     def generate(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, *, page_hashes: list[bytes] | None = None,

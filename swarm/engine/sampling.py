@@ -62,6 +62,9 @@ class SamplingParams:
     grammar: Grammar | None = None  # constrained decoding (swarm.engine.grammar)
     speculative: bool = True  # the orchestrator may draft and verify several tokens per step (when it speculates)
     grows: bool = False  # no explicit max_tokens: KV is reserved a part at a time (CompletionRunner.grow_tokens)
+    # echo with logprobs: the prompt tokens' logprobs and this many alternatives (swarm.engine.scoring); a request
+    # with max_new_tokens 0 only scores its prompt
+    prompt_logprobs: int | None = None
 
     @property
     def plain_greedy(self) -> bool:
