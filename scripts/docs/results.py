@@ -29,7 +29,8 @@ from tables import (  # noqa: E402  (scripts/docs/tables.py)
     GEMMA_COMMAND, GEMMA_SPECULATIVE, PREFIX_COMMAND, PREFIX_SPECULATIVE, SAMPLED_COMMAND, SAMPLED_SPECULATIVE,
     SINGLE_COMMAND, SINGLE_SPECULATIVE, RESULTS, ROOT, by_sessions, minus,
     table_row, sci, batching_table,
-    chaos_table, chaos_waves_table, drafting_table, device_check_table, device_swarm_table, http_table, kv_lengths_table, load, runtime_table,
+    chaos_table, chaos_waves_table, drafting_table, device_check_table, device_swarm_table, http_table, kv_lengths_table,
+    lm_eval_table, load, runtime_table,
     soak_table, speculative_table, verification_spread_table, verification_steps_table, verification_table)
 
 DATA_README = ROOT / "experiments" / "data" / "README.md"
@@ -157,6 +158,7 @@ def write(out_dir: Path) -> None:
                  "speculative_sampled.md": speculative_table(
                      SAMPLED_SPECULATIVE, SAMPLED_COMMAND).replace("](results/", "](reference/results/"),
                  "drafting.md": drafting_table().replace("](results/", "](reference/results/"),
+                 "lm_eval.md": lm_eval_table().replace("](results/", "](reference/results/"),
                  "headline.md": headline_table("reference/results/", "")}
     for name, text in generated.items():
         (tables / name).write_text(text)
@@ -185,6 +187,7 @@ def write(out_dir: Path) -> None:
             "Sampled requests with a seed:", "", speculative_table(SAMPLED_SPECULATIVE, SAMPLED_COMMAND), "",
             "Drafting policies replayed on the greedy answers (see [Speculative decoding](../speculative.md)):", "",
             drafting_table(), "",
+            "## lm-evaluation-harness through the API", "", lm_eval_table(), "",
             "## Report sections", "",
             *(f"* [{p.stem}](results/sections/{p.name})" for p in sorted((RESULTS / "sections").glob("*.md"))), ""]
     (out_dir / "results.md").write_text("\n".join(page))

@@ -402,3 +402,17 @@ def drafting_table() -> str:
             + "".join(f"; {w}: {c['replayed']['steps']} steps against {c['live']['chain_steps']:.0f} live"
                       for w, c in d["live"].items() if w not in same) + "."]
     return "\n".join(out) + "\n"
+
+
+# -- lm_eval_check.json -----------------------------------------------------------------------------------------
+
+def lm_eval_table() -> str:
+    d = load("lm_eval_check.json")
+    out = [table_row(["harness", "swarm", "requests", "accuracy (swarm / local)", "largest log-likelihood difference",
+                      "greedy flags equal", "wall"]), table_row(["---"] * 7)]
+    out.append(table_row([f"`{d['lm_eval']}`, `local-completions`, token-id prompts, {d['num_concurrent']} concurrent",
+                          f"{d['model']}, {d['swarm']}", str(d["requests"]),
+                          f"{d['accuracy_through_swarm']:.2f} / {d['accuracy_local_transformers']:.2f}",
+                          sci(d["max_abs_loglikelihood_difference"]),
+                          f"{d['greedy_flags_equal']} of {d['requests']}", f"{d['wall_s']:.0f} s"]))
+    return "\n".join(out) + "\n\n`" + d["command"] + "` ([lm_eval_check.json](results/lm_eval_check.json))\n"
