@@ -108,6 +108,27 @@ def test_the_plan_splits_the_real_model_into_multi_hop_chains(swarm):
     assert all(c["spans"][0][0] == 0 and c["spans"][-1][1] == 30 for c in chains)
 
 
+def test_scores_are_computed_in_full_where_the_servers_hold_the_prompts_pages(swarm, reference):
+    """``echo`` with ``logprobs`` and one token (lm-evaluation-harness's request), twice: the second time the answer's
+    prefill loads the prompt's pages from the prefix stores, but the scores come from a prefill of every position
+    (pages hold keys and values, not the hidden states a score needs): the same scores, the same answer as local
+    transformers."""
+    prompt = " ".join(f"Line {i}: the gardeners planted tulips and daffodils along the northern wall." for i in range(7))
+    body = {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+    answers = []
+    for _ in range(2):
+        response = HTTP.post(f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": "scorer"}, timeout=300)
+        assert response.status_code == 200, response.text
+        reused = int(dict(kv.split("=") for kv in response.headers["x-chainswarm-prefix"].split(";"))["reused"])
+        answers.append((response.json()["choices"][0], reused))
+    (first, _), (second, reused) = answers
+    assert first["text"] == second["text"] == prompt + reference(prompt, 1)
+    assert reused >= 96  # the second answer's prefill loaded the pages the first one stored
+    scores = first["logprobs"]["token_logprobs"]
+    assert scores[0] is None and len(scores) >= 100 and all(lp <= 0 for lp in scores[1:])
+    assert second["logprobs"]["token_logprobs"][1:] == pytest.approx(scores[1:], abs=1e-5)
+
+
 def test_greedy_completions_and_streams_equal_local_transformers(swarm, prompts, reference):
     expected = {p: reference(p, 32) for p in prompts}
     assert "Paris" in expected[prompts[4]]  # the chat-templated question gets the real answer

@@ -19,6 +19,7 @@ import contextlib
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -158,10 +159,12 @@ class OpenAIServing:
                 "model": self.model_name}
 
     def begin(self, body, client: str, input_ids: list[int], max_tokens: int | None, logprobs: int | None,
-              request: Request, grammar=None):
-        """Start the request's ``n`` runs: its stop strings, the response's id/created/model, the items."""
+              request: Request, grammar=None, prompt_logprobs: int | None = None):
+        """Start the request's ``n`` runs: its stop strings, the response's id/created/model, the items (with
+        ``prompt_logprobs``, the first run scores the prompt too: :mod:`swarm.engine.scoring`)."""
         meta = self.response_meta()
         params = self.sampling(body, input_ids, max_tokens, logprobs, grammar)
+        params[0] = replace(params[0], prompt_logprobs=prompt_logprobs)
         dual = getattr(body, "dual_execution", False) or client in self.dual_clients
         return body.stop_strings(), meta, self.choices(client, input_ids, params, request, dual)
 

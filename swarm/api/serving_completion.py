@@ -71,19 +71,25 @@ class OpenAIServingCompletion(OpenAIServing):
                        request: Request, response: Response):
         """One prompt's ``n`` choices: the response document, a stream, or a 499 (the client left)."""
         echo, scored = None, None
+        # echo with logprobs: the prompt is scored (swarm.engine.scoring) in the answer's own run where there is one
+        # answer, not streamed (lm-evaluation-harness's request); else in a run of its own through the fair queue first
+        together = body.echo and body.logprobs is not None and body.max_tokens != 0 and body.n == 1 and not body.stream
         if body.echo:
-            if body.logprobs is not None:  # one scoring run through the fair queue first (swarm.engine.scoring)
+            if body.logprobs is not None and not together:
                 scored = await self.score(body, client, input_ids, request)
                 if scored is None:
                     return Response(status_code=499)
             echo = Echo(prompt, input_ids, scored.prompt_logprobs if scored is not None else None)
             if body.max_tokens == 0:
                 return self.echo_only(body, echo, scored)
-        stop, meta, items = self.begin(body, client, input_ids, body.max_tokens, body.logprobs, request, plan.grammar)
+        stop, meta, items = self.begin(body, client, input_ids, body.max_tokens, body.logprobs, request, plan.grammar,
+                                       body.logprobs if together else None)
         if not body.stream:
             done = await self.collect(items, body.n)
             if done is None:
                 return Response(status_code=499)
+            if together:
+                echo.scores = done[0].prompt_logprobs
             prefix = done[0].prefix
             response.headers["x-chainswarm-prefix"] = (
                 f"expected={prefix.get('expected', 0)};reused={prefix.get('reused', 0)};"

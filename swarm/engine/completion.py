@@ -366,7 +366,7 @@ class CompletionRunner:
         def generate():
             nonlocal scored
             provider = _LoopProvider(orchestrator, loop)
-            if params.prompt_logprobs is not None:  # echo with logprobs: a prefill that keeps every position
+            if params.prompt_logprobs is not None and scored is None:  # echo with logprobs (swarm.engine.scoring)
                 scored = engine.score(lease, provider, input_ids, params.prompt_logprobs, control)
             if params.max_new_tokens == 0:  # a prompt scored or echoed, nothing generated
                 return GenerationResult([], "length", prefill_tokens=len(input_ids) if scored is not None else 0)

@@ -10,7 +10,10 @@ the final norm and the LM head here, a few rows at a time: the logits of a whole
 The prefill runs as one petals inference session on the request's lease (:func:`swarm.engine.routing.use_lease`),
 so a server that fails under it is replaced as in any session (petals' failover, routed by the orchestrator) and
 any route works, vanilla petals servers included. It computes every position: the prefix store's pages hold keys
-and values, not the hidden states a score needs. It is not recorded for spot checks.
+and values, not the hidden states a score needs. It stores no pages either: a session that ends right after its
+prefill may close before its server has stored them (the store runs after the step's answer), so an answer generated
+after the scores in the same request (``echo`` with ``max_tokens`` ≥ 1: lm-evaluation-harness asks for one token)
+prefills the prompt again, reusing pages that earlier requests left. It is not recorded for spot checks.
 """
 from __future__ import annotations
 
