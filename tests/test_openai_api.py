@@ -6,6 +6,7 @@ transformers (float32, greedy, the same chat template).
 """
 import concurrent.futures as cf
 import contextlib
+import functools
 from pathlib import Path
 
 import httpx
@@ -47,14 +48,18 @@ def local(smollm2_dir):
         greedy = staticmethod(greedy_reference(smollm2_dir))
 
         @staticmethod
-        def logprobs(text):
-            """log-softmax of the model's logits at every position of ``text`` ``(T, V)``."""
+        @functools.cache
+        def model():
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+            return AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+
+        @staticmethod
+        def logprobs(text):
+            """log-softmax of the model's logits at every position of ``text`` ``(T, V)``."""
             ids = tokenizer(text, return_tensors="pt").input_ids
             with torch.inference_mode():
-                return torch.log_softmax(model(ids).logits[0].float(), -1)
+                return torch.log_softmax(Local.model()(ids).logits[0].float(), -1)
 
         @staticmethod
         def first_logprobs(text):
@@ -259,7 +264,7 @@ def test_score_cli_gives_transformers_perplexity(swarm, local, smollm2_dir):
     import sys
 
     from real_model import paragraph, perplexity
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     text = paragraph()
     run = subprocess.run([sys.executable, "-m", "swarm.cli", "score", "-", "--orchestrator", swarm.url,
@@ -267,8 +272,7 @@ def test_score_cli_gives_transformers_perplexity(swarm, local, smollm2_dir):
                          text=True, timeout=240)
     assert run.returncode == 0, run.stderr
     doc = json.loads(run.stdout)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
-    expected = perplexity(model, AutoTokenizer.from_pretrained(smollm2_dir), text)
+    expected = perplexity(local.model(), AutoTokenizer.from_pretrained(smollm2_dir), text)
     assert doc["scored_tokens"] == len(local.prompt_ids(text)[0]) - 1 >= 100
     assert doc["perplexity"] == pytest.approx(expected, rel=1e-4)
     assert all(len(top) == 2 for top in doc["top"][1:]) and doc["top"][0] is None
