@@ -10,9 +10,9 @@ the final norm and the LM head here, a few rows at a time: the logits of a whole
 The prefill runs as one petals inference session on the request's lease (:func:`swarm.engine.routing.use_lease`),
 so a server that fails under it is replaced as in any session (petals' failover, routed by the orchestrator) and
 any route works, vanilla petals servers included. It computes every position: the prefix store's pages hold keys
-and values, not the hidden states a score needs. It stores no pages either: a session that ends right after its
-prefill may close before its server has stored them (the store runs after the step's answer), so an answer generated
-after the scores in the same request (``echo`` with ``max_tokens`` ≥ 1: lm-evaluation-harness asks for one token)
+and values, not the hidden states a score needs. It stores no pages either: a server stores a prefill's pages only
+after the step's answer, and the probe of an answer generated right after the scores in the same request (``echo``
+with ``max_tokens`` ≥ 1: lm-evaluation-harness asks for one token) raced that store and found nothing; that answer
 prefills the prompt again, reusing pages that earlier requests left. It is not recorded for spot checks.
 """
 from __future__ import annotations
