@@ -176,6 +176,13 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
             (http.post("/v1/completions", json={"prompt": "hi " * 400, "max_tokens": 8}), 400),
             (http.post("/v1/completions", json={"max_tokens": 8}), 422),
             (http.delete("/v1/leases/no-such-lease"), 404),
+            (http.post("/v1/completions", json={"prompt": ["hi"] * 65, "max_tokens": 1}), 422),  # batches of <= 64
+            (http.post("/v1/completions", json={"prompt": ["hi", "there"], "stream": True}), 400),
+            (http.post("/v1/completions", content=b'{"prompt": "' + b"x" * (33 * 2**20) + b'"}',
+                       headers={"content-type": "application/json"}), 413),
+            (http.get("/v1/no-such-endpoint"), 404),
+            (http.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * (33 * 2**20), b'"}']),
+                       headers={"content-type": "application/json"}), 413),  # chunked: no content-length
         ]
         for response, status in bad:
             assert response.status_code == status, response.text
@@ -184,6 +191,11 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         assert "colour" in bad[1][0].json()["error"]["message"]
         assert bad[0][0].json()["error"]["message"].startswith("the request body is not valid JSON (")
         assert "only with echo" in bad[2][0].json()["error"]["message"]
+        assert "a stream answers one prompt" in bad[7][0].json()["error"]["message"]
+        assert bad[8][0].json()["error"] == {"type": "request_too_large",
+                                             "message": "the request body is larger than 32 MiB"}
+        assert bad[9][0].json()["error"]["type"] == "not_found"
+        assert bad[10][0].json()["error"] == bad[8][0].json()["error"]
     with client(swarm.url, key="wrong") as http:
         response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert response.status_code == 401 and "unknown API key" in response.json()["error"]["message"]

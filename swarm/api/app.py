@@ -28,6 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -42,11 +43,15 @@ from swarm.engine.completion import CompletionRunner
 from swarm.engine.generation import GenerationEngine
 
 logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 32 * 2**20  # a request body past it is refused (413) before it is parsed
+HTTP_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+TOO_LARGE = f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB"
 __all__ = ["create_app", "RequestIdMiddleware", "match_api_key", "MAX_CLIENT_ID"]  # the last two: re-exported
 
 
 class RequestIdMiddleware:
-    """Every response carries X-Request-Id: the client's own when it sent one, else a new one.
+    """Every response carries X-Request-Id: the client's own when it sent one, else a new one; a request body
+    larger than :data:`MAX_BODY_BYTES` is refused (413) without being kept in memory.
 
     A plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide ``http.disconnect`` from the endpoints,
     and the completion runner needs it to take a departed client's request out of the queue."""
@@ -57,8 +62,27 @@ class RequestIdMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        sent = dict(scope.get("headers") or ()).get(b"x-request-id", b"")[:128]
+        headers = dict(scope.get("headers") or ())
+        sent = headers.get(b"x-request-id", b"")[:128]
         request_id = sent.decode("latin-1") if sent else uuid.uuid4().hex
+        too_large = JSONResponse({"error": {"type": "request_too_large", "message": TOO_LARGE}}, status_code=413,
+                                 headers={"x-request-id": request_id})
+        length = headers.get(b"content-length", b"")
+        chunked = not length and b"chunked" in headers.get(b"transfer-encoding", b"")
+        if (length.isdigit() and int(length) > MAX_BODY_BYTES) or chunked:
+            # past the bound: read and dropped, then refused (a client still sending would see its connection reset);
+            # without a length: read here, bounded, and handed on
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+                if size <= MAX_BODY_BYTES and chunked:
+                    chunks.append(message.get("body", b""))
+            if size > MAX_BODY_BYTES:
+                return await too_large(scope, receive, send)
+            receive = _replay(b"".join(chunks), receive)
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
@@ -66,6 +90,19 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that hands out ``body`` (already read) first, then what ``receive`` gives."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return replay
 
 
 def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, initial_peers: list[str],
@@ -87,6 +124,13 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
                             headers=headers)
 
     app.add_middleware(RequestIdMiddleware)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):  # unknown paths and methods
+        kind = HTTP_ERROR_KINDS.get(exc.status_code, "invalid_request")
+        message = TOO_LARGE if exc.status_code == 413 else str(exc.detail)
+        return JSONResponse({"error": {"type": kind, "message": message}}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
