@@ -19,7 +19,7 @@ MAX_LOGIT_BIAS = 300
 MAX_MESSAGES = 256
 MAX_PROMPT_CHARS = 1_000_000  # bounded before any tokenization; the token limit is the swarm's session length
 MAX_PROMPTS = 64  # prompts of one completions request (a batch, as evaluation harnesses send)
-MAX_PROMPT_IDS = 1_000_000  # token ids of a prompt given as ids (the session length is checked when it is queued)
+MAX_PROMPT_IDS = 131_072  # token ids of a prompt given as ids (the session length is checked when it is queued)
 
 # OpenAI request fields Chainswarm does not implement: accepted by the schema so that a request using one gets
 # a 400 that names it (a field OpenAI does not define at all is a 422, like any typo).

@@ -9,7 +9,7 @@ from fastapi import Header, Request, Response
 from fastapi.responses import StreamingResponse
 
 from swarm.api.errors import ApiError
-from swarm.api.schemas import UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
+from swarm.api.schemas import MAX_PROMPT_CHARS, UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
 from swarm.api.serving_base import OpenAIServing, sse, swarm_info, usage
 from swarm.api.structured import compile_plan, plan_output
 from swarm.engine.completion import Finished
@@ -30,6 +30,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "invalid_request", "max_tokens 0 generates nothing: it is allowed only with echo "
                            "(the prompt returned, with logprobs scored)")
+        if sum(len(p) for p in prompts if isinstance(p, str)) > MAX_PROMPT_CHARS:  # tokenized on the event loop
+            raise ApiError(400, "invalid_request", f"a batch's prompts have more than {MAX_PROMPT_CHARS:,} characters "
+                           "together (send fewer at a time)")
         if body.stream and len(prompts) > 1:
             raise ApiError(400, "invalid_request", f"a stream answers one prompt; this request has {len(prompts)} "
                            "(send them without stream, or one request each)")
