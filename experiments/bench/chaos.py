@@ -290,6 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-servers", type=int, default=3, help="never kill or stop below this many (default 3)")
     parser.add_argument("--memory-gb", type=float, default=0.2, help="memory budget per server (default 0.2)")
     parser.add_argument("--load", type=float, default=0.7, help="Poisson load as a multiple of ν (default 0.7)")
+    parser.add_argument("--rate", type=float, default=None, help="Poisson load in requests/s instead of --load × ν "
+                        "(ν comes from the servers' measured profiles: on a slower machine, or hour, fewer requests)")
     parser.add_argument("--baseline-s", type=float, default=120.0, help="seconds of load without events")
     parser.add_argument("--chaos-s", type=float, default=480.0, help="seconds of load with events")
     parser.add_argument("--gap", type=float, nargs=2, default=(45.0, 90.0), metavar=("MIN", "MAX"),
@@ -319,7 +321,8 @@ def main(argv=None) -> int:
             swarm.wait_profiled(node, timeout=300)
         status = swarm.wait_chains_ready(timeout=300)
         rate = status["plan"]["total_rate"]
-        load = Load(url, args.load * rate, args.seed, args.client_timeout)
+        offered = args.rate if args.rate is not None else args.load * rate
+        load = Load(url, offered, args.seed, args.client_timeout)
         chaos = Chaos(swarm, nodes, args.memory_gb, args.min_servers, args.seed)
 
         plans = PlanEvents()
@@ -346,7 +349,7 @@ def main(argv=None) -> int:
     report = {
         "command": "python -m experiments.bench.chaos", "model": Path(model_dir).name, "dtype": DTYPE,
         "servers": args.servers, "min_servers": args.min_servers, "memory_gb": args.memory_gb, "load": args.load,
-        "planned_rate": rate, "offered_rate": args.load * rate, "baseline_s": args.baseline_s,
+        "planned_rate": rate, "offered_rate": offered, "baseline_s": args.baseline_s,
         "chaos_s": args.chaos_s, "gap_s": list(args.gap), "replan_keep": args.replan_keep,
         "wall_s": time.monotonic() - wall, "replans": plans.summary(), "orchestrator_events": plans.events,
         "summary": summarize(load.requests, chaos.events, args.baseline_s, chaos_end),
