@@ -273,7 +273,10 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
             dual = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "dual_execution": True}
             r = http.post("/v1/completions", json=dual)
             assert r.status_code == 503 and "dual execution" in r.json()["error"]["message"], r.text
-            for i in range(30):
+            # until both liars are banned, and 3 more after that: the checks run beside the requests within their
+            # compute budget, so a slow hour needs more requests (the fresh-clone CI at ebef54f, load 7: noise
+            # unbanned after 30); at most 60
+            for i in range(60):
                 prompt = f"Question {i}: name {rng.choice(['a colour', 'a river', 'a planet', 'a tree'])}. Answer:"
                 r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
                 assert r.status_code == 200, r.text
