@@ -148,7 +148,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = [{"index": i, "text": echo.text, "finish_reason": "length", "logprobs": logprobs}
                    for i in range(body.n)]
         info = {"chainswarm": swarm_info(scored)} if scored is not None else {}
-        use = {"prompt_tokens": len(echo.input_ids), "completion_tokens": 0, "total_tokens": len(echo.input_ids)}
+        use = usage(len(echo.input_ids), [])
         if not body.stream:
             return {**meta, "object": "text_completion", "choices": choices, "usage": use, **info}
 
