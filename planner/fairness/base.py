@@ -1,28 +1,20 @@
 """The central-queue scheduler interface shared by the orchestrator and the simulator.
 
-Every policy (FCFS, RPM, LPM, VTC/LCF, DLPM, the swarm policy, BF-IO mode) is a
-subclass of ``CentralQueueScheduler``.  The caller owns the clock and the
-chains; the scheduler owns the central queue, the per-chain occupancy n_k, the
-fairness counters and the accounting of actual service (§1.2: w_e * extend
-tokens + w_q * output tokens).
+Every policy (FCFS, RPM, LPM, VTC/LCF, DLPM, the swarm policy, BF-IO mode) is a subclass of
+``CentralQueueScheduler``.  The caller owns the clock and the chains; the scheduler owns the central queue, the
+per-chain occupancy n_k, the fairness counters and the accounting of actual service (§1.2: w_e * extend tokens +
+w_q * output tokens).
 
-Driving loop (orchestrator or simulator):
+Driving loop (orchestrator or simulator): ``submit(...)`` when a request arrives (False only under an RPM
+limit); ``dispatch(now)`` after every event — a dispatch round (§14.4) that fills every free chain slot it can
+and returns the ``Grant`` list to start (``pick_for_chain``/``choose_chain`` for the two single-slot questions);
+``on_prefill`` (actual reused prefix), ``on_tokens``, ``on_finish``/``on_failure``/``cancel`` as sessions progress.
 
-* ``submit(...)`` when a request arrives (returns False only under an RPM limit),
-* ``dispatch(now)`` after every event — a dispatch round (§14.4) that fills
-  every free chain slot it can and returns the ``Grant`` list to start,
-* ``pick_for_chain(chain, now)`` / ``choose_chain(request, now)`` for the two
-  single-slot questions,
-* ``on_prefill`` (actual reused prefix), ``on_tokens`` (generated tokens),
-  ``on_finish`` / ``on_failure`` / ``cancel`` as sessions progress.
-
-A dispatch round (``rounds.py``) = (1) the policy picks, one at a time, which
-waiting requests get the free slots (fairness, with a provisional charge
-against the best prefix match among free chains), (2) the scheduler's chain
-selector (``selectors.py``: JFFC, MostFree, EstimatedTime, LongestPrefixMatch,
-BFIO) places the picked requests on the free slots, optionally penalised by
-per-client per-chain stickiness quanta (DoubleQ's Q^w), (3) the charges are
-settled to the chosen chain's extend (``_start``).
+A dispatch round (``rounds.py``) = (1) the policy picks, one at a time, which waiting requests get the free slots
+(fairness, with a provisional charge against the best prefix match among free chains), (2) the chain selector
+(``selectors.py``: JFFC, MostFree, EstimatedTime, LongestPrefixMatch, BFIO) places them on the free slots,
+optionally penalised by per-client per-chain stickiness quanta (DoubleQ's Q^w), (3) the charges are settled to
+the chosen chain's extend (``_start``).
 """
 
 from __future__ import annotations
