@@ -293,8 +293,20 @@ def test_a_batch_of_prompts_as_text_or_token_ids(client, local):
     assert [c.text for c in texts.choices] == [local.greedy(first, 4)] * 2 + [local.greedy(second, 4)] * 2
     with pytest.raises(openai.BadRequestError, match="not in the model's vocabulary"):
         client.completions.create(model=local.name, prompt=[ids[0] + [10 ** 7]], max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="a stream answers one prompt"):
-        client.completions.create(model=local.name, prompt=[first, second], max_tokens=1, stream=True)
+    # streamed: the choices' chunks interleave, each with its index (p·n + i), each prompt scored by a run of its
+    # own (echo with logprobs and n 2); each choice's last chunk has its prompt's and answer's logprobs; one usage
+    chunks = list(client.completions.create(model=local.name, prompt=[first, second], max_tokens=4, temperature=0,
+                                            n=2, stream=True, echo=True, logprobs=1,
+                                            stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)]
+    assert streamed == [first + local.greedy(first, 4)] * 2 + [second + local.greedy(second, 4)] * 2
+    assert len({c.id for c in chunks}) == 1
+    ends = {c.choices[0].index: c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert sorted(ends) == [0, 1, 2, 3] and chunks[-1].usage.completion_tokens == 16
+    assert [len(ends[i].logprobs.tokens) for i in range(4)] == [len(ids[i // 2]) + 4 for i in range(4)]
+    assert ends[2].logprobs.token_logprobs[1:len(ids[1])] == pytest.approx(
+        scored.choices[1].logprobs.token_logprobs[1:len(ids[1])], abs=1e-4)
+    assert chunks[-1].usage.prompt_tokens == sum(map(len, ids))
 
 
 def test_n_choices_are_separate_sessions(client, local, swarm):

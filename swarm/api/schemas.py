@@ -112,7 +112,7 @@ class CompletionRequest(_Sampling):
                                                                                      max_length=MAX_PROMPT_IDS)]],
                             Field(min_length=1, max_length=MAX_PROMPTS)]] = Field(
         description=f"the prompt: a text, token ids, or a batch of up to {MAX_PROMPTS} of either (the choices "
-                    "come in prompt order, n per prompt; a batch is not streamed)")
+                    "come in prompt order, n per prompt: choice p·n + i is prompt p's i-th, streamed too)")
     max_tokens: Optional[int] = Field(16, ge=0, description="tokens to generate (prompt + max_tokens <= max "
                                       "session length); null = up to the session length; 0 only with echo "
                                       "(the prompt scored, nothing generated)")

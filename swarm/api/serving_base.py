@@ -125,9 +125,11 @@ class OpenAIServing:
                 for i in range(body.n)]
 
     # -- the n runs ------------------------------------------------------------------------------------
-    async def choices(self, client: str, input_ids: list[int], params: list[SamplingParams],
+    async def choices(self, client: str, runs: list[tuple[list[int], SamplingParams]],
                       request: Request, dual: bool = False) -> AsyncIterator[tuple[int, int | Finished]]:
-        """Items of all ``n`` runs as ``(choice index, token or Finished)``; the first failure ends them all."""
+        """Items of all runs (``(prompt ids, params)`` each: a prompt's ``n``, or a batch's ``n`` per prompt) as
+        ``(choice index, token or Finished)``, the index a run's place in ``runs``; the first failure ends them
+        all."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def drain(index: int, run) -> None:
@@ -140,7 +142,7 @@ class OpenAIServing:
 
         tasks = [asyncio.ensure_future(drain(i, self.runner.run(client, input_ids, p, request.is_disconnected,
                                                                 dual=dual)))
-                 for i, p in enumerate(params)]
+                 for i, (input_ids, p) in enumerate(runs)]
         try:
             finished = 0
             while finished < len(tasks):
@@ -158,15 +160,20 @@ class OpenAIServing:
         return {"id": f"{self.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.model_name}
 
-    def begin(self, body, client: str, input_ids: list[int], max_tokens: int | None, logprobs: int | None,
-              request: Request, grammar=None, prompt_logprobs: int | None = None):
-        """Start the request's ``n`` runs: its stop strings, the response's id/created/model, the items (with
-        ``prompt_logprobs``, the first run scores the prompt too: :mod:`swarm.engine.scoring`)."""
+    def begin(self, body, client: str, input_ids: list[int] | list[list[int]], max_tokens: int | None,
+              logprobs: int | None, request: Request, grammar=None, prompt_logprobs: int | None = None):
+        """Start the request's ``n`` runs (``n`` per prompt, prompt after prompt, where ``input_ids`` is a batch
+        of prompts): its stop strings, the response's id/created/model, the items (with ``prompt_logprobs``, each
+        prompt's first run scores the prompt too: :mod:`swarm.engine.scoring`)."""
         meta = self.response_meta()
-        params = self.sampling(body, input_ids, max_tokens, logprobs, grammar)
-        params[0] = replace(params[0], prompt_logprobs=prompt_logprobs)
+        prompts = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+        runs = []
+        for ids in prompts:
+            params = self.sampling(body, ids, max_tokens, logprobs, grammar)
+            params[0] = replace(params[0], prompt_logprobs=prompt_logprobs)
+            runs += [(ids, p) for p in params]
         dual = getattr(body, "dual_execution", False) or client in self.dual_clients
-        return body.stop_strings(), meta, self.choices(client, input_ids, params, request, dual)
+        return body.stop_strings(), meta, self.choices(client, runs, request, dual)
 
     @staticmethod
     async def first_or_refuse(items: AsyncIterator):

@@ -1,9 +1,7 @@
 """``POST /v1/completions`` (OpenAI's legacy text completions): :class:`OpenAIServingCompletion`."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, replace
-from functools import partial
 
 from fastapi import Header, Request, Response
 from fastapi.responses import StreamingResponse
@@ -33,32 +31,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if sum(len(p) for p in prompts if isinstance(p, str)) > MAX_PROMPT_CHARS:  # tokenized on the event loop
             raise ApiError(400, "invalid_request", f"a batch's prompts have more than {MAX_PROMPT_CHARS:,} characters "
                            "together (send fewer at a time)")
-        if body.stream and len(prompts) > 1:
-            raise ApiError(400, "invalid_request", f"a stream answers one prompt; this request has {len(prompts)} "
-                           "(send them without stream, or one request each)")
         client = self.client_of(authorization, x_client_id or body.user)
         if body.echo and body.logprobs is not None and (body.dual_execution or client in self.dual_clients):
             raise ApiError(400, "invalid_request", "echo with logprobs cannot run with dual execution: a prompt's "
                            "scores are not re-executed")
         inputs = [self.tokens_of(p) for p in prompts]
         plan = await compile_plan(plan_output(body), self.engine.tokenizer)  # response_format (vLLM's extension)
-        if len(inputs) == 1:
-            return await self.complete(body, client, *inputs[0], plan, request, response)
-        # a batch of prompts (evaluation harnesses send them): every prompt's runs at once, choices in prompt order
-        tasks = [asyncio.ensure_future(self.complete(body, client, ids, text, plan, request,
-                                                     response if i == 0 else Response()))
-                 for i, (ids, text) in enumerate(inputs)]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            docs = [task.result() for task in tasks]  # the first refusal is the request's
-        finally:
-            for task in tasks:
-                task.cancel()
-        if any(isinstance(doc, Response) for doc in docs):
-            return Response(status_code=499)  # the client left
-        choices = [dict(c, index=i) for i, c in enumerate(c for doc in docs for c in doc["choices"])]
-        total = {key: sum(doc["usage"][key] for doc in docs) for key in docs[0]["usage"]}
-        return {**docs[0], "choices": choices, "usage": total}
+        return await self.complete(body, client, inputs, plan, request, response)
 
     def tokens_of(self, prompt: str | list[int]) -> tuple[list[int], str]:
         """A prompt's token ids and text (a prompt given as token ids is checked against the vocabulary)."""
@@ -70,51 +49,60 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ApiError(400, "invalid_request", f"token id {bad} is not in the model's vocabulary of {vocabulary}")
         return list(prompt), self.engine.decode(list(prompt))
 
-    async def complete(self, body: CompletionRequest, client: str, input_ids: list[int], prompt: str, plan,
+    async def complete(self, body: CompletionRequest, client: str, inputs: list[tuple[list[int], str]], plan,
                        request: Request, response: Response):
-        """One prompt's ``n`` choices: the response document, a stream, or a 499 (the client left)."""
-        echo, scored = None, None
-        # echo with logprobs: the prompt is scored (swarm.engine.scoring) in the answer's own run where there is one
-        # answer, not streamed (lm-evaluation-harness's request); else in a run of its own through the fair queue first
-        together = body.echo and body.logprobs is not None and body.max_tokens != 0 and body.n == 1 and not body.stream
+        """The prompts' ``n`` choices each (a batch: choice ``p·n + i`` is prompt ``p``'s ``i``-th, all runs at
+        once through the fair queue): the response document, a stream, or a 499 (the client left)."""
+        n, prompt_tokens = body.n, sum(len(ids) for ids, _ in inputs)
+        echoes, scored = [None] * len(inputs), [None] * len(inputs)
+        # echo with logprobs: each prompt is scored (swarm.engine.scoring) in its answer's own run where it has one
+        # answer, not streamed (lm-evaluation-harness's request); else in a run of its own through the fair queue
+        together = body.echo and body.logprobs is not None and body.max_tokens != 0 and n == 1 and not body.stream
         if body.echo:
             if body.logprobs is not None and not together:
-                scored = await self.score(body, client, input_ids, request)
+                scored = await self.score_all(body, client, [ids for ids, _ in inputs], request)
                 if scored is None:
                     return Response(status_code=499)
-            echo = Echo(prompt, input_ids, scored.prompt_logprobs if scored is not None else None)
+            echoes = [Echo(text, ids, s.prompt_logprobs if s is not None else None)
+                      for (ids, text), s in zip(inputs, scored)]
             if body.max_tokens == 0:
-                return self.echo_only(body, echo, scored)
-        stop, meta, items = self.begin(body, client, input_ids, body.max_tokens, body.logprobs, request, plan.grammar,
-                                       body.logprobs if together else None)
+                return self.echo_only(body, echoes, scored)
+        stop, meta, items = self.begin(body, client, [ids for ids, _ in inputs], body.max_tokens, body.logprobs,
+                                       request, plan.grammar, body.logprobs if together else None)
         if not body.stream:
-            done = await self.collect(items, body.n)
+            done = await self.collect(items, n * len(inputs))
             if done is None:
                 return Response(status_code=499)
             if together:
-                echo.scores = done[0].prompt_logprobs
+                for p, echo in enumerate(echoes):
+                    echo.scores = done[p * n].prompt_logprobs
             prefix = done[0].prefix
             response.headers["x-chainswarm-prefix"] = (
                 f"expected={prefix.get('expected', 0)};reused={prefix.get('reused', 0)};"
                 f"prefill={prefix.get('prefill', 0)};restarts={prefix.get('restarts', 0)}")
             out = []
             for index, d in enumerate(done):
-                text = self.text_of(d, stop, body.min_tokens)
+                echo, text = echoes[index // n], self.text_of(d, stop, body.min_tokens)
                 logprobs = (self.legacy_logprobs(self.kept_logprobs(d, text), echo) if body.logprobs is not None
                             else None)
                 text = text if echo is None else echo.text + text
                 out.append({"index": index, "text": text, "finish_reason": d.finish_reason, "logprobs": logprobs})
-            return {**meta, "object": "text_completion", "choices": out, "usage": usage(len(input_ids), done),
+            return {**meta, "object": "text_completion", "choices": out, "usage": usage(prompt_tokens, done),
                     "chainswarm": swarm_info(done[0])}
 
         first = await self.first_or_refuse(items)
         if first is None:
             return Response(status_code=499)
         include = bool(body.stream_options and body.stream_options.include_usage)
-        head = None if echo is None else partial(self.chunk, body, meta, None, text=echo.text, finish=None,
-                                                  records=None)  # each choice starts with the echoed prompt
-        return StreamingResponse(self.stream(items, first, body.n, stop, len(input_ids),
-                                             partial(self.chunk, body, meta, echo), head, include,
+
+        def chunk(index: int, text: str, finish: str | None, records: list[TokenLogprob] | None) -> dict:
+            return self.chunk(body, meta, echoes[index // n], index, text, finish, records)
+
+        def head(index: int) -> dict:  # each choice starts with its echoed prompt
+            return self.chunk(body, meta, None, index, echoes[index // n].text, None, None)
+
+        return StreamingResponse(self.stream(items, first, n * len(inputs), stop, prompt_tokens, chunk,
+                                             head if body.echo else None, include,
                                              {**meta, "object": "text_completion"}, body.min_tokens),
                                  media_type="text/event-stream")
 
@@ -129,26 +117,30 @@ class OpenAIServingCompletion(OpenAIServing):
         return {**meta, "object": "text_completion",
                 "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
-    async def score(self, body: CompletionRequest, client: str, input_ids: list[int],
-                    request: Request) -> Finished | None:
-        """One run of max_tokens 0 that scores the prompt (``prompt_logprobs``, ``body.logprobs`` alternatives),
-        queued and charged as any request; None: the client left."""
-        params = replace(self.sampling(body.model_copy(update={"n": 1}), input_ids, 0, None)[0],
-                         prompt_logprobs=body.logprobs)
-        done = await self.collect(self.choices(client, input_ids, [params], request), 1)
-        return None if done is None else done[0]
+    async def score_all(self, body: CompletionRequest, client: str, prompts: list[list[int]],
+                        request: Request) -> list[Finished] | None:
+        """Each prompt scored (``prompt_logprobs``, ``body.logprobs`` alternatives) by a run of max_tokens 0 of its
+        own, queued and charged as any request, all at once; None: the client left. The first refusal is the
+        request's, and ends the others."""
+        def params(ids: list[int]):
+            return replace(self.sampling(body.model_copy(update={"n": 1}), ids, 0, None)[0],
+                           prompt_logprobs=body.logprobs)
 
-    def echo_only(self, body: CompletionRequest, echo: Echo, scored: Finished | None):
-        """max_tokens 0: every choice is the prompt (scored by ``scored``'s run, if logprobs were asked)."""
-        if len(echo.input_ids) > self.max_length:
-            raise ApiError(400, "invalid_request", f"the prompt ({len(echo.input_ids)} tokens) exceeds the swarm's "
-                           f"maximum session length of {self.max_length} tokens")
+        return await self.collect(self.choices(client, [(ids, params(ids)) for ids in prompts], request),
+                                  len(prompts))
+
+    def echo_only(self, body: CompletionRequest, echoes: list[Echo], scored: list[Finished | None]):
+        """max_tokens 0: every choice is its prompt (scored by ``scored``'s runs, if logprobs were asked)."""
+        for echo in echoes:
+            if len(echo.input_ids) > self.max_length:
+                raise ApiError(400, "invalid_request", f"the prompt ({len(echo.input_ids)} tokens) exceeds the "
+                               f"swarm's maximum session length of {self.max_length} tokens")
         meta = self.response_meta()
-        logprobs = self.legacy_logprobs([], echo) if body.logprobs is not None else None
-        choices = [{"index": i, "text": echo.text, "finish_reason": "length", "logprobs": logprobs}
-                   for i in range(body.n)]
-        info = {"chainswarm": swarm_info(scored)} if scored is not None else {}
-        use = usage(len(echo.input_ids), [])
+        choices = [{"index": p * body.n + i, "text": echo.text, "finish_reason": "length",
+                    "logprobs": self.legacy_logprobs([], echo) if body.logprobs is not None else None}
+                   for p, echo in enumerate(echoes) for i in range(body.n)]
+        info = {"chainswarm": swarm_info(scored[0])} if scored[0] is not None else {}
+        use = usage(sum(len(echo.input_ids) for echo in echoes), [])
         if not body.stream:
             return {**meta, "object": "text_completion", "choices": choices, "usage": use, **info}
 
