@@ -249,6 +249,17 @@ def test_echo_scores_the_prompt_as_transformers_does(client, local):
     assert texts[0] == prompt and "".join(texts) == prompt + answer
     last = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert len(last) == 1 and len(last[0].tokens) == len(ids) + 3 and last[0].token_logprobs[0] is None
+    # the one token of echo + logprobs + max_tokens 1 is chosen from the scoring prefill's last position, with the
+    # request's own sampling: the token and logprob the plain request draws with the same seed
+    drawn, opening = set(), "My favourite word is"
+    for seed in (3, 4, 5):
+        sampled = dict(model=local.name, max_tokens=1, logprobs=1, temperature=1.5, seed=seed)
+        echoed = client.completions.create(prompt=opening, echo=True, **sampled).choices[0]
+        alone = client.completions.create(prompt=opening, **sampled).choices[0]
+        assert echoed.text == opening + alone.text
+        assert echoed.logprobs.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0], abs=1e-4)
+        drawn.add(alone.text)
+    assert len(drawn) >= 2  # the seeds drew different tokens: not the argmax every time
     # echo alone costs nothing; max_tokens 0 without it is refused
     plain = client.completions.create(model=local.name, prompt=prompt, max_tokens=0, echo=True, n=2)
     assert [c.text for c in plain.choices] == [prompt, prompt] and plain.choices[0].logprobs is None

@@ -109,24 +109,32 @@ def test_the_plan_splits_the_real_model_into_multi_hop_chains(swarm):
 
 
 def test_scores_are_computed_in_full_where_the_servers_hold_the_prompts_pages(swarm, reference):
-    """``echo`` with ``logprobs`` and one token (lm-evaluation-harness's request), twice: the second time the answer's
-    prefill loads the prompt's pages from the prefix stores, but the scores come from a prefill of every position
-    (pages hold keys and values, not the hidden states a score needs): the same scores, the same answer as local
-    transformers."""
+    """``echo`` with ``logprobs`` and one token (lm-evaluation-harness's request) before and after plain answers left
+    the prompt's pages in the prefix stores: the scores come from a prefill of every position either way (pages
+    hold keys and values, not the hidden states a score needs), the same scores, and the one token is chosen from
+    that prefill's last position (the prompt is computed once: no pages reused, none loaded), equal to local
+    transformers'."""
     prompt = " ".join(f"Line {i}: the gardeners planted tulips and daffodils along the northern wall." for i in range(7))
     body = {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
-    answers = []
-    for _ in range(2):
-        response = HTTP.post(f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": "scorer"}, timeout=300)
+
+    def post(doc: dict) -> tuple[dict, dict]:
+        response = HTTP.post(f"{swarm.url}/v1/completions", json=doc, headers={"X-Client-Id": "scorer"}, timeout=300)
         assert response.status_code == 200, response.text
-        reused = int(dict(kv.split("=") for kv in response.headers["x-chainswarm-prefix"].split(";"))["reused"])
-        answers.append((response.json()["choices"][0], reused))
-    (first, _), (second, reused) = answers
-    assert first["text"] == second["text"] == prompt + reference(prompt, 1)
-    assert reused >= 96  # the second answer's prefill loaded the pages the first one stored
-    scores = first["logprobs"]["token_logprobs"]
-    assert scores[0] is None and len(scores) >= 100 and all(lp <= 0 for lp in scores[1:])
-    assert second["logprobs"]["token_logprobs"][1:] == pytest.approx(scores[1:], abs=1e-5)
+        return response.json(), {k: int(v) for k, v in (kv.split("=") for kv in
+                                                         response.headers["x-chainswarm-prefix"].split(";"))}
+
+    first, first_prefix = post(body)
+    plain = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    post(plain)  # stores the prompt's pages
+    assert post(plain)[1]["reused"] >= 96  # the servers hold them
+    second, second_prefix = post(body)
+    for doc, prefix in ((first, first_prefix), (second, second_prefix)):
+        assert doc["choices"][0]["text"] == prompt + reference(prompt, 1)
+        assert prefix["reused"] == 0 and prefix["prefill"] == doc["usage"]["prompt_tokens"]
+        assert doc["usage"]["completion_tokens"] == 1
+    scores = first["choices"][0]["logprobs"]["token_logprobs"]
+    assert scores[0] is None and len(scores) >= 100 and all(lp <= 0 for lp in scores[1:-1])
+    assert second["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(scores[1:], abs=1e-5)
 
 
 def test_greedy_completions_and_streams_equal_local_transformers(swarm, prompts, reference):

@@ -355,9 +355,11 @@ class CompletionRunner:
         if dual and (params.prompt_logprobs is not None or params.max_new_tokens == 0):
             raise DualExecutionUnavailable("dual execution re-executes generated tokens; a prompt's scores are not "
                                            "re-executed")
+        # one token with the prompt's scores: chosen from the scoring prefill's last position (not prefilled again)
+        from_scores = params.prompt_logprobs is not None and params.max_new_tokens == 1 and len(input_ids) > 1
         try:
             recorder = (checks.recorder(chain.route, dual=dual) if checks is not None and params.max_new_tokens > 0
-                        else None)  # a prompt's scoring is not recorded (swarm.engine.scoring)
+                        and not from_scores else None)  # a prompt's scoring is not recorded (swarm.engine.scoring)
         except RuntimeError as exc:  # a span no other server holds
             raise DualExecutionUnavailable(str(exc)) from None
 
@@ -367,7 +369,10 @@ class CompletionRunner:
             nonlocal scored
             provider = _LoopProvider(orchestrator, loop)
             if params.prompt_logprobs is not None and scored is None:  # echo with logprobs (swarm.engine.scoring)
-                scored = engine.score(lease, provider, input_ids, params.prompt_logprobs, control)
+                scores = engine.score(lease, provider, input_ids, params.prompt_logprobs, control)
+                scored = scores.records
+                if from_scores and prior is None and scores.last is not None:
+                    return engine.answer_scored(input_ids, scores.last, params, on_token, client)
             if params.max_new_tokens == 0:  # a prompt scored or echoed, nothing generated
                 return GenerationResult([], "length", prefill_tokens=len(input_ids) if scored is not None else 0)
             return engine.generate(lease, provider, input_ids, params, on_token,

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from swarm.engine import scoring, single
+from swarm.engine import batching, scoring, single
 from swarm.engine.batching import ChainGenerator, Decoding, SequenceFailed, StopSequence
 from swarm.engine.multi_client import ChainBatch
 from swarm.engine.multi_wire import Prefix
@@ -169,12 +169,41 @@ class GenerationEngine:
             return outputs[sid][0]
 
     def score(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], top: int,
-              control: SessionControl | None = None) -> list[TokenLogprob]:
-        """Every prompt token's log-probability after the ones before it, with ``top`` alternatives (blocking; one
-        prefill on ``lease``'s chain, :mod:`swarm.engine.scoring`)."""
+              control: SessionControl | None = None) -> scoring.PromptScores:
+        """Every prompt token's log-probability after the ones before it, with ``top`` alternatives, and the last
+        position's output (blocking; one prefill on ``lease``'s chain, :mod:`swarm.engine.scoring`)."""
         if self._closed.is_set():
             raise RuntimeError("the generation engine is closed")
         return scoring.score_prompt(self.model, lease, provider, input_ids, top, control)
+
+    @torch.inference_mode()
+    def answer_scored(self, input_ids: list[int], last: torch.Tensor, params: SamplingParams,
+                      on_token: Callable[[int], None] | None = None, client: str = "") -> GenerationResult:
+        """A one-token answer chosen from a scoring prefill's last output ``last`` (:meth:`score`), as a session's
+        first step chooses it (the same head, chooser and end rules): the prompt is not prefilled again."""
+        if params.max_new_tokens != 1:
+            raise ValueError(f"a scored prompt answers one token, not {params.max_new_tokens}")
+        produced: list[int] = []
+
+        def sink(token: int) -> None:
+            produced.append(token)
+            if on_token is not None:
+                on_token(token)
+
+        chooser = None if params.plain_greedy else TokenChooser(params, self.model.config.vocab_size)
+        eos = self.eos_token_id if params.stops_at_eos else None
+        finish = "length"
+        try:
+            batching.emit_verified(Decoding("scored", list(input_ids), 1, eos, sink, chooser),
+                                   batching.head_logits(self.model, last[None]))
+        except StopGeneration as stop:  # a stop string
+            finish = stop.finish_reason
+        if produced and eos is not None and produced[-1] == eos:
+            finish = "stop"
+        if self.speculation is not None:
+            self.speculation.learn(client, input_ids, produced)
+        return GenerationResult(produced, finish, prefill_tokens=len(input_ids),
+                                logprobs=chooser.logprobs[:len(produced)] if chooser else [])
 
     def generate(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], params: SamplingParams,
                  on_token: Callable[[int], None] | None = None, *, page_hashes: list[bytes] | None = None,

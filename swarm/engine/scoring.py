@@ -14,10 +14,16 @@ and values, not the hidden states a score needs. It stores no pages either: a se
 after the step's answer, and the probe of an answer generated right after the scores in the same request (``echo``
 with ``max_tokens`` ≥ 1: lm-evaluation-harness asks for one token) raced that store and found nothing; that answer
 prefills the prompt again, reusing pages that earlier requests left. It is not recorded for spot checks.
+
+The last position's output is kept too (:class:`PromptScores`): it is the distribution of the token after the
+prompt, so a request that asks for one token with its scores (lm-evaluation-harness's: ``echo``, ``logprobs`` 1,
+``max_tokens`` 1) gets its answer from the same prefill (:meth:`swarm.engine.generation.GenerationEngine.answer_scored`)
+instead of prefilling the prompt a second time.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -50,19 +56,29 @@ def logprobs_of(model, hidden: torch.Tensor, targets: Sequence[int], top: int,
     return out
 
 
+@dataclass
+class PromptScores:
+    """A prompt's scores: ``records[t − 1]`` is token t's log-probability after the ones before it (t ≥ 1), and
+    ``last`` the last block's output at the prompt's last position ``(H,)``: the next token's distribution (None
+    for a one-token prompt, which has nothing to score and is not prefilled)."""
+
+    records: list[TokenLogprob]
+    last: Optional[torch.Tensor] = None
+
+
 @torch.inference_mode()
 def score_prompt(model, lease: Lease, provider: LeaseProvider | None, input_ids: Sequence[int], top: int,
-                 control: SessionControl | None = None) -> list[TokenLogprob]:
+                 control: SessionControl | None = None) -> PromptScores:
     """The log-probability of every prompt token after the ones before it (``len(input_ids) − 1`` records: the
     first token has none), computed by one prefill of ``input_ids`` through ``lease``'s chain (``model``: the
-    engine's petals distributed causal LM)."""
+    engine's petals distributed causal LM), and the last position's output."""
     ids = list(input_ids)
     if len(ids) < 2:
-        return []
+        return PromptScores([])
     embed = model.transformer.word_embeddings
     with use_lease(lease, provider, control):
         with model.transformer.h.inference_session(max_length=len(ids)) as session:
             hidden = session.step(embed(torch.tensor([ids])))
     if control is not None:
         control.progress()
-    return logprobs_of(model, hidden[0, :-1], ids[1:], top)
+    return PromptScores(logprobs_of(model, hidden[0, :-1], ids[1:], top), hidden[0, -1].clone())
