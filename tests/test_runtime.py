@@ -196,6 +196,8 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
                                              "message": "the request body is larger than 32 MiB"}
         assert bad[9][0].json()["error"]["type"] == "not_found"
         assert bad[10][0].json()["error"] == bad[8][0].json()["error"]
+    # the batch's first prompt was granted a slot as its second was refused: the slot came back
+    idle_swarm(swarm, 20, "the slot of the refused batch's other prompt to come back")
     with client(swarm.url, key="wrong") as http:
         response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert response.status_code == 401 and "unknown API key" in response.json()["error"]["message"]
@@ -207,18 +209,30 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         assert "Chainswarm orchestrator" in http.get("/").text
 
 
-def test_a_client_that_disconnects_mid_generation_frees_its_slot(swarm):
-    def idle():
-        status = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
-        return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
+def idle_swarm(swarm, timeout: float, what: str) -> None:
+    """Wait until no chain has an active session and nothing is queued (the error says what is left)."""
+    def status():
+        return HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
 
-    wait_for(idle, 60, what="an idle swarm")
+    def idle():
+        now = status()
+        return all(c["active"] == 0 for c in now["chains"]) and not now["queue"]
+
+    def busy() -> str:
+        now = status()
+        return f"active {[c['active'] for c in now['chains']]}, queue {now['queue']}"
+
+    wait_for(idle, timeout, what=what, explain=busy)
+
+
+def test_a_client_that_disconnects_mid_generation_frees_its_slot(swarm):
+    idle_swarm(swarm, 60, "an idle swarm")
     body = {"prompt": "a client that leaves", "max_tokens": 200, "temperature": 0, "stream": True}
     with HTTP.stream("POST", f"{swarm.url}/v1/completions", json=body, timeout=60,
                      headers={"Authorization": "Bearer key-alice"}) as response:
         # the first token has arrived: the session is generating when the client closes the connection
         assert next(line for line in response.iter_lines() if line.startswith("data: "))
-    wait_for(idle, 30, what="the slot of the disconnected request to come back")
+    idle_swarm(swarm, 30, "the slot of the disconnected request to come back")
     metrics_text = HTTP.get(f"{swarm.url}/metrics", timeout=30).text
     assert 'outcome="disconnected"' in metrics_text
     with client(swarm.url) as http:  # and the swarm serves the next request normally

@@ -281,12 +281,14 @@ class CompletionRunner:
         return await self._wait(waiting, client, is_disconnected)
 
     async def _wait(self, waiting: Awaitable[Grant], client: str, is_disconnected) -> Grant:
-        """Wait for a chain slot; a client that disconnects while queued leaves the queue at once."""
-        waiting = asyncio.ensure_future(waiting)
+        """Wait for a chain slot; a client that disconnects while queued leaves the queue at once. A wait cancelled
+        (the request's other runs were refused: a batch, ``n``) just as its grant came gives the slot back."""
+        waiting, granted = asyncio.ensure_future(waiting), False
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=self.poll_s)
                 if waiting in done:
+                    granted = True
                     return waiting.result()
                 if await is_disconnected():
                     waiting.cancel()  # acquire() takes the request out of the scheduler's queue
@@ -296,7 +298,9 @@ class CompletionRunner:
                     raise ClientGone("the client disconnected while queued")
         finally:
             if not waiting.done():
-                waiting.cancel()
+                waiting.cancel()  # acquire() gives back a grant that comes as it is cancelled
+            elif not granted and not waiting.cancelled() and waiting.exception() is None:
+                self.orchestrator.finish(waiting.result().request_id, 0)
 
     async def _session(self, grant, client, input_ids, params, page_hashes, is_disconnected,
                        control: SessionControl, prior: Progress | None, dual: bool = False):
