@@ -263,6 +263,12 @@ def test_echo_scores_the_prompt_as_transformers_does(client, local):
     # echo alone costs nothing; max_tokens 0 without it is refused
     plain = client.completions.create(model=local.name, prompt=prompt, max_tokens=0, echo=True, n=2)
     assert [c.text for c in plain.choices] == [prompt, prompt] and plain.choices[0].logprobs is None
+    chunks = list(client.completions.create(model=local.name, prompt=[prompt, "Water"], max_tokens=0, echo=True, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert [(c.choices[0].index, c.choices[0].text) for c in chunks if c.choices] == [
+        (0, prompt), (1, prompt), (2, "Water"), (3, "Water")]
+    assert chunks[-1].usage.prompt_tokens == len(ids) + len(local.prompt_ids("Water")[0])
+    assert chunks[-1].usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=local.name, prompt=prompt, max_tokens=0)
 

@@ -49,6 +49,11 @@ def sse(doc: dict) -> bytes:
     return f"data: {json.dumps(doc)}\n\n".encode()
 
 
+def stream_end(meta: dict, use: dict, include_usage: bool) -> list[bytes]:
+    """A stream's last events: the usage chunk (``stream_options.include_usage``), then ``[DONE]``."""
+    return ([sse({**meta, "choices": [], "usage": use})] if include_usage else []) + [b"data: [DONE]\n\n"]
+
+
 def usage(prompt_tokens: int, done: list[Finished]) -> dict:
     completion = sum(len(d.token_ids) for d in done)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -266,6 +271,5 @@ class OpenAIServing:
                 err = refusal(exc)
                 yield sse({"error": {"type": err.kind, "message": err.message}})
                 return
-        if include_usage:
-            yield sse({**meta, "choices": [], "usage": usage(prompt_tokens, done)})
-        yield b"data: [DONE]\n\n"
+        for event in stream_end(meta, usage(prompt_tokens, done), include_usage):
+            yield event

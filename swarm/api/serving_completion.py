@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from swarm.api.errors import ApiError
 from swarm.api.schemas import MAX_PROMPT_CHARS, UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
-from swarm.api.serving_base import OpenAIServing, sse, swarm_info, usage
+from swarm.api.serving_base import OpenAIServing, sse, stream_end, swarm_info, usage
 from swarm.api.structured import compile_plan, plan_output
 from swarm.engine.completion import Finished
 from swarm.engine.sampling import TokenLogprob
@@ -144,13 +144,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if not body.stream:
             return {**meta, "object": "text_completion", "choices": choices, "usage": use, **info}
 
-        def events():
-            for choice in choices:
-                yield sse({**meta, "object": "text_completion", "choices": [choice], **info})
-            if body.stream_options and body.stream_options.include_usage:
-                yield sse({**meta, "object": "text_completion", "choices": [], "usage": use})
-            yield b"data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+        events = [sse({**meta, "object": "text_completion", "choices": [choice], **info}) for choice in choices]
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(iter(events + stream_end({**meta, "object": "text_completion"}, use, include)),
+                                 media_type="text/event-stream")
 
     def legacy_logprobs(self, records: list[TokenLogprob], echo: Echo | None = None) -> dict:
         """OpenAI's legacy form of ``records``; with ``echo`` the prompt's tokens come first, the very first with
