@@ -103,7 +103,7 @@ def reference(model_dir: str, requests: list[tuple[str, str]]) -> list[tuple[flo
     return out
 
 
-def run(model_dir: str, venv: Path, concurrency: int) -> dict:
+def run(model_dir: str, venv: Path, concurrency: int, batch_size: int = 1) -> dict:
     from server.local_swarm import LocalSwarm
 
     lm_eval = ensure_lm_eval(venv)
@@ -123,7 +123,8 @@ def run(model_dir: str, venv: Path, concurrency: int) -> dict:
         command = [str(lm_eval), "--model", "local-completions", "--tasks", "chainswarm_facts",
                    "--include_path", str(work / "tasks"), "--output_path", str(work / "out"), "--log_samples",
                    "--model_args", f"model={Path(model_dir).name},base_url={url}/v1/completions,"
-                   f"tokenizer={model_dir},tokenized_requests=True,num_concurrent={concurrency},max_retries=1"]
+                   f"tokenizer={model_dir},tokenized_requests=True,num_concurrent={concurrency},max_retries=1",
+                   "--batch_size", str(batch_size)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800,
                               env={**os.environ, "OPENAI_API_KEY": "EMPTY", "HF_DATASETS_OFFLINE": "1"})
         wall = time.monotonic() - started
@@ -146,10 +147,11 @@ def run(model_dir: str, venv: Path, concurrency: int) -> dict:
     local_acc = sum(max(range(choices), key=lambda j: local[i * choices + j][0]) == QUESTIONS[i][2]
                     for i in range(len(QUESTIONS))) / len(QUESTIONS)
     reported = next(iter(json.loads(next((work / "out").rglob("results_*.json")).read_text())["results"].values()))
-    return {"command": "python -m experiments.bench.lm_eval_check", "lm_eval": LM_EVAL, "model": Path(model_dir).name,
+    command = "python -m experiments.bench.lm_eval_check" + (f" --batch-size {batch_size}" if batch_size != 1 else "")
+    return {"command": command, "lm_eval": LM_EVAL, "model": Path(model_dir).name,
             "dtype": DTYPE, "swarm": f"2 nodes x {NODE_GB} GB, orchestrator defaults",
             "chains": [c["servers"] for c in status["chains"]], "questions": len(QUESTIONS),
-            "requests": len(swarm_rows), "num_concurrent": concurrency, "wall_s": wall,
+            "requests": len(swarm_rows), "num_concurrent": concurrency, "batch_size": batch_size, "wall_s": wall,
             "accuracy_through_swarm": reported.get("acc,none"), "accuracy_local_transformers": local_acc,
             "max_abs_loglikelihood_difference": max(diffs), "greedy_flags_equal": greedy_same,
             "lm_eval_stdout_tail": done.stdout[-1500:]}
@@ -161,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lm-eval-venv", default=str(Path(tempfile.gettempdir()) / "chainswarm-lm-eval"),
                         help="the throwaway environment with lm_eval (built on first use)")
     parser.add_argument("--concurrency", type=int, default=4, help="lm-eval's num_concurrent (default 4)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="lm-eval's batch_size: prompts per API request, sent as one batch (default 1)")
     parser.add_argument("--out", default=str(RESULTS / "lm_eval_check.json"))
     args = parser.parse_args(argv)
     if args.model is None:
         from swarm.model.store import DEFAULT_MODEL, ensure_model
 
         args.model = str(ensure_model(DEFAULT_MODEL, DTYPE))
-    result = run(args.model, Path(args.lm_eval_venv), args.concurrency)
+    result = run(args.model, Path(args.lm_eval_venv), args.concurrency, args.batch_size)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "lm_eval_stdout_tail"}, indent=1))
     return 0 if result["max_abs_loglikelihood_difference"] < 1e-3 else 1

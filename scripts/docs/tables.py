@@ -407,12 +407,16 @@ def drafting_table() -> str:
 # -- lm_eval_check.json -----------------------------------------------------------------------------------------
 
 def lm_eval_table() -> str:
-    d = load("lm_eval_check.json")
     out = [table_row(["harness", "swarm", "requests", "accuracy (swarm / local)", "largest log-likelihood difference",
                       "greedy flags equal", "wall"]), table_row(["---"] * 7)]
-    out.append(table_row([f"`{d['lm_eval']}`, `local-completions`, token-id prompts, {d['num_concurrent']} concurrent",
-                          f"{d['model']}, {d['swarm']}", str(d["requests"]),
-                          f"{d['accuracy_through_swarm']:.2f} / {d['accuracy_local_transformers']:.2f}",
-                          sci(d["max_abs_loglikelihood_difference"]),
-                          f"{d['greedy_flags_equal']} of {d['requests']}", f"{d['wall_s']:.0f} s"]))
-    return "\n".join(out) + "\n\n`" + d["command"] + "` ([lm_eval_check.json](results/lm_eval_check.json))\n"
+    commands = []
+    for name in ("lm_eval_check.json", "lm_eval_check_batch8.json"):
+        d = load(name)
+        batches = "one prompt per request" if d["batch_size"] == 1 else f"{d['batch_size']} prompts per request"
+        out.append(table_row([f"`{d['lm_eval']}`, `local-completions`, token-id prompts, {batches}, "
+                              f"{d['num_concurrent']} concurrent", f"{d['model']}, {d['swarm']}", str(d["requests"]),
+                              f"{d['accuracy_through_swarm']:.2f} / {d['accuracy_local_transformers']:.2f}",
+                              sci(d["max_abs_loglikelihood_difference"]),
+                              f"{d['greedy_flags_equal']} of {d['requests']}", f"{d['wall_s']:.0f} s"]))
+        commands.append(f"`{d['command']}` ([{name}](results/{name}))")
+    return "\n".join(out) + "\n\n" + "; ".join(commands) + "\n"
