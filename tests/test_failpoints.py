@@ -171,24 +171,27 @@ def test_a_server_killed_in_a_prefix_probe_changes_no_answer(swarm, reference):
 
 def test_a_server_killed_while_it_scores_a_prompt_changes_no_score(swarm):
     """``echo`` with ``logprobs`` and max_tokens 0 (a prompt scored: one prefill whose outputs are kept at every
-    position, swarm.engine.scoring): the last server of the chain dies in that prefill; the scores come complete,
-    equal to those of the same request before, from the servers that took its place."""
-    prompt = "The capital of France is Paris, and the capital of Italy is"
+    position, swarm.engine.scoring), twice: the second time the prompt's pages and prefix scores are there to be
+    loaded, and the last server of the chain dies in that prefill; the prompt is scored again in full, its scores
+    complete and equal to the first time's, from the servers that took its place."""
+    prompt = " ".join(["The capital of France is Paris, and the capital of Italy is Rome."] * 4)
     body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
 
-    def score() -> list:
+    def score() -> tuple[list, int]:
         response = HTTP.post(f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": "tester"}, timeout=300)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == prompt
-        return response.json()["choices"][0]["logprobs"]["token_logprobs"]
+        reused = int(dict(kv.split("=") for kv in response.headers["x-chainswarm-prefix"].split(";"))["reused"])
+        return response.json()["choices"][0]["logprobs"]["token_logprobs"], reused
 
     swarm.settled()
-    before = score()
+    before, _ = score()
     swarm.settled()
     victim = max(swarm.status()["chains"], key=lambda c: -c["service_time"])["servers"][-1]  # a lone request's chain
     swarm.arm(victim, "prefill")
-    after = score()
-    assert after[0] is None and after[1:] == pytest.approx(before[1:], abs=1e-4) and len(after) >= 12
+    after, reused = score()
+    assert after[0] is None and after[1:] == pytest.approx(before[1:], abs=1e-4) and len(after) >= 48
+    assert reused == 0  # scored in full after the failure
     wait_for(lambda: not swarm.peers[victim].alive, 30, what=f"{victim} dead at its prefill failpoint")
     assert not (swarm.failpoints / victim).exists()
     swarm.add(victim)

@@ -108,33 +108,42 @@ def test_the_plan_splits_the_real_model_into_multi_hop_chains(swarm):
     assert all(c["spans"][0][0] == 0 and c["spans"][-1][1] == 30 for c in chains)
 
 
-def test_scores_are_computed_in_full_where_the_servers_hold_the_prompts_pages(swarm, reference):
-    """``echo`` with ``logprobs`` and one token (lm-evaluation-harness's request) before and after plain answers left
-    the prompt's pages in the prefix stores: the scores come from a prefill of every position either way (pages
-    hold keys and values, not the hidden states a score needs), the same scores, and the one token is chosen from
-    that prefill's last position (the prompt is computed once: no pages reused, none loaded), equal to local
-    transformers'."""
-    prompt = " ".join(f"Line {i}: the gardeners planted tulips and daffodils along the northern wall." for i in range(7))
-    body = {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+def test_prompts_that_share_a_scored_prefix_load_it_and_score_as_transformers(swarm, reference, smollm2_dir):
+    """``echo`` with ``logprobs`` and one token (lm-evaluation-harness's request) for one context with three
+    answers, as an evaluation asks a question: the first is computed in full and stores the prompt's pages; the
+    others load the context's full pages from the servers' prefix stores and its scores from the orchestrator's
+    score cache, computing only the positions after them (pages hold keys and values, not the hidden states a
+    score needs: the cache holds the scores and the last output before the new positions). Every score and top-2
+    alternative equals local transformers', and each answer's one token is chosen from its scoring prefill."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    def post(doc: dict) -> tuple[dict, dict]:
-        response = HTTP.post(f"{swarm.url}/v1/completions", json=doc, headers={"X-Client-Id": "scorer"}, timeout=300)
+    context = " ".join(f"Line {i}: the gardeners planted tulips and daffodils along the northern wall." for i in range(7))
+    texts = [context + answer for answer in (" Then it rained.", " The end.", " Nobody watered them.")]
+    docs = []
+    for text in texts:
+        body = {"prompt": text, "max_tokens": 1, "echo": True, "logprobs": 2, "temperature": 0}
+        response = HTTP.post(f"{swarm.url}/v1/completions", json=body, headers={"X-Client-Id": "scorer"}, timeout=300)
         assert response.status_code == 200, response.text
-        return response.json(), {k: int(v) for k, v in (kv.split("=") for kv in
-                                                         response.headers["x-chainswarm-prefix"].split(";"))}
-
-    first, first_prefix = post(body)
-    plain = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
-    post(plain)  # stores the prompt's pages
-    assert post(plain)[1]["reused"] >= 96  # the servers hold them
-    second, second_prefix = post(body)
-    for doc, prefix in ((first, first_prefix), (second, second_prefix)):
-        assert doc["choices"][0]["text"] == prompt + reference(prompt, 1)
-        assert prefix["reused"] == 0 and prefix["prefill"] == doc["usage"]["prompt_tokens"]
-        assert doc["usage"]["completion_tokens"] == 1
-    scores = first["choices"][0]["logprobs"]["token_logprobs"]
-    assert scores[0] is None and len(scores) >= 100 and all(lp <= 0 for lp in scores[1:-1])
-    assert second["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(scores[1:], abs=1e-5)
+        prefix = {k: int(v) for k, v in (kv.split("=") for kv in response.headers["x-chainswarm-prefix"].split(";"))}
+        docs.append((response.json(), prefix))
+    context_tokens = len(reference.tokenizer(context).input_ids)
+    assert docs[0][1]["reused"] == 0 and docs[0][1]["prefill"] == docs[0][0]["usage"]["prompt_tokens"]
+    for doc, prefix in docs[1:]:
+        assert prefix["reused"] >= (context_tokens // 16 - 1) * 16 >= 96  # the context's pages, but the last
+        assert prefix["prefill"] == doc["usage"]["prompt_tokens"] - prefix["reused"]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32)
+    for text, (doc, _) in zip(texts, docs):
+        choice, ids = doc["choices"][0], reference.tokenizer(text).input_ids
+        assert choice["text"] == text + reference(text, 1)
+        with torch.inference_mode():
+            local = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        scores, tops = choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]
+        assert scores[0] is None and len(scores) == len(ids) + 1
+        for t in range(1, len(ids)):
+            assert scores[t] == pytest.approx(float(local[t - 1, ids[t]]), abs=1e-3), t
+            assert sorted(tops[t].values(), reverse=True) == pytest.approx(local[t - 1].topk(2).values.tolist(),
+                                                                          abs=1e-3), t
 
 
 def test_greedy_completions_and_streams_equal_local_transformers(swarm, prompts, reference):

@@ -66,6 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
             echoes = [Echo(text, ids, s.prompt_logprobs if s is not None else None)
                       for (ids, text), s in zip(inputs, scored)]
             if body.max_tokens == 0:
+                if scored[0] is not None:
+                    prefix_header(response, scored[0].prefix)
                 return self.echo_only(body, echoes, scored)
         stop, meta, items = self.begin(body, client, [ids for ids, _ in inputs], body.max_tokens, body.logprobs,
                                        request, plan.grammar, body.logprobs if together else None)
@@ -76,10 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if together:
                 for p, echo in enumerate(echoes):
                     echo.scores = done[p * n].prompt_logprobs
-            prefix = done[0].prefix
-            response.headers["x-chainswarm-prefix"] = (
-                f"expected={prefix.get('expected', 0)};reused={prefix.get('reused', 0)};"
-                f"prefill={prefix.get('prefill', 0)};restarts={prefix.get('restarts', 0)}")
+            prefix_header(response, done[0].prefix)
             out = []
             for index, d in enumerate(done):
                 echo, text = echoes[index // n], self.text_of(d, stop, body.min_tokens)
@@ -162,6 +161,13 @@ class OpenAIServingCompletion(OpenAIServing):
         tokens = [decode([i]) for i in ids]
         offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prefix_header(response: Response, prefix: dict) -> None:
+    """``x-chainswarm-prefix``: the first run's prefix-cache outcome (pages expected, tokens reused and computed)."""
+    response.headers["x-chainswarm-prefix"] = (
+        f"expected={prefix.get('expected', 0)};reused={prefix.get('reused', 0)};"
+        f"prefill={prefix.get('prefill', 0)};restarts={prefix.get('restarts', 0)}")
 
 
 @dataclass

@@ -372,13 +372,14 @@ class CompletionRunner:
         def generate():
             nonlocal scored
             provider = _LoopProvider(orchestrator, loop)
+            reused = 0
             if params.prompt_logprobs is not None and scored is None:  # echo with logprobs (swarm.engine.scoring)
-                scores = engine.score(lease, provider, input_ids, params.prompt_logprobs, control)
-                scored = scores.records
+                scores = engine.score(lease, provider, input_ids, params.prompt_logprobs, control, page_hashes)
+                scored, reused = scores.records, scores.reused
                 if from_scores and prior is None and scores.last is not None:
-                    return engine.answer_scored(input_ids, scores.last, params, on_token, client)
+                    return engine.answer_scored(input_ids, scores.last, params, on_token, client, reused)
             if params.max_new_tokens == 0:  # a prompt scored or echoed, nothing generated
-                return GenerationResult([], "length", prefill_tokens=len(input_ids) if scored is not None else 0)
+                return GenerationResult([], "length", reused, len(input_ids) - reused if scored is not None else 0)
             return engine.generate(lease, provider, input_ids, params, on_token,
                                    page_hashes=page_hashes or None, on_prefix=on_prefix if page_hashes else None,
                                    control=control, prior=prior, recorder=recorder, client=client)

@@ -134,6 +134,7 @@ class GenerationEngine:
         self.batch_lanes = int(batch_lanes)
         self._lane_sessions = -(-self.batch_sessions // self.batch_lanes)  # per lane: the chain's total stays bounded
         self.speculation = speculation  # swarm.engine.speculative.Speculation, or None: one token per step
+        self.score_cache = scoring.ScoreCache()  # scored prompt prefixes, reused by prompts that share them
         self._generators: dict[tuple, ChainGenerator] = {}  # (route, lane) -> that lane's batch of sessions
         self._generators_lock = threading.Lock()
         self._unbatched: set[tuple] = set()  # routes with a server that has no multi-session streams
@@ -169,16 +170,37 @@ class GenerationEngine:
             return outputs[sid][0]
 
     def score(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], top: int,
-              control: SessionControl | None = None) -> scoring.PromptScores:
+              control: SessionControl | None = None, page_hashes: list[bytes] | None = None
+              ) -> scoring.PromptScores:
         """Every prompt token's log-probability after the ones before it, with ``top`` alternatives, and the last
-        position's output (blocking; one prefill on ``lease``'s chain, :mod:`swarm.engine.scoring`)."""
+        position's output (blocking; one prefill on ``lease``'s chain, :mod:`swarm.engine.scoring`). With the
+        prompt's ``page_hashes`` its pages are stored, and a prefix scored before and held by the chain is loaded
+        (:class:`swarm.engine.scoring.ScoreCache`); where that fails, the prompt is scored again in full."""
         if self._closed.is_set():
             raise RuntimeError("the generation engine is closed")
-        return scoring.score_prompt(self.model, lease, provider, input_ids, top, control)
+        try:
+            return scoring.score_prompt(self.model, lease, provider, input_ids, top, control, self.manager,
+                                        page_hashes or (), self.score_cache)
+        except PrefixSessionFailed as exc:
+            logger.warning("scoring the full prompt again: %s", exc)
+            self._after_prefix_failure(lease, provider, exc, control)
+            return scoring.score_prompt(self.model, lease, provider, input_ids, top, control)
+
+    def _after_prefix_failure(self, lease: Lease, provider, exc: PrefixSessionFailed,
+                              control: SessionControl | None) -> None:
+        """A session that loaded prefix pages failed: its route without the failed server, or (the pages were
+        only gone) the same route with a fresh ticket, for a session from the full tokens."""
+        if not exc.missing and exc.peer_id is not None and provider is not None:
+            lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
+            if control is not None:
+                control.progress()  # as in _reroute: the session moved off the failed server
+        elif hasattr(provider, "renew_ticket"):  # same route, later: a fresh ticket for the reopen
+            provider.renew_ticket(lease)
 
     @torch.inference_mode()
     def answer_scored(self, input_ids: list[int], last: torch.Tensor, params: SamplingParams,
-                      on_token: Callable[[int], None] | None = None, client: str = "") -> GenerationResult:
+                      on_token: Callable[[int], None] | None = None, client: str = "",
+                      reused: int = 0) -> GenerationResult:
         """A one-token answer chosen from a scoring prefill's last output ``last`` (:meth:`score`), as a session's
         first step chooses it (the same head, chooser and end rules): the prompt is not prefilled again."""
         if params.max_new_tokens != 1:
@@ -202,7 +224,7 @@ class GenerationEngine:
             finish = "stop"
         if self.speculation is not None:
             self.speculation.learn(client, input_ids, produced)
-        return GenerationResult(produced, finish, prefill_tokens=len(input_ids),
+        return GenerationResult(produced, finish, reused, len(input_ids) - reused,
                                 logprobs=chooser.logprobs[:len(produced)] if chooser else [])
 
     def generate(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], params: SamplingParams,
@@ -313,12 +335,7 @@ class GenerationEngine:
                               drafts)
             except PrefixSessionFailed as exc:
                 logger.warning("restarting a prefix-reuse session from the full tokens: %s", exc)
-                if not exc.missing and exc.peer_id is not None and provider is not None:
-                    lease.route = tuple(provider.reroute(lease, 0, len(self.manager), [exc.peer_id]))
-                    if control is not None:
-                        control.progress()  # as in _reroute: the session moved off the failed server
-                elif hasattr(provider, "renew_ticket"):  # same route, later: a fresh ticket for the reopen
-                    provider.renew_ticket(lease)
+                self._after_prefix_failure(lease, provider, exc, control)
                 resume()
         except StopGeneration as stop:  # a token callback completed the request (a stop string, a full reservation)
             return result(stop.finish_reason)

@@ -9,11 +9,16 @@ the final norm and the LM head here, a few rows at a time: the logits of a whole
 
 The prefill runs as one petals inference session on the request's lease (:func:`swarm.engine.routing.use_lease`),
 so a server that fails under it is replaced as in any session (petals' failover, routed by the orchestrator) and
-any route works, vanilla petals servers included. It computes every position: the prefix store's pages hold keys
-and values, not the hidden states a score needs. It stores no pages either: a server stores a prefill's pages only
-after the step's answer, and the probe of an answer generated right after the scores in the same request (``echo``
-with ``max_tokens`` ≥ 1: lm-evaluation-harness asks for one token) raced that store and found nothing; that answer
-prefills the prompt again, reusing pages that earlier requests left. It is not recorded for spot checks.
+any route works, vanilla petals servers included. It is not recorded for spot checks.
+
+**Prompts that share a prefix** (an evaluation asks each question once per answer: the same context, a different
+continuation) are not computed again from the start. A score of position t depends on tokens ≤ t only, so the
+scores of a page-aligned prefix are the same in every prompt that starts with it; :class:`ScoreCache` keeps them
+with the last block's output at the prefix's last position, under the page hash that ends the prefix (the hashes
+of :mod:`swarm.trust.prefix` chain every earlier token). A prompt whose prefix is cached and whose chain's servers
+hold that prefix's pages (the prefix store's KV, which every scoring prefill stores) loads those pages and
+computes only the positions after them; the first new token's score comes from the cached output. A server that
+fails in such a session, or pages evicted since the probe, make it score again from the full prompt.
 
 The last position's output is kept too (:class:`PromptScores`): it is the distribution of the token after the
 prompt, so a request that asks for one token with its scores (lm-evaluation-harness's: ``echo``, ``logprobs`` 1,
@@ -22,16 +27,79 @@ instead of prefilling the prompt a second time.
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from swarm.engine.batching import head_logits
-from swarm.engine.routing import Lease, LeaseProvider, SessionControl, use_lease
+from swarm.engine.routing import Lease, LeaseProvider, PrefixPlan, SessionControl, probe_route, use_lease
 from swarm.engine.sampling import TokenLogprob
+from swarm.trust.prefix import PAGE_TOKENS, reusable_pages
 
 HEAD_ROWS = 64  # positions per LM-head pass: 64 × 49,152 float32 logits are 12.6 MB
+RECORD_BYTES = 256  # what ScoreCache counts for one record (a TokenLogprob and its few alternatives, roughly)
+
+
+class CachedPrefix(NamedTuple):
+    """``pages`` page-aligned prefix tokens' scores: ``records`` (targets 1 … pages·page − 1) and ``last``, the last
+    block's output at the prefix's last position (the first token after it is scored from it)."""
+
+    pages: int
+    records: list[TokenLogprob]
+    last: torch.Tensor
+
+
+class ScoreCache:
+    """Scores of prompts' page-aligned prefixes (module doc), by the page hash that ends each: an entry per full page
+    of every scored prompt, all sharing that prompt's records. Bounded by ``max_bytes`` (each entry counted with
+    its output vector and its records, as if none were shared), least recently used first out. Thread-safe."""
+
+    def __init__(self, max_bytes: int = 64 << 20, page_tokens: int = PAGE_TOKENS):
+        self.max_bytes, self.page_tokens = max_bytes, page_tokens
+        self.bytes = 0
+        self._entries: OrderedDict[bytes, tuple[list[TokenLogprob], int, torch.Tensor, int, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, hashes: Sequence[bytes], max_pages: int, top: int) -> CachedPrefix | None:
+        """The longest cached prefix of at most ``max_pages`` pages whose records have ``top`` alternatives or more
+        (cut to ``top``)."""
+        with self._lock:
+            for pages in range(min(max_pages, len(hashes)), 0, -1):
+                entry = self._entries.get(hashes[pages - 1])
+                if entry is not None and entry[1] == pages and entry[3] >= top:
+                    self._entries.move_to_end(hashes[pages - 1])
+                    records, _, last, _, _ = entry
+                    break
+            else:
+                return None
+        kept = records[:pages * self.page_tokens - 1]
+        if any(len(r.top) > top for r in kept):
+            kept = [TokenLogprob(r.token_id, r.logprob, r.top[:top]) for r in kept]
+        return CachedPrefix(pages, kept, last)
+
+    def store(self, hashes: Sequence[bytes], records: list[TokenLogprob], outputs: dict[int, torch.Tensor],
+              top: int) -> None:
+        """Keep ``records`` (a prompt's, targets 1 … n − 1) for each page count ``p`` of ``outputs`` (its output at
+        position p·page − 1), under ``hashes[p − 1]``."""
+        with self._lock:
+            for pages, last in outputs.items():
+                key, size = hashes[pages - 1], last.numel() * last.element_size() + pages * self.page_tokens * RECORD_BYTES
+                if size > self.max_bytes:
+                    continue
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self.bytes -= old[4]
+                self._entries[key] = (records, pages, last.detach().clone(), top, size)
+                self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.bytes -= old[4]
 
 
 @torch.inference_mode()
@@ -64,21 +132,44 @@ class PromptScores:
 
     records: list[TokenLogprob]
     last: Optional[torch.Tensor] = None
+    reused: int = 0  # leading prompt tokens whose KV came from the prefix stores and scores from the ScoreCache
 
 
 @torch.inference_mode()
 def score_prompt(model, lease: Lease, provider: LeaseProvider | None, input_ids: Sequence[int], top: int,
-                 control: SessionControl | None = None) -> PromptScores:
+                 control: SessionControl | None = None, manager=None, hashes: Sequence[bytes] = (),
+                 cache: ScoreCache | None = None) -> PromptScores:
     """The log-probability of every prompt token after the ones before it (``len(input_ids) − 1`` records: the
     first token has none), computed by one prefill of ``input_ids`` through ``lease``'s chain (``model``: the
-    engine's petals distributed causal LM), and the last position's output."""
+    engine's petals distributed causal LM), and the last position's output. With the prompt's page ``hashes`` the
+    servers store its pages; with a ``cache`` too, a prefix cached there and held by every server of the route
+    (asked through ``manager``) is loaded, not computed (module doc; a failure in such a session raises
+    :class:`swarm.engine.routing.PrefixSessionFailed`)."""
     ids = list(input_ids)
     if len(ids) < 2:
         return PromptScores([])
+    hashes = list(hashes)
+    known = cache.lookup(hashes, (len(ids) - 1) // PAGE_TOKENS, top) if cache is not None and hashes else None
+    if known is not None and manager is not None:
+        held = probe_route(manager, lease.route, hashes[:known.pages], page_tokens=PAGE_TOKENS, ticket=lease.ticket)
+        pages = reusable_pages(held, len(ids))
+        known = known if pages >= known.pages else cache.lookup(hashes, pages, top) if pages else None
+    else:
+        known = None
+    skip = known.pages * PAGE_TOKENS if known is not None else 0
     embed = model.transformer.word_embeddings
-    with use_lease(lease, provider, control):
+    with use_lease(lease, provider, control) as context:
+        context.prefix = PrefixPlan(hashes, known.pages if known is not None else 0, PAGE_TOKENS) if hashes else None
         with model.transformer.h.inference_session(max_length=len(ids)) as session:
-            hidden = session.step(embed(torch.tensor([ids])))
+            hidden = session.step(embed(torch.tensor([ids])))[0]
     if control is not None:
         control.progress()
-    return PromptScores(logprobs_of(model, hidden[0, :-1], ids[1:], top), hidden[0, -1].clone())
+    if known is None:
+        records = logprobs_of(model, hidden[:-1], ids[1:], top)
+    else:  # the first new token is scored from the prefix's cached output; the reused positions' outputs are zeros
+        rows = torch.cat([known.last[None].to(hidden.dtype), hidden[skip:-1]])
+        records = known.records + logprobs_of(model, rows, ids[skip:], top)
+    if cache is not None and hashes:
+        cache.store(hashes, records, {p: hidden[p * PAGE_TOKENS - 1] for p in range(skip // PAGE_TOKENS + 1,
+                                                                                 len(hashes) + 1)}, top)
+    return PromptScores(records, hidden[-1].clone(), skip)
