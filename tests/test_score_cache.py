@@ -52,3 +52,7 @@ def test_the_cache_stays_within_its_bytes_least_recently_used_out():
     # an entry larger than the whole cache is not kept, and evicts nothing
     cache.store(hashes("f", "ff", "fff", "ffff"), records(17, 1), {4: torch.zeros(10_000)}, top=1)
     assert len(cache) == 3 and cache.bytes <= cache.max_bytes
+    # a prompt's entries count its records once: four pages of one prompt cost four pages
+    cache = ScoreCache(max_bytes=4 * entry, page_tokens=4)
+    cache.store(hashes("a", "ab", "abc", "abcd"), records(16, 1), {p: vector for p in (1, 2, 3, 4)}, top=1)
+    assert len(cache) == 4 and cache.bytes == 4 * entry

@@ -54,8 +54,10 @@ class CachedPrefix(NamedTuple):
 
 class ScoreCache:
     """Scores of prompts' page-aligned prefixes (module doc), by the page hash that ends each: an entry per full page
-    of every scored prompt, all sharing that prompt's records. Bounded by ``max_bytes`` (each entry counted with
-    its output vector and its records, as if none were shared), least recently used first out. Thread-safe."""
+    of every scored prompt, all sharing that prompt's records. Bounded by ``max_bytes``, least recently used first
+    out; each entry is counted with its output vector and its own page's records (a prompt's entries together
+    count its records once; an evicted short prefix's records stay while a longer one of the same prompt is kept,
+    so the memory held is at most about twice the bound). Thread-safe."""
 
     def __init__(self, max_bytes: int = 64 << 20, page_tokens: int = PAGE_TOKENS):
         self.max_bytes, self.page_tokens = max_bytes, page_tokens
@@ -89,7 +91,7 @@ class ScoreCache:
         position p·page − 1), under ``hashes[p − 1]``."""
         with self._lock:
             for pages, last in outputs.items():
-                key, size = hashes[pages - 1], last.numel() * last.element_size() + pages * self.page_tokens * RECORD_BYTES
+                key, size = hashes[pages - 1], last.numel() * last.element_size() + self.page_tokens * RECORD_BYTES
                 if size > self.max_bytes:
                     continue
                 old = self._entries.pop(key, None)
