@@ -104,10 +104,14 @@ def reference(model_dir: str, requests: list[tuple[str, str]]) -> list[tuple[flo
 
 
 def run(model_dir: str, venv: Path, concurrency: int, batch_size: int = 1) -> dict:
+    lm_eval = ensure_lm_eval(venv)
+    with tempfile.TemporaryDirectory(prefix="chainswarm-lm-eval-") as work:  # the task, its data and lm-eval's output
+        return _run(model_dir, lm_eval, Path(work), concurrency, batch_size)
+
+
+def _run(model_dir: str, lm_eval: Path, work: Path, concurrency: int, batch_size: int) -> dict:
     from server.local_swarm import LocalSwarm
 
-    lm_eval = ensure_lm_eval(venv)
-    work = Path(tempfile.mkdtemp(prefix="chainswarm-lm-eval-"))
     data = work / "facts.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
     (work / "tasks").mkdir()
