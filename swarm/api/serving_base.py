@@ -165,13 +165,12 @@ class OpenAIServing:
         return {"id": f"{self.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.model_name}
 
-    def begin(self, body, client: str, input_ids: list[int] | list[list[int]], max_tokens: int | None,
+    def begin(self, body, client: str, prompts: list[list[int]], max_tokens: int | None,
               logprobs: int | None, request: Request, grammar=None, prompt_logprobs: int | None = None):
-        """Start the request's ``n`` runs (``n`` per prompt, prompt after prompt, where ``input_ids`` is a batch
-        of prompts): its stop strings, the response's id/created/model, the items (with ``prompt_logprobs``, each
-        prompt's first run scores the prompt too: :mod:`swarm.engine.scoring`)."""
+        """Start the request's ``n`` runs per prompt (``prompts``' token ids; one for chat, a completions batch
+        for more), prompt after prompt: its stop strings, the response's id/created/model, the items (with
+        ``prompt_logprobs``, each prompt's first run scores the prompt too: :mod:`swarm.engine.scoring`)."""
         meta = self.response_meta()
-        prompts = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
         runs = []
         for ids in prompts:
             params = self.sampling(body, ids, max_tokens, logprobs, grammar)

@@ -33,7 +33,7 @@ class OpenAIServingChat(OpenAIServing):
         client = self.client_of(authorization, x_client_id or body.user)
         plan, input_ids = await self.prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        stop, meta, items = self.begin(body, client, input_ids, body.max_completion_tokens or body.max_tokens,
+        stop, meta, items = self.begin(body, client, [input_ids], body.max_completion_tokens or body.max_tokens,
                                        logprobs, request, plan.grammar)
         if not body.stream:
             done = await self.collect(items, body.n)

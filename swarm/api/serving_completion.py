@@ -53,14 +53,15 @@ class OpenAIServingCompletion(OpenAIServing):
                        request: Request, response: Response):
         """The prompts' ``n`` choices each (a batch: choice ``p·n + i`` is prompt ``p``'s ``i``-th, all runs at
         once through the fair queue): the response document, a stream, or a 499 (the client left)."""
-        n, prompt_tokens = body.n, sum(len(ids) for ids, _ in inputs)
+        prompts = [ids for ids, _ in inputs]
+        n, prompt_tokens = body.n, sum(map(len, prompts))
         echoes, scored = [None] * len(inputs), [None] * len(inputs)
         # echo with logprobs: each prompt is scored (swarm.engine.scoring) in its answer's own run where it has one
         # answer, not streamed (lm-evaluation-harness's request); else in a run of its own through the fair queue
         together = body.echo and body.logprobs is not None and body.max_tokens != 0 and n == 1 and not body.stream
         if body.echo:
             if body.logprobs is not None and not together:
-                scored = await self.score_all(body, client, [ids for ids, _ in inputs], request)
+                scored = await self.score_all(body, client, prompts, request)
                 if scored is None:
                     return Response(status_code=499)
             echoes = [Echo(text, ids, s.prompt_logprobs if s is not None else None)
@@ -69,8 +70,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if scored[0] is not None:
                     prefix_header(response, scored[0].prefix)
                 return self.echo_only(body, echoes, scored)
-        stop, meta, items = self.begin(body, client, [ids for ids, _ in inputs], body.max_tokens, body.logprobs,
-                                       request, plan.grammar, body.logprobs if together else None)
+        stop, meta, items = self.begin(body, client, prompts, body.max_tokens, body.logprobs, request, plan.grammar,
+                                       body.logprobs if together else None)
         if not body.stream:
             done = await self.collect(items, n * len(inputs))
             if done is None:
@@ -121,9 +122,10 @@ class OpenAIServingCompletion(OpenAIServing):
         """Each prompt scored (``prompt_logprobs``, ``body.logprobs`` alternatives) by a run of max_tokens 0 of its
         own, queued and charged as any request, all at once; None: the client left. The first refusal is the
         request's, and ends the others."""
+        one = body.model_copy(update={"n": 1})
+
         def params(ids: list[int]):
-            return replace(self.sampling(body.model_copy(update={"n": 1}), ids, 0, None)[0],
-                           prompt_logprobs=body.logprobs)
+            return replace(self.sampling(one, ids, 0, None)[0], prompt_logprobs=body.logprobs)
 
         return await self.collect(self.choices(client, [(ids, params(ids)) for ids in prompts], request),
                                   len(prompts))

@@ -109,7 +109,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         self.validate(chat)
         client = self.client_of(authorization, x_client_id or body.user)
         plan, input_ids = await self.prompt(chat)
-        stop, meta, items = self.begin(chat, client, input_ids, chat.max_tokens, None, request, plan.grammar)
+        stop, meta, items = self.begin(chat, client, [input_ids], chat.max_tokens, None, request, plan.grammar)
         if not body.stream:
             done = await self.collect(items, 1)
             if done is None:

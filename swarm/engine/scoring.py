@@ -52,6 +52,14 @@ class CachedPrefix(NamedTuple):
     last: torch.Tensor
 
 
+class _Entry(NamedTuple):
+    records: list[TokenLogprob]  # the whole prompt's (shared by its entries)
+    pages: int
+    last: torch.Tensor
+    top: int  # alternatives per record
+    size: int  # bytes counted
+
+
 class ScoreCache:
     """Scores of prompts' page-aligned prefixes (module doc), by the page hash that ends each: an entry per full page
     of every scored prompt, all sharing that prompt's records. Bounded by ``max_bytes``, least recently used first
@@ -62,7 +70,7 @@ class ScoreCache:
     def __init__(self, max_bytes: int = 64 << 20, page_tokens: int = PAGE_TOKENS):
         self.max_bytes, self.page_tokens = max_bytes, page_tokens
         self.bytes = 0
-        self._entries: OrderedDict[bytes, tuple[list[TokenLogprob], int, torch.Tensor, int, int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -74,16 +82,15 @@ class ScoreCache:
         with self._lock:
             for pages in range(min(max_pages, len(hashes)), 0, -1):
                 entry = self._entries.get(hashes[pages - 1])
-                if entry is not None and entry[1] == pages and entry[3] >= top:
+                if entry is not None and entry.pages == pages and entry.top >= top:
                     self._entries.move_to_end(hashes[pages - 1])
-                    records, _, last, _, _ = entry
                     break
             else:
                 return None
-        kept = records[:pages * self.page_tokens - 1]
-        if any(len(r.top) > top for r in kept):
+        kept = entry.records[:pages * self.page_tokens - 1]
+        if entry.top > top:
             kept = [TokenLogprob(r.token_id, r.logprob, r.top[:top]) for r in kept]
-        return CachedPrefix(pages, kept, last)
+        return CachedPrefix(pages, kept, entry.last)
 
     def store(self, hashes: Sequence[bytes], records: list[TokenLogprob], outputs: dict[int, torch.Tensor],
               top: int) -> None:
@@ -96,12 +103,12 @@ class ScoreCache:
                     continue
                 old = self._entries.pop(key, None)
                 if old is not None:
-                    self.bytes -= old[4]
-                self._entries[key] = (records, pages, last.detach().clone(), top, size)
+                    self.bytes -= old.size
+                self._entries[key] = _Entry(records, pages, last.detach().clone(), top, size)
                 self.bytes += size
             while self.bytes > self.max_bytes:
                 _, old = self._entries.popitem(last=False)
-                self.bytes -= old[4]
+                self.bytes -= old.size
 
 
 @torch.inference_mode()
