@@ -226,7 +226,8 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             session.save = None
             try:
                 await self._run_op(span.backends, session.handles,
-                                   ("save", list(prefix.hashes), prefix.load, session.position))
+                                   ("save", list(prefix.hashes), prefix.load, session.position,
+                                    tuple(span.uids)))
             except Exception as exc:  # never fail a session because the cache could not take its pages
                 logger.warning("could not store prefix pages: %s", exc)
 

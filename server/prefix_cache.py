@@ -151,6 +151,27 @@ class PrefixStore:
             self.stats["pages_inserted"] += 1
             return True
 
+    def fit_span(self, uids: Sequence[str], hashes: Sequence[bytes], first: int, last: int, page_nbytes: int,
+                 protect: set) -> int:
+        """How many of pages ``first..last`` of ``hashes`` can be stored for *every* block of ``uids``, making room
+        for them all at once (LRU, unpinned, outside ``protect``). A save stores block by block; sized this way the
+        first blocks cannot take the room the later ones need, which would leave the span matching no page.
+        Idempotent: the span's later blocks get the same answer, their room being already made."""
+        with self.lock:
+            def need(k: int) -> int:
+                held = 0
+                for h in hashes[first:first + k]:
+                    page = self.pages.get(h)
+                    held += 0 if page is None else sum(uid in page.blocks for uid in uids)
+                return (k * len(uids) - held) * page_nbytes
+
+            count = max(0, last - first)
+            self._make_room(need(count), protect)
+            free = self.budget_bytes - self.nbytes
+            while count and need(count) > free:
+                count -= 1
+            return count
+
     def _make_room(self, nbytes: int, protect: set) -> bool:
         now = time.monotonic()
         while self.nbytes + nbytes > self.budget_bytes:
@@ -277,13 +298,17 @@ class PrefixBackend(ModelBackend):
             self._offsets[info.cache_handles] = len(hashes) * page
             self.store.stats["tokens_loaded"] += len(hashes) * page
             return (hidden_states,)
-        if kind == "save":
-            hashes, first, tokens = args
+        if kind == "save":  # the span's blocks in turn, each storing the pages that fit for all of them
+            hashes, first, tokens, uids = args
             protect = set(hashes)
             with self.memory_cache.use_cache(*info.cache_handles) as tensors:
                 if tensors[0].shape[0] != 1:
                     return (hidden_states,)
-                last = min(len(hashes), tokens // page)
+                wanted = min(len(hashes), tokens // page)
+                page_nbytes = sum(s.numel() * s.element_size() for s in self._page_slices(tensors, 0, page))
+                last = first + self.store.fit_span(uids or (self.name,), hashes, first, wanted, page_nbytes, protect)
+                if last < wanted and self.name == (uids or (self.name,))[0]:  # once per span
+                    self.store.report_unheld(self.name, hashes[last:wanted])
                 for i in range(first, last):
                     copies = tuple(s.clone() for s in self._page_slices(tensors, i * page, (i + 1) * page))
                     if not self.store.put(self.name, hashes[i], hashes[i - 1] if i else None, copies, protect):
@@ -440,7 +465,8 @@ class PrefixHandler(ChainswarmHandler):
                 computed = session.load * PAGE_TOKENS + int(first_request.tensors[0].size[1])
                 try:
                     await self._run_op(session.backends, session.handles,
-                                       ("save", session.hashes, session.load, computed))
+                                       ("save", session.hashes, session.load, computed,
+                                        tuple(b.name for b in session.backends)))
                 except Exception as exc:  # never fail a session because the cache could not take its pages
                     logger.warning("could not store prefix pages: %s", exc)
 

@@ -261,6 +261,34 @@ def test_pages_a_save_could_not_keep_are_reported_like_evictions():
     assert store.report_unheld("other-block", [a]) == 1  # held, but not for that block
 
 
+def test_a_save_is_sized_so_every_block_of_the_span_keeps_the_same_pages():
+    """A save runs block by block; sized per block, the first block took the room and the span matched no page."""
+    from server.prefix_cache import PrefixStore
+
+    page = torch.zeros(1, 1, 1, 16)
+    unit = page.numel() * page.element_size()
+    store = PrefixStore(budget_bytes=5 * unit)
+    other = bytes([9]) * 16
+    assert store.put("a", other, None, (page,), set())
+    store.touch([other], pin_s=60)  # another prompt's page, pinned by a probe: 4 units stay free
+    hashes = [bytes([i]) * 16 for i in (1, 2, 3)]
+    uids = ("a", "b")
+    stored = {}
+    for uid in uids:  # the backend's save op, one block after the other
+        count = store.fit_span(uids, hashes, 0, 3, unit, set(hashes))
+        stored[uid] = count
+        for i in range(count):
+            assert store.put(uid, hashes[i], hashes[i - 1] if i else None, (page,), set(hashes))
+    assert stored == {"a": 2, "b": 2}  # both blocks the same two pages (sized per block: a 3, b 1)
+    assert store.match(uids, hashes) == 2
+    assert store.nbytes == 5 * unit
+    # with the pin gone, the old page makes way for the whole prompt on both blocks
+    store = PrefixStore(budget_bytes=6 * unit)
+    assert store.put("a", other, None, (page,), set())
+    assert store.fit_span(uids, hashes, 0, 3, unit, set(hashes)) == 3 and other not in store.pages
+    assert store.fit_span(uids, hashes, 1, 3, unit, set(hashes)) == 2  # from a loaded prefix on
+
+
 def test_orchestrator_index_follows_dispatch_and_eviction_reports():
     import asyncio
 
