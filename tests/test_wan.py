@@ -18,8 +18,16 @@ pytestmark = pytest.mark.alone  # measures emulated RTTs against tolerances: not
 RTT_S0, RTT_S1, RTT_S0_S1 = 40.0, 80.0, 20.0
 
 
-def _tolerance(configured_ms: float) -> float:
-    return max(5.0, 0.15 * configured_ms)
+def _tolerance(configured_ms: float, machine_ms: float = 0.0) -> float:
+    return max(5.0, 0.15 * configured_ms) + machine_ms
+
+
+def _machine_ms(emulator, endpoints) -> float:
+    """This shared machine's own cost in an emulated RTT, measured now: an echo straight to the server (no proxy,
+    no delay) plus the proxy's lateness on the way out and back (its 90th percentile). Quiet: about 1 ms; with two
+    busy loops beside the suite, 5-15 ms, which a fixed tolerance read as a wrong delay."""
+    direct = measure_rtt(endpoints["s0"].ip, endpoints["s0"].real_port, n=5)
+    return direct.median_ms + 2 * emulator.stats()["lateness_ms"]["p90"]
 
 
 def _alive(pid: int) -> bool:
@@ -66,38 +74,72 @@ def test_endpoints_and_maddrs(config, wan_up):
 
 
 def test_client_rtt_matches_config(config, wan_up):
-    _, endpoints, _ = wan_up
+    emulator, endpoints, _ = wan_up
     for host, configured in (("s0", RTT_S0), ("s1", RTT_S1)):
         ep = endpoints[host]
         m = measure_rtt(ep.ip, ep.port, n=8, source_ip="127.0.0.1")
-        assert abs(m.median_ms - configured) <= _tolerance(configured), (host, m.samples_ms)
-        # a fresh connection pays the emulated handshake: about 2 RTT for connect + first echo
-        assert abs(m.first_exchange_ms - 2 * configured) <= 2 * _tolerance(configured)
+        machine = _machine_ms(emulator, endpoints)
+        assert abs(m.median_ms - configured) <= _tolerance(configured, machine), (host, m.samples_ms, machine)
+        # a fresh connection pays the emulated handshake: about 2 RTT for connect + first echo (one sample per
+        # connection: the least of three, as one can meet a stall of this shared machine)
+        firsts = [m.first_exchange_ms] + [measure_rtt(ep.ip, ep.port, n=1, source_ip="127.0.0.1").first_exchange_ms
+                                          for _ in range(2)]
+        # ... plus what a fresh connection costs here without the emulator (the echo server's accept, on a busy
+        # machine 10-15 ms)
+        fresh = min(measure_rtt(ep.ip, ep.real_port, n=1).first_exchange_ms for _ in range(2))
+        assert abs(min(firsts) - 2 * configured) <= 2 * _tolerance(configured, machine) + fresh, (firsts, machine, fresh)
     # without the proxy there is no delay at all
     direct = measure_rtt(endpoints["s1"].ip, endpoints["s1"].real_port, n=5)
-    assert direct.median_ms < 3.0
+    assert direct.median_ms < 0.25 * RTT_S0, direct.samples_ms
 
 
 def test_delay_is_keyed_by_source_ip(config, wan_up):
-    _, endpoints, _ = wan_up
+    emulator, endpoints, _ = wan_up
     s1 = endpoints["s1"]
     from_s0 = measure_rtt(s1.ip, s1.port, n=8, source_ip=config.ip("s0"))
-    assert abs(from_s0.median_ms - RTT_S0_S1) <= _tolerance(RTT_S0_S1), from_s0.samples_ms
+    machine = _machine_ms(emulator, endpoints)
+    assert abs(from_s0.median_ms - RTT_S0_S1) <= _tolerance(RTT_S0_S1, machine), (from_s0.samples_ms, machine)
     s0 = endpoints["s0"]
     from_s1 = measure_rtt(s0.ip, s0.port, n=8, source_ip=config.ip("s1"))
-    assert abs(from_s1.median_ms - RTT_S0_S1) <= _tolerance(RTT_S0_S1), from_s1.samples_ms
+    machine = _machine_ms(emulator, endpoints)
+    assert abs(from_s1.median_ms - RTT_S0_S1) <= _tolerance(RTT_S0_S1, machine), (from_s1.samples_ms, machine)
     # an address that is not in the config is treated as the client
     other = measure_rtt(s0.ip, s0.port, n=5, source_ip="127.0.0.77")
-    assert abs(other.median_ms - RTT_S0) <= _tolerance(RTT_S0)
+    assert abs(other.median_ms - RTT_S0) <= _tolerance(RTT_S0, _machine_ms(emulator, endpoints)), other.samples_ms
+
+
+def test_delay_scale_applies_to_open_connections_and_restores(config, wan_up):
+    emulator, endpoints, _ = wan_up
+    s1 = endpoints["s1"]
+    try:
+        emulator.set_delay_scale(0.0)
+        assert emulator.stats()["delay_scale"] == 0.0
+        off = measure_rtt(s1.ip, s1.port, n=6, source_ip="127.0.0.1")
+        assert off.median_ms < 3.0 + _machine_ms(emulator, endpoints), off.samples_ms
+        emulator.set_delay_scale(0.5)
+        half = measure_rtt(s1.ip, s1.port, n=6, source_ip="127.0.0.1")
+        machine = _machine_ms(emulator, endpoints)
+        assert abs(half.median_ms - RTT_S1 / 2) <= _tolerance(RTT_S1 / 2, machine), (half.samples_ms, machine)
+        with pytest.raises(wan.WanError, match="finite number"):
+            emulator.set_delay_scale(-1.0)
+    finally:
+        emulator.set_delay_scale(1.0)
+    back = measure_rtt(s1.ip, s1.port, n=6, source_ip="127.0.0.1")
+    machine = _machine_ms(emulator, endpoints)
+    assert abs(back.median_ms - RTT_S1) <= _tolerance(RTT_S1, machine), (back.samples_ms, machine)
+    late = emulator.stats()["lateness_ms"]
+    assert late["chunks"] > 0 and 0.0 <= late["p50"] <= late["p90"] <= late["max"]
 
 
 def test_measure_wan_report(config, wan_up):
-    _, endpoints, _ = wan_up
+    emulator, endpoints, _ = wan_up
     rows = wan.measure_wan(config, endpoints, n=6)
+    late = 2 * emulator.stats()["lateness_ms"]["p90"]
     assert {(r["src"], r["dst"]) for r in rows} == {
         ("client", "s0"), ("client", "s1"), ("s0", "s1"), ("s1", "s0")}
     for r in rows:
-        assert abs(r["error_ms"]) <= _tolerance(r["configured_ms"]), r
+        assert 0 < r["direct_ms"] < r["configured_ms"], r
+        assert abs(r["error_ms"]) <= _tolerance(r["configured_ms"], r["direct_ms"] + late), (r, late)
     print("\n" + wan.format_report(rows))
     text = wan.format_report(rows)
     assert "configured" in text and "s0" in text
@@ -277,8 +319,9 @@ def test_cli(tmp_path, capsys):
     assert main(["wan", "measure", "--config", str(out), "-n", "3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["backend"] == "userspace" and len(report["rows"]) == 4
+    late = 2 * report["lateness_ms"]["p90"]
     for r in report["rows"]:
-        assert abs(r["error_ms"]) <= _tolerance(r["configured_ms"]), r
+        assert abs(r["error_ms"]) <= _tolerance(r["configured_ms"], r["direct_ms"] + late), (r, late)
     assert main(["wan", "measure", "--config", str(tmp_path / "missing.json")]) == 2
     if not wan.netem_available()[0]:
         assert main(["wan", "run", "--config", str(out), "--backend", "netem"]) == 2

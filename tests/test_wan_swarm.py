@@ -64,68 +64,108 @@ def test_nodes_live_on_their_own_loopback_addresses(wan_swarm):
     assert wan_swarm.orchestrator.info["options"].dht_announce_port == eps["client"].port
 
 
-def _median_ping_ms(dht, peer_id: str) -> float:
+def _ping_ms(dht, peer_id: str) -> float:
     from hivemind.p2p import PeerID
     from petals.utils.ping import ping
 
     from swarm.model.compat import petals  # noqa: F401
 
-    target = PeerID.from_base58(peer_id)
-    return statistics.median([dht.run_coroutine(partial(ping, target, wait_timeout=5)) * 1e3 for _ in range(8)][2:])
+    return dht.run_coroutine(partial(ping, PeerID.from_base58(peer_id), wait_timeout=5)) * 1e3
 
 
 @pytest.fixture(scope="module")
 def pings(wan_swarm):
     """Median pings (ms) from a DHT peer on the orchestrator's host: to each server, and to the swarm's bootstrap
     peer on the same host ("overhead": the same libp2p stack with no delay to emulate; the machine's own cost, which
-    varies with its speed: 2-3 ms in a fast hour, 6-10 in a slow one)."""
+    varies with its speed: 2-3 ms in a fast hour, 7-13 in a slow one). The targets take turns, so the overhead is
+    measured in the same moments as the pings it excuses (measured one after the other, a slow stretch that began
+    after the overhead's pings made a server's ping look 25 ms over its RTT). "late": how late the emulator's proxy
+    delivered its chunks (90th percentile, ms), its own record of this machine's scheduling delay."""
     import hivemind
 
     dht = hivemind.DHT(start=True, client_mode=True, initial_peers=wan_swarm.initial_peers)
     try:
-        bootstrap = wan_swarm.initial_peers[0].rsplit("/p2p/", 1)[1]
-        out = {"overhead": _median_ping_ms(dht, bootstrap)}
-        out.update({peer.name: _median_ping_ms(dht, peer.peer_id) for peer in wan_swarm.nodes})
+        targets = {"overhead": wan_swarm.initial_peers[0].rsplit("/p2p/", 1)[1],
+                   **{peer.name: peer.peer_id for peer in wan_swarm.nodes}}
+        samples = {name: [] for name in targets}
+        for _ in range(10):
+            for name, peer_id in targets.items():
+                samples[name].append(_ping_ms(dht, peer_id))
+        out = {name: statistics.median(values[2:]) for name, values in samples.items()}
+        out["late"] = wan_swarm.emulator.stats()["lateness_ms"]["p90"]
         return out
     finally:
         dht.shutdown()
 
 
+def _excess_ms(pings) -> float:
+    """What a ping may take over its configured RTT: the stack's overhead, the proxy's lateness on the way out and
+    back, and 8 ms for the server's processes on a busy machine."""
+    return pings["overhead"] + 2 * pings["late"] + 8.0
+
+
 def test_achieved_rtt_from_the_orchestrator_host_matches_the_configuration(wan_swarm, pings):
     for peer in wan_swarm.nodes:
         configured = wan_swarm.config.rtt("client", peer.name)
-        assert configured - 1.0 <= pings[peer.name] <= configured + pings["overhead"] + 8.0, (peer.name, pings)
+        assert configured - 1.0 <= pings[peer.name] <= configured + _excess_ms(pings), (peer.name, pings)
 
 
 def test_profiles_rtt_reflects_the_emulated_wan(wan_swarm, pings):
-    status = HTTP.get(f"{wan_swarm.url}/v1/swarm").json()
-    rtts = {s["node_id"]: s["rtt_s"] * 1e3 for s in status["servers"]}
-    for name, configured in (("a", RTT_A), ("b", RTT_B)):
-        assert configured - 1.0 <= rtts[name] <= configured + pings["overhead"] + 10.0, (rtts, pings)
+    # each server pings the orchestrator every 5 s (rtt_period): a probe that met a slow moment of this shared
+    # machine is replaced within seconds, so wait (bounded) for the two probes to read their RTTs
+    seen = []
+
+    def within():
+        status = HTTP.get(f"{wan_swarm.url}/v1/swarm").json()
+        rtts = {s["node_id"]: s["rtt_s"] * 1e3 for s in status["servers"]}
+        seen.append(rtts)
+        ok = all(configured - 1.0 <= rtts[name] <= configured + _excess_ms(pings) + 2.0
+                 for name, configured in (("a", RTT_A), ("b", RTT_B)))
+        return status if ok else None
+
+    status = wait_for(within, 30, period=1.0, what="the servers' RTT probes within the configured RTTs",
+                      explain=lambda: f"probes seen {seen[-5:]}, pings {pings}")
     # ... and the planner's communication time is built from them
     comm = {s["id"]: s["comm_time_s"] for s in status["plan"]["inputs"]["servers"]}
     assert comm["b"] > comm["a"]
 
 
-def test_inference_steps_pay_the_configured_rtts(wan_swarm, pings):
-    chain = wan_swarm.status["chains"][0]
-    assert sorted(chain["servers"]) == ["a", "b"]  # one chain through both (their order is the planner's call)
-    # a streamed answer's gaps between tokens: each is one step through the chain; their median is immune to the
-    # odd stall of this shared machine (a difference of two requests' service times was not: 155-204 ms per token
-    # within minutes). One token per step: speculative drafts (on by default) would pay one pass for several tokens
+def _per_token_ms(url: str) -> tuple[float, list]:
+    """A streamed answer's median gap between tokens (ms), and the gaps: each gap is one step through the chain;
+    their median is immune to the odd stall of this shared machine. One token per step: speculative drafts (on by
+    default) would pay one pass for several tokens."""
     body = {"prompt": "The weather today is mild and", "max_tokens": 24, "temperature": 0, "stream": True,
             "speculative": False, "ignore_eos": True}
     arrivals = []
-    with httpx.Client(base_url=wan_swarm.url, timeout=120) as http:
+    with httpx.Client(base_url=url, timeout=120) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]" and '"text":""' not in line.replace(" ", ""):
                     arrivals.append(time.monotonic())
     gaps = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:])]
     assert len(gaps) >= 12, arrivals
-    per_token_ms = statistics.median(gaps)
-    # relay: orchestrator → a → orchestrator → b → orchestrator per token, two round trips that each cost the
-    # machine's own overhead too; petals adds its per-step work: 10-30 ms in a fast hour of this machine, 55-65 ms
-    # in a slow one (2026-11-29 17:20-17:30, a 576x1536 float32 product at 0.21 ms against 0.17: medians of 167 and
-    # 176 ms per token, the same at the previous day's commits)
-    assert RTT_A + RTT_B <= per_token_ms <= RTT_A + RTT_B + 2 * pings["overhead"] + 75.0, (per_token_ms, pings, gaps)
+    return statistics.median(gaps), gaps
+
+
+def test_inference_steps_pay_the_configured_rtts(wan_swarm, pings):
+    chain = wan_swarm.status["chains"][0]
+    assert sorted(chain["servers"]) == ["a", "b"]  # one chain through both (their order is the planner's call)
+    # relay: orchestrator → a → orchestrator → b → orchestrator per token, two round trips. What a token costs
+    # beyond them (petals' per-step work, this machine's scheduling) is measured on the same swarm with the
+    # emulator's delays off, in turns with the delayed answers: 10-30 ms a token in a quiet hour, 140-190 ms
+    # with four busy loops beside it, where a fixed allowance could not tell a slow hour from a wrong delay
+    delayed, undelayed = [], []
+    try:
+        for _ in range(2):
+            wan_swarm.emulator.set_delay_scale(0.0)
+            undelayed.append(_per_token_ms(wan_swarm.url)[0])
+            wan_swarm.emulator.set_delay_scale(1.0)
+            delayed.append(_per_token_ms(wan_swarm.url)[0])
+    finally:
+        wan_swarm.emulator.set_delay_scale(1.0)
+    per_token, work = statistics.mean(delayed), statistics.mean(undelayed)
+    network = per_token - work
+    print(f"per token {delayed} ms with the WAN, {undelayed} without; network {network:.1f} ms")
+    assert per_token >= RTT_A + RTT_B, (delayed, undelayed, pings)
+    assert RTT_A + RTT_B - 10.0 <= network <= RTT_A + RTT_B + 2 * pings["overhead"] + 4 * pings["late"] + 30.0, (
+        delayed, undelayed, pings)

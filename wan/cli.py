@@ -166,9 +166,13 @@ def _measure(args: argparse.Namespace, wan, config) -> int:
         with wan.WanEmulator(config, backend=args.backend, ports=echo.ports) as emulator:
             rows = wan.measure_wan(config, emulator.endpoints, args.n, pairs=not args.no_pairs)
             backend = emulator.backend
+            lateness = emulator.stats().get("lateness_ms")  # userspace: how late the proxy delivered
     if args.json:
-        print(json.dumps({"backend": backend, "rows": rows}, indent=2))
+        print(json.dumps({"backend": backend, "rows": rows, "lateness_ms": lateness}, indent=2))
     else:
         print(f"backend: {backend}")
         print(wan.format_report(rows))
+        if lateness:
+            print(f"proxy lateness (ms): median {lateness['p50']:.2f}, 90th percentile {lateness['p90']:.2f}, "
+                  f"max {lateness['max']:.2f} over {lateness['chunks']} chunks")
     return 0

@@ -86,8 +86,17 @@ class WanEmulator:
             return self._proc.alive
         return self._netem is not None and self._netem.installed
 
+    def set_delay_scale(self, scale: float) -> None:
+        """Scale every emulated delay at once, open connections included (userspace backend): 0 turns the WAN off
+        and 1 restores the configuration. For a measurement that needs the same swarm with and without its delays
+        (what a token costs beyond the network), or an RTT sweep without restarting the swarm."""
+        if self._proc is None:
+            raise WanError("set_delay_scale needs the running userspace backend")
+        self._proc.call("set_delay_scale", float(scale))
+
     def stats(self) -> dict[str, Any]:
-        """Per-link counters ``"src->dst"``: connections, active, failed, bytes_to_dst, bytes_to_src."""
+        """Per-link counters ``"src->dst"`` (connections, active, failed, bytes_to_dst, bytes_to_src), the delay
+        scale and the proxy's delivery lateness (``lateness_ms``: how long after their due time recent chunks left)."""
         return self._proc.request_stats() if self._proc is not None else {}
 
     def stop(self) -> dict[str, Any]:

@@ -6,8 +6,10 @@ A connection from ``127.0.0.a`` to host ``b`` delays every chunk in both directi
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -68,6 +70,10 @@ class DelayProxy:
         # How late the event loop's timers fire (uvloop/libuv timers have 1 ms granularity): a running
         # estimate that is subtracted from each sleep so that deliveries are unbiased.
         self.timer_lateness = 0.0005
+        # How late recent chunks left the proxy after their due time (s): the part of a measured delay that is
+        # this machine's scheduling, not the emulated network (reported in stats()).
+        self.lateness: collections.deque = collections.deque(maxlen=2048)
+        self.delay_scale = 1.0  # every configured delay times this (set_delay_scale), read per chunk
 
     async def start(self) -> dict[str, int]:
         try:
@@ -174,7 +180,7 @@ class DelayProxy:
                 ready = max(time.monotonic(), hold_until)
                 if clock is not None:
                     ready = clock.transmit(ready, len(data))
-                await queue.put((ready + one_way_s, data))
+                await queue.put((ready + one_way_s * self.delay_scale, data))
             await queue.put(None)
 
         async def deliver() -> None:
@@ -191,6 +197,7 @@ class DelayProxy:
                         self.timer_lateness = min(0.002, max(0.0, self.timer_lateness + 0.05 * late))
                     else:
                         await asyncio.sleep(0)
+                self.lateness.append(max(0.0, time.monotonic() - due))
                 writer.write(data)
                 await writer.drain()
                 count(len(data))
@@ -200,11 +207,29 @@ class DelayProxy:
 
         return [asyncio.create_task(intake()), asyncio.create_task(deliver())]
 
+    def set_delay_scale(self, scale: float) -> None:
+        """Multiply every configured delay by ``scale`` from the next chunk on, open connections included (0: no
+        delay at all; 1: the configuration). Chunks already queued keep their due times."""
+        if not 0.0 <= scale < float("inf"):
+            raise ValueError(f"a delay scale is a finite number >= 0, not {scale!r}")
+        self.delay_scale = float(scale)
+
     def stats(self) -> dict[str, Any]:
         return {
+            "delay_scale": self.delay_scale,
             "links": {f"{s}->{d}": c.as_dict() for (s, d), c in sorted(self.links.items())},
             "active_connections": sum(c.active for c in self.links.values()),
+            "lateness_ms": self.lateness_ms(),
         }
+
+    def lateness_ms(self) -> dict[str, float]:
+        """The recent chunks' delivery lateness: how long after their due time they left (median, 90th
+        percentile, max; ms). A chunk's one-way delay is its configured one plus this."""
+        late = sorted(self.lateness)
+        if not late:
+            return {"chunks": 0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+        return {"chunks": len(late), "p50": statistics.median(late) * 1e3,
+                "p90": late[int(0.9 * (len(late) - 1))] * 1e3, "max": late[-1] * 1e3}
 
     async def close(self, timeout: float = 2.0) -> None:
         self.closing = True

@@ -1,7 +1,8 @@
 """An asyncio service (the delay proxy, the echo servers) in a child process of its own.
 
 The child leads its own process group and dies with its parent (:func:`swarm.runtime.process.become_group_leader`);
-it reports ``("ready", ports)`` on a pipe, answers ``"stats"`` and stops on SIGTERM, ``"stop"`` or EOF,
+it reports ``("ready", ports)`` on a pipe, answers ``"stats"`` and ``("call", method, args)`` (a setting, such as
+the proxy's delay scale) and stops on SIGTERM, ``"stop"`` or EOF,
 sending ``("stopped", stats)``. The parent stops it with :func:`swarm.runtime.process.stop_process_group`.
 """
 from __future__ import annotations
@@ -51,6 +52,11 @@ async def _serve_in_child(make_service: Callable[[], Any], conn: Any) -> None:
             conn.send(("stats", service.stats()))
         elif msg == "stop":
             stop.set()
+        elif isinstance(msg, tuple) and msg[0] == "call":  # ("call", method, args): a setting of the service
+            try:
+                conn.send(("result", getattr(service, msg[1])(*msg[2])))
+            except Exception as exc:  # noqa: BLE001  (reported to the parent, the service goes on)
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
     loop.add_reader(conn.fileno(), on_command)
     conn.send(("ready", ports))
@@ -120,6 +126,19 @@ class ServiceProcess:
             if not self.conn.poll(timeout):
                 raise WanError(f"{self.name} did not answer a stats request")
             kind, payload = self.conn.recv()
+        return payload
+
+    def call(self, method: str, *args: Any, timeout: float = 5.0) -> Any:
+        """Run ``service.method(*args)`` in the child; its result, or a :class:`WanError` with the child's error."""
+        if not self.alive:
+            raise WanError(f"{self.name} is not running")
+        with self.lock:
+            self.conn.send(("call", method, args))
+            if not self.conn.poll(timeout):
+                raise WanError(f"{self.name} did not answer {method}")
+            kind, payload = self.conn.recv()
+        if kind != "result":
+            raise WanError(f"{self.name}: {method}: {payload}")
         return payload
 
     def stop(self, timeout: float = 5.0) -> dict[str, Any] | None:
