@@ -136,3 +136,24 @@ def pytest_runtest_makereport(item, call):
             report.sections.append(("machine at the failure", _machine()))
         except Exception as exc:  # noqa: BLE001 - a diagnostic must never hide the failure itself
             report.sections.append(("machine at the failure", f"unavailable: {exc!r}"))
+
+
+# -- where the suite's time goes, by file (what LONGEST_FIRST orders) -------------------------------------------
+# The controller (or the only process without xdist) adds up each file's setup, call and teardown times from the
+# reports it receives, and the summary lists the longest files: the figures to keep LONGEST_FIRST in order by and
+# the first place to look when the suite gets slower.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput") or not _FILE_SECONDS:  # an xdist worker: the controller prints it
+        return
+    longest = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:15]
+    terminalreporter.write_sep("=", f"longest test files ({sum(_FILE_SECONDS.values()):.0f} s in all)")
+    for path, seconds in longest:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
