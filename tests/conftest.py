@@ -61,7 +61,12 @@ def smollm2_dir():
 
 
 # -- the browser tests (tests/test_browser.py): never a silent skip -------------------------------------------
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
+    _browser_summary(terminalreporter)
+    _file_times_summary(terminalreporter, config)
+
+
+def _browser_summary(terminalreporter):
     from browser import missing
 
     # the reports of the tests that were run or skipped (under pytest-xdist the controller collects nothing: the
@@ -150,7 +155,7 @@ def pytest_runtest_logreport(report):
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
+def _file_times_summary(terminalreporter, config):
     if hasattr(config, "workerinput") or not _FILE_SECONDS:  # an xdist worker: the controller prints it
         return
     longest = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:15]
