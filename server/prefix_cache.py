@@ -25,6 +25,7 @@ session's offset to it: the positions a loaded prefix skipped, minus the positio
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -158,19 +159,13 @@ class PrefixStore:
         first blocks cannot take the room the later ones need, which would leave the span matching no page.
         Idempotent: the span's later blocks get the same answer, their room being already made."""
         with self.lock:
-            def need(k: int) -> int:
-                held = 0
-                for h in hashes[first:first + k]:
-                    page = self.pages.get(h)
-                    held += 0 if page is None else sum(uid in page.blocks for uid in uids)
-                return (k * len(uids) - held) * page_nbytes
-
-            count = max(0, last - first)
-            self._make_room(need(count), protect)
-            free = self.budget_bytes - self.nbytes
-            while count and need(count) > free:
-                count -= 1
-            return count
+            needed = [0]  # needed[k]: bytes the span's first k pages still need over all its blocks
+            for h in hashes[first:last]:
+                page = self.pages.get(h)
+                missing = len(uids) - (0 if page is None else sum(uid in page.blocks for uid in uids))
+                needed.append(needed[-1] + missing * page_nbytes)
+            self._make_room(needed[-1], protect)
+            return max(0, bisect.bisect_right(needed, self.budget_bytes - self.nbytes) - 1)
 
     def _make_room(self, nbytes: int, protect: set) -> bool:
         now = time.monotonic()

@@ -287,6 +287,13 @@ def test_a_save_is_sized_so_every_block_of_the_span_keeps_the_same_pages():
     assert store.put("a", other, None, (page,), set())
     assert store.fit_span(uids, hashes, 0, 3, unit, set(hashes)) == 3 and other not in store.pages
     assert store.fit_span(uids, hashes, 1, 3, unit, set(hashes)) == 2  # from a loaded prefix on
+    # pages a block already holds need no room: block a holds all three, 3 units left are block b's
+    store = PrefixStore(budget_bytes=6 * unit)
+    for i, h in enumerate(hashes):
+        assert store.put("a", h, hashes[i - 1] if i else None, (page,), set(hashes))
+    assert store.fit_span(uids, hashes, 0, 3, unit, set(hashes)) == 3
+    store.budget_bytes = 5 * unit
+    assert store.fit_span(uids, hashes, 0, 3, unit, set(hashes)) == 2
 
 
 def test_orchestrator_index_follows_dispatch_and_eviction_reports():
