@@ -301,8 +301,8 @@ class PrefixBackend(ModelBackend):
                     return (hidden_states,)
                 wanted = min(len(hashes), tokens // page)
                 page_nbytes = sum(s.numel() * s.element_size() for s in self._page_slices(tensors, 0, page))
-                last = first + self.store.fit_span(uids or (self.name,), hashes, first, wanted, page_nbytes, protect)
-                if last < wanted and self.name == (uids or (self.name,))[0]:  # once per span
+                last = first + self.store.fit_span(uids, hashes, first, wanted, page_nbytes, protect)
+                if last < wanted and self.name == uids[0]:  # once per span
                     self.store.report_unheld(self.name, hashes[last:wanted])
                 for i in range(first, last):
                     copies = tuple(s.clone() for s in self._page_slices(tensors, i * page, (i + 1) * page))

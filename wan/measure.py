@@ -223,7 +223,7 @@ def format_report(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(
             f"{r['src']:>8} {r['dst']:>8} {r['configured_ms']:>11.2f} {r['achieved_ms']:>9.2f} "
             f"{r['min_ms']:>8.2f} {r['p95_ms']:>8.2f} {r['first_exchange_ms']:>8.2f} {r['error_ms']:>+8.2f}"
-            f" {r.get('direct_ms', float('nan')):>8.2f}"
+            f" {r['direct_ms']:>8.2f}"
         )
     lines.append("(ms; achieved = median of echo round trips through the emulator; first = connect + first echo;")
     lines.append(" direct = the same echo without the emulator: this machine's own part of the error)")

@@ -121,25 +121,24 @@ class ServiceProcess:
     def request_stats(self, timeout: float = 5.0) -> dict[str, Any]:
         if not self.alive:
             return self.final_stats or {}
-        with self.lock:
-            self.conn.send("stats")
-            if not self.conn.poll(timeout):
-                raise WanError(f"{self.name} did not answer a stats request")
-            kind, payload = self.conn.recv()
-        return payload
+        return self._ask("stats", "a stats request", timeout)[1]
 
     def call(self, method: str, *args: Any, timeout: float = 5.0) -> Any:
         """Run ``service.method(*args)`` in the child; its result, or a :class:`WanError` with the child's error."""
         if not self.alive:
             raise WanError(f"{self.name} is not running")
-        with self.lock:
-            self.conn.send(("call", method, args))
-            if not self.conn.poll(timeout):
-                raise WanError(f"{self.name} did not answer {method}")
-            kind, payload = self.conn.recv()
+        kind, payload = self._ask(("call", method, args), method, timeout)
         if kind != "result":
             raise WanError(f"{self.name}: {method}: {payload}")
         return payload
+
+    def _ask(self, message: Any, what: str, timeout: float) -> tuple:
+        """Send ``message`` to the child and return its ``(kind, payload)`` answer."""
+        with self.lock:
+            self.conn.send(message)
+            if not self.conn.poll(timeout):
+                raise WanError(f"{self.name} did not answer {what}")
+            return self.conn.recv()
 
     def stop(self, timeout: float = 5.0) -> dict[str, Any] | None:
         proc, conn = self.proc, self.conn
