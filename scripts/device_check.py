@@ -9,7 +9,8 @@ checkpoint with :class:`swarm.model.local_model.LocalModel` on the GPU and print
   dtype's rounding (random-weight models have near ties; past one, the continuation may legitimately differ),
 * the batched path: a decode cohort + a prefill in one ``DecoderBlock.step`` against each sequence alone.
 
-Then one Llama-3-8B-shaped block (random bf16 weights) times a batched decode step at 1, 8 and 32 sessions.
+Then one Llama-3-8B-shaped block (random bf16 weights) times a batched decode step at 1, 8 and 32 sessions, and
+both attention strategies (``swarm/model/attention.py``) on decode and verification steps.
 Writes the numbers as JSON to ``$OUT/device_check.json`` when ``OUT`` is set. Exit status 1 if a float32 case
 misses its golden.
 """
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from swarm.model.arch import ArchSpec, LayerSpec, RopeSpec  # noqa: E402
+from swarm.model.attention import KERNELS, attention_for  # noqa: E402
 from swarm.model.block import DecoderBlock, Segment  # noqa: E402
 from swarm.model.local_model import LocalModel  # noqa: E402
 
@@ -88,14 +90,17 @@ def check_case(path: Path, dtype: torch.dtype, device: str) -> dict:
             "batched_vs_alone_rel": batched}
 
 
-def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20, positions: int = 1) -> float:
+def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20, positions: int = 1,
+               attention: str | None = None) -> float:
     """ms per batched decode step of one Llama-3-8B-shaped block (bf16) with ``sessions`` sessions, each stepping
-    ``positions`` new positions (1: a decode step; 1 + k: a speculative verification of k drafted tokens)."""
+    ``positions`` new positions (1: a decode step; 1 + k: a speculative verification of k drafted tokens), with
+    the device's attention strategy or the one named (swarm/model/attention.py)."""
     spec = ArchSpec(family="llama", model_type="llama", hidden_size=4096, intermediate_size=14336, num_layers=1,
                     num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
                     layers=(LayerSpec(window=None, rope=RopeSpec(theta=5e5, kind="llama3", factor=8.0,
                                                                  original_max=8192)),))
     block = DecoderBlock(spec, 0).to(device=device, dtype=torch.bfloat16)
+    block.attention_kernel = attention_for(torch.device(device), attention)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
     segments = [Segment(torch.randn(1, 8, 128, cached + positions, device=device, dtype=torch.bfloat16),
@@ -113,14 +118,30 @@ def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20,
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def verification_steps(device: str) -> dict:
+def verification_steps(device: str, attention: str | None = None) -> dict:
     """ms per step of the bf16 block at 1, 8 and 16 sessions when each session steps 1, 5 or 9 positions: what a
     speculative verification of 4 or 8 drafted tokens costs a GPU server over a plain decode step."""
     out = {}
     for sessions in (1, 8, 16):
         for positions in (1, 5, 9):
-            out[f"{sessions}x{positions}"] = ms = time_block(device, sessions, positions=positions)
-            print(f"llama-3-8b-shaped block, bf16, {sessions:2d} sessions x {positions} positions: {ms:.3f} ms/step")
+            out[f"{sessions}x{positions}"] = ms = time_block(device, sessions, positions=positions,
+                                                             attention=attention)
+            print(f"llama-3-8b-shaped block, bf16, {attention or 'default'} attention, {sessions:2d} sessions x "
+                  f"{positions} positions: {ms:.3f} ms/step")
+    return out
+
+
+def attention_timings(device: str) -> dict:
+    """Both attention strategies on the same steps: decodes at 1, 8, 16 and 32 sessions (512 and 2,048 cached)
+    and verifications of 4 and 8 drafts at 1, 8 and 16 (which one a CUDA server should use, measured)."""
+    out = {}
+    for name in KERNELS:
+        rows = {f"{n}x1@{cached}": time_block(device, n, cached=cached, attention=name)
+                for cached in (512, 2048) for n in (1, 8, 16, 32)}
+        rows.update({f"{n}x{p}@512": time_block(device, n, positions=p, attention=name)
+                     for n in (1, 8, 16) for p in (5, 9)})
+        out[name] = rows
+        print(f"attention {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in rows.items()) + " (ms per block step)")
     return out
 
 
@@ -130,10 +151,12 @@ def main() -> int:
     print(f"device: {name}; torch {torch.__version__}")
     if "--verification-steps" in sys.argv:  # only the speculative-decoding timing (experiments/results/device_*.json)
         steps = verification_steps(device)
+        by_attention = attention_timings(device) if device == "cuda" else {}
         out = os.environ.get("OUT")
         if out:
             Path(out, "device_verification_steps.json").write_text(json.dumps(
-                {"device": name, "torch": torch.__version__, "cached": 512, "verify_step_ms": steps}, indent=1))
+                {"device": name, "torch": torch.__version__, "cached": 512, "verify_step_ms": steps,
+                 "attention": attention_for(torch.device(device)).name, "by_attention_ms": by_attention}, indent=1))
         return 0
     rows, failed = [], False
     for path in golden_cases():
@@ -145,15 +168,17 @@ def main() -> int:
             print(f"{row['case']:14s} {row['dtype']:9s} hidden rel err {row['hidden_rel_err']:.2e}  tokens "
                   f"{'agree' if row['tokens_agree'] else 'DIFFER'} ({row['tokens_compared']} compared)  "
                   f"batched vs alone {row['batched_vs_alone_rel']:.2e}")
-    timings = {}
+    timings, by_attention = {}, {}
     if device == "cuda":
         for sessions in (1, 8, 32):
             timings[sessions] = time_block(device, sessions)
             print(f"llama-3-8b-shaped block, bf16, {sessions:2d} sessions x 512 cached: {timings[sessions]:.3f} ms/step")
+        by_attention = attention_timings(device)
     out = os.environ.get("OUT")
     if out:
-        Path(out, "device_check.json").write_text(json.dumps({"device": name, "torch": torch.__version__,
-                                                              "goldens": rows, "block_step_ms": timings}, indent=1))
+        Path(out, "device_check.json").write_text(json.dumps(
+            {"device": name, "torch": torch.__version__, "goldens": rows, "block_step_ms": timings,
+             "attention": attention_for(torch.device(device)).name, "by_attention_ms": by_attention}, indent=1))
     print("FAILED" if failed else "all float32 cases match their goldens")
     return 1 if failed else 0
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (run on a device machine: Python with torch + CUDA, no package registry needed).
-# 1. the family goldens through Chainswarm's block code on CUDA in float32/float16/bfloat16 (scripts/device_check.py);
+# 1. the family goldens through Chainswarm's block code on CUDA in float32/float16/bfloat16 (scripts/device_check.py),
+#    then the block's step times with both attention strategies (swarm/model/attention.py; SKIP_GOLDENS=1: only these);
 # 2. the honest spreads of real-model spans on CUDA against CPU float32, behind the spot checks' tolerance
 #    (scripts/spread_check.py; needs the bundle made here by `spread_check.py --make-bundle .spread`, carried);
 # 3. two swarms (vanilla petals 2.2 servers and Chainswarm nodes, on CUDA) and the orchestrator's HTTP API, by
@@ -15,6 +16,8 @@ export PYTHONUNBUFFERED=1
 rc=0
 if [ "${SKIP_GOLDENS:-0}" != 1 ]; then
   python3 scripts/device_check.py || rc=1
+else  # the block's step times alone (both attention strategies, decode and verification steps): seconds
+  python3 scripts/device_check.py --verification-steps || rc=1
 fi
 if [ -d .spread ]; then
   python3 scripts/spread_check.py --bundle .spread || rc=1

@@ -11,7 +11,9 @@ block's ``state_dict`` loads strictly from ``model.layers.<i>.*``.
 There is one attention code path, :meth:`DecoderBlock.step`: the new tokens of several sequences at once (a
 "ragged" batch of :class:`Segment` s — decode steps and prefills mixed), each over its own KV cache. The
 servers' batched cohort pass calls it with many segments; the single-session path (petals' ``forward``
-with ``layer_past``, :mod:`swarm.model.petals_block`) calls it with one. Matrix products go through
+with ``layer_past``, :mod:`swarm.model.petals_block`) calls it with one. The attention itself is a strategy of
+:mod:`swarm.model.attention` (per sequence over each cache where it lies on CPU, one padded pass on CUDA), with
+the same arithmetic either way. Matrix products go through
 :func:`swarm.model.kernels.linear` (for several float32 rows on CPU, MKL or oneDNN, whichever it measured faster
 for the shape on this host; ``F.linear`` everywhere else, CUDA included).
 """
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.model.arch import ArchSpec, LayerSpec
+from swarm.model.attention import AttentionKernel, attention_for
 from swarm.model.kernels import module_linear
 from swarm.model.rope import Rotary
 
@@ -96,14 +99,6 @@ def token_positions(segments: Sequence[Segment]) -> torch.Tensor:
     return torch.cat([torch.arange(s.pos, s.pos + s.t).repeat(s.b) for s in segments])
 
 
-def _visible(queries: torch.Tensor, keys: torch.Tensor, window: Optional[int]) -> torch.Tensor:
-    """``(q, k)`` mask of the keys each query position may attend: causal, and within ``window`` if set."""
-    mask = keys[None, :] <= queries[:, None]
-    if window is not None:
-        mask &= keys[None, :] > queries[:, None] - window
-    return mask
-
-
 class DecoderBlock(nn.Module):
     """One decoder layer of any supported family; ``layer`` (a :class:`LayerSpec`: window and rope) may be
     bound after construction with :meth:`bind_layer` (petals builds blocks without their index)."""
@@ -120,6 +115,7 @@ class DecoderBlock(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
             self.post_feedforward_layernorm = RMSNorm(h, eps, off)
         self.layer_spec: Optional[LayerSpec] = None
+        self.attention_kernel: Optional[AttentionKernel] = None  # None: the device's (attention_for)
         self._rotary: Optional[Rotary] = None
         if layer is not None:
             self.bind_layer(layer)
@@ -139,8 +135,9 @@ class DecoderBlock(nn.Module):
              token_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The layer over the new tokens of several sequences: ``hidden`` is ``(N, H)``, every segment's ``b·t``
         rows one after the other. Projections, norms and the MLP run over all N rows at once; RoPE at each
-        token's own position; attention per segment over its own cache where it lies (causal, windowed); each
-        segment's new keys/values are written at its positions."""
+        token's own position; each segment's new keys/values written at its positions, then the attention of every
+        new token over its sequence's cache (causal, windowed) by the device's strategy
+        (:mod:`swarm.model.attention`: per sequence on CPU, one padded pass on CUDA)."""
         if self._rotary is None:
             raise RuntimeError("this block's layer index is unknown: call bind_layer(index) after loading it")
         spec, attn = self.spec, self.self_attn
@@ -156,8 +153,8 @@ class DecoderBlock(nn.Module):
         q, k = self._rotate(q, k, segments, token_pos)
         out = torch.empty(n, heads, d, dtype=hidden.dtype, device=hidden.device)
         starts = list(itertools.accumulate([0, *(s.b * s.t for s in segments)]))
-        for i, s in enumerate(segments):
-            self._attend(q, k, v, out, s, starts[i], starts[i + 1])
+        kernel = self.attention_kernel or attention_for(hidden.device)
+        kernel(q, k, v, out, segments, starts, spec.scale, self.layer_spec.window)
         attended = module_linear(out.view(n, heads * d), attn.o_proj)
         if spec.sandwich_norms:
             hidden = hidden + self.post_attention_layernorm(attended)
@@ -178,37 +175,6 @@ class DecoderBlock(nn.Module):
             q_out[rows], k_out[rows] = rotary.apply(q[rows], cos, sin), rotary.apply(k[rows], cos, sin)
             start += s.b * s.t
         return q_out, k_out
-
-    def _attend(self, q, k, v, out, s: Segment, start: int, stop: int) -> None:
-        """Attention of one segment's new tokens over its own cache (causal within them, windowed), read where it
-        lies: the new keys/values are written at their positions, then the ``groups · t`` queries of each KV head
-        are one ``(groups·t, d) @ (d, keys)`` product per sequence and head — batch dimensions equal to the
-        cache's, so no broadcast copies the cache — over only the keys some query may see (a window's start)."""
-        spec, end = self.spec, s.pos + s.t
-        kv_heads, d, window = spec.num_kv_heads, spec.head_dim, self.layer_spec.window
-        groups = spec.num_heads // kv_heads
-        s.keys[:, :, :, s.pos:end] = k[start:stop].view(s.b, s.t, kv_heads, d).permute(0, 2, 3, 1)
-        s.values[:, :, s.pos:end, :] = v[start:stop].view(s.b, s.t, kv_heads, d).transpose(1, 2)
-        first = 0 if window is None else max(0, s.pos + 1 - window)  # the first key the first query may see
-        rows = groups * s.t
-        if s.t == 1:
-            q_s = q[start:stop].view(s.b, kv_heads, groups, d)
-        else:  # (b, kv, g·t, d): query row g·t + i is head g's query of new token i
-            q_s = q[start:stop].view(s.b, s.t, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(s.b, kv_heads,
-                                                                                                   rows, d)
-        scores = torch.matmul(q_s, s.keys[:, :, :, first:end]) * spec.scale  # (b, kv, g·t, keys)
-        if s.t > 1 or (window is not None and end - first > window):
-            device = q.device
-            visible = _visible(torch.arange(s.pos, end, device=device), torch.arange(first, end, device=device),
-                               window)  # (t, keys)
-            scores = scores.masked_fill(~visible.repeat(groups, 1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        attended = torch.matmul(probs, s.values[:, :, first:end])  # (b, kv, g·t, d)
-        if s.t == 1:
-            out[start:stop] = attended.view(s.b, spec.num_heads, d)
-        else:
-            out[start:stop] = attended.view(s.b, kv_heads, groups, s.t, d).permute(0, 3, 1, 2, 4).reshape(
-                s.b * s.t, spec.num_heads, d)
 
     # -- a whole sequence, with or without a cache ---------------------------------------------------------
 
