@@ -157,13 +157,17 @@ class Padded(AttentionKernel):
         keys = pad_sequence([x[0].permute(2, 0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
         values = pad_sequence([x[1].transpose(0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
         width = max(x[3] for x in chunk)
-        meta = torch.tensor([[x[2], x[3], x[4], x[5], x[1].shape[1]] for x in chunk], device=device)
-        row, t, pos, first, length = meta.unbind(1)
+        # every index on the host, one transfer: no step waits on the device to learn a shape
+        rows = [x[2] + min(i, x[3] - 1) for x in chunk for i in range(width)]  # (S·T) rows of q, padding repeats
+        dest = [x[2] + i for x in chunk for i in range(x[3])]  # the step's rows of the real queries...
+        src = [j * width + i for j, x in enumerate(chunk) for i in range(x[3])]  # ...and where they are padded
+        shapes = [v for x in chunk for v in (x[3], x[4], x[5], x[1].shape[1])]  # t, pos, first key, keys
+        rows, dest, src, shapes = torch.tensor(rows + dest + src + shapes, device=device).split(
+            [len(rows), len(dest), len(src), len(shapes)])
+        t, pos, first, length = shapes.view(n, 4).unbind(1)
         i, j = torch.arange(width, device=device), torch.arange(keys.shape[1], device=device)
-        real = i[None, :] < t[:, None]  # (S, T): which padded query rows are tokens
         visible = _visible(pos[:, None] + i, first[:, None] + j, window) & (j < length[:, None])[:, None, :]
-        visible |= (~real)[:, :, None] & (j == 0)  # a padding row sees one key (no NaN); its output is dropped
-        rows = (row[:, None] + torch.minimum(i[None, :], t[:, None] - 1)).reshape(-1)  # (S·T): rows of q
+        visible |= (i[None, :] >= t[:, None])[:, :, None] & (j == 0)  # a padding row sees one key (no NaN)
         q_s = q.index_select(0, rows).view(n, width, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(
             n, kv_heads, groups * width, d)
         scores = torch.matmul(q_s, keys.permute(0, 2, 3, 1)) * scale  # (S, kv, g·T, L)
@@ -172,8 +176,7 @@ class Padded(AttentionKernel):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         attended = torch.matmul(probs, values.transpose(1, 2))  # (S, kv, g·T, d)
         attended = attended.view(n, kv_heads, groups, width, d).permute(0, 3, 1, 2, 4).reshape(n * width, heads, d)
-        padded_rows = (torch.arange(n, device=device)[:, None] * width + i)[real]
-        out.index_copy_(0, (row[:, None] + i)[real], attended.index_select(0, padded_rows))
+        out.index_copy_(0, dest, attended.index_select(0, src))
 
 
 KERNELS = {kernel.name: kernel for kernel in (PerSequence, Padded)}
