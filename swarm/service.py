@@ -97,6 +97,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             if options.use_server_to_server is not None:
                 for client_config in (engine.model.config, engine.manager.config):
                     client_config.use_server_to_server = options.use_server_to_server
+            engine.batch_bound = orchestrator.route_batch_bound  # drafts fill a step up to its servers' bound
             from swarm.control.spot_checks import attach
 
             attach(orchestrator, engine, options.model_dir)

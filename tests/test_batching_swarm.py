@@ -82,6 +82,8 @@ def test_concurrent_sessions_are_batched_and_equal_local_transformers(swarm, ref
             assert text == reference[prompt], (round_, prompt[:40])
         metrics = HTTP.get(f"{swarm.url}/metrics", timeout=30).text
         assert "chainswarm_batched_generators 2.0" in metrics.splitlines(), "the chain's sessions ran in two lanes"
+        # speculative drafts fill a step up to the servers' own batch bound (--max-batch 8), not the default 16
+        assert "chainswarm_batched_step_positions 8.0" in metrics.splitlines()
     assert HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()["prefix"]["hits"] >= 1
 
     from swarm.engine.petals_client import open_distributed_model

@@ -505,3 +505,15 @@ def test_standby_chains_put_idle_servers_to_use_without_moving_the_plan():
         assert len(standby.chains) == len(base.chains) + more
         assert (standby.c, standby.tuning) == (base.c, base.tuning)
         assert standby.total_rate > base.total_rate
+
+
+def test_a_routes_drafting_room_is_its_servers_smallest_batch_bound():
+    """The engine fills a chain step with speculative drafts up to the smallest ``--max-batch`` its servers publish
+    (None where one publishes none: the engine's default)."""
+    orch, _ = make()
+    orch.view.profiles = {node: replace(profile(node, 3), max_batch=bound)
+                          for node, bound in (("a", 64), ("b", 8), ("c", None))}
+    assert orch.route_batch_bound((("peer-a", 0, 2), ("peer-b", 2, 4))) == 8
+    assert orch.route_batch_bound((("peer-a", 0, 4),)) == 64
+    assert orch.route_batch_bound((("peer-a", 0, 2), ("peer-c", 2, 4))) is None
+    assert orch.route_batch_bound((("peer-x", 0, 4),)) is None  # a server it has no profile of

@@ -114,6 +114,9 @@ class _BatchCollector:
                                   value=stats["fallbacks"])
         yield GaugeMetricFamily("chainswarm_batched_generators", "live batches of sessions, one per chain and lane "
                                 "(--batch-lanes)", value=stats["generators"])
+        yield GaugeMetricFamily("chainswarm_batched_step_positions", "decode positions a chain step fills with "
+                                "speculative drafts: its servers' smallest batch bound (--max-batch), the least over "
+                                "live batches (0: none live)", value=stats["step_positions"])
         speculation = getattr(self.engine, "speculation", None)
         if speculation is not None:  # --speculative
             spec = speculation.stats()

@@ -259,6 +259,14 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
             return planning.planned_step_s(self.chain(chain_id), self.view.profiles, self.view.published, tokens)
         return 0.0
 
+    def route_batch_bound(self, route) -> int | None:
+        """The smallest batch bound (``chainswarm server --max-batch``) that the servers of ``route`` (``(peer id,
+        start, end)`` spans) publish; None if one of them publishes none. Safe from the engine's threads (one copy
+        of the profiles, taken at once)."""
+        bounds = {p.peer_id: p.max_batch for p in list(self.view.profiles.values())}
+        found = [bounds.get(peer) for peer, _, _ in route]
+        return None if not found or None in found else min(found)
+
     def kv_pools(self) -> dict[str, int]:
         """KV tokens each assigned server's session pool holds (its cache_slots × slot size, per block, as told)."""
         return {node: a.cache_slots * a.slot_size for node, a in self.view.published.items()}

@@ -74,7 +74,8 @@ class ChainGenerator:
     ``model`` is a petals distributed causal LM (its embeddings, final norm and LM head run here; its sequence
     manager supplies the p2p connection and block uids); ``route`` the chain ``(peer id, start, end)``."""
 
-    STEP_POSITIONS = 16  # decode positions one step fills with drafts (a server's batch bound, --max-batch 16)
+    STEP_POSITIONS = 16  # decode positions a step fills with drafts where the chain's servers publish no batch
+    # bound (else their smallest: GenerationEngine.batch_bound); 16 is chainswarm server's default --max-batch
 
     def __init__(self, model, route: Sequence[RouteSpan], *, max_sessions: int = 16, step_timeout: float = 30.0,
                  alloc_timeout: float = 5.0, idle_close_s: float = 5.0, step_positions: int = STEP_POSITIONS):

@@ -141,6 +141,9 @@ class GenerationEngine:
         self._no_rollback: set[str] = set()  # servers that did not confirm a rollback: no drafts on their routes
         self._retired = {"steps": 0, "sequence_steps": 0}  # counts of generators already replaced or closed
         self.fallbacks = 0  # batched sessions that went on on petals' per-session path
+        # route -> the servers' smallest published batch bound (the orchestrator's route_batch_bound): how many
+        # decode positions a step of that chain fills with drafts; None: ChainGenerator.STEP_POSITIONS
+        self.batch_bound: Callable[[tuple], int | None] = lambda route: None
         self._closed = threading.Event()
 
     def encode(self, prompt: str) -> list[int]:
@@ -356,7 +359,8 @@ class GenerationEngine:
             generator = lanes[lane]
             if generator is None:
                 generator = self._generators[(route, lane)] = ChainGenerator(
-                    self.model, route, max_sessions=self._lane_sessions, step_timeout=self.request_timeout)
+                    self.model, route, max_sessions=self._lane_sessions, step_timeout=self.request_timeout,
+                    step_positions=self.batch_bound(route) or ChainGenerator.STEP_POSITIONS)
         for old in done:
             old.close()
         return generator
@@ -387,13 +391,14 @@ class GenerationEngine:
         self._retired["sequence_steps"] += generator.stepped_sequences
 
     def batch_stats(self) -> dict:
-        """Chain steps run by the batched path, the session-steps they carried (÷: the mean batch), fallbacks, and
-        the live batches of sessions (one per chain and lane)."""
+        """Chain steps run by the batched path, the session-steps they carried (÷: the mean batch), fallbacks, the
+        live batches of sessions (one per chain and lane) and the fewest positions one of them fills with drafts."""
         with self._generators_lock:
             live = list(self._generators.values())
             steps = self._retired["steps"] + sum(g.steps for g in live)
             sequence_steps = self._retired["sequence_steps"] + sum(g.stepped_sequences for g in live)
-        return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks, "generators": len(live)}
+        return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks, "generators": len(live),
+                "step_positions": min((g.step_positions for g in live), default=0)}
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None,
