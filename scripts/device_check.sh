@@ -44,6 +44,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
       --out "${OUT:-/tmp}/bench_speculative_gpu.json" || rc=1
     # SPEC_K16=1: one session again with up to 16 drafts a step (the drafting replay, experiments/bench/drafting.py,
     # puts summaries at 0.50x there when verification is free, against 0.56x with the default 8)
+    # SPEC_MAX_BATCH=N: 16 sessions again with servers at --max-batch N (a GPU server's batch bound, which lets
+    # a chain step carry drafts at 16 sessions: docs/speculative.md, "how many")
+    if [ -n "${SPEC_MAX_BATCH:-}" ]; then
+      timeout -k 10 "${SPEC_TIMEOUT_S:-300}" python3 -m experiments.bench.speculative --sessions 16 --repeats 1 \
+        --max-batch "$SPEC_MAX_BATCH" --out "${OUT:-/tmp}/bench_speculative_gpu_mb${SPEC_MAX_BATCH}.json" || rc=1
+    fi
     if [ "${SPEC_K16:-0}" = 1 ]; then
       timeout -k 10 "${SPEC_TIMEOUT_S:-300}" python3 -m experiments.bench.speculative --sessions 1 --speculative-k 16 \
         --out "${OUT:-/tmp}/bench_speculative_gpu_k16.json" || rc=1

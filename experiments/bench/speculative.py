@@ -216,7 +216,8 @@ def pair_point(workload: str, sessions: int, offs: list[dict], ons: list[dict]) 
 
 
 def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix_cache_tokens: int = 0,
-          batch_sessions: int = 16, speculative_k: int = 8, repeats: int = 2, temperature: float = 0.0) -> dict:
+          batch_sessions: int = 16, speculative_k: int = 8, repeats: int = 2, temperature: float = 0.0,
+          max_batch: int = 16) -> dict:
     import httpx
     import torch
     from swarm.model.tokenizer import load_tokenizer
@@ -232,8 +233,8 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix
                                expected_input_tokens=160, expected_output_tokens=tokens,
                                prefix_cache_tokens=prefix_cache_tokens, batch_sessions=batch_sessions,
                                speculative_k=speculative_k)
-        nodes = [swarm.add_node(node_id=h, wan_host=h, memory_gb=gb, wait=False, torch_dtype=DTYPE)
-                 for h in config.servers]
+        nodes = [swarm.add_node(node_id=h, wan_host=h, memory_gb=gb, wait=False, torch_dtype=DTYPE,
+                                max_batch=max_batch) for h in config.servers]
         for node in nodes:
             swarm.wait_profiled(node, timeout=300)
         status = swarm.wait_chains_ready(timeout=300)
@@ -330,7 +331,12 @@ def main(argv=None) -> int:
     parser.add_argument("--speculative-k", type=int, default=8,
                         help="the orchestrator's --speculative-k (default 8, its default): most drafted tokens a "
                         "session verifies per step")
+    parser.add_argument("--max-batch", type=int, default=16,
+                        help="the servers' --max-batch (default 16, their default): their batch bound, which is also "
+                        "how many decode positions a chain step fills with drafts")
     args = parser.parse_args(argv)
+    if not 1 <= args.max_batch <= 4096:
+        parser.error(f"--max-batch must be between 1 and 4096, got {args.max_batch}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if not 0 <= args.temperature <= 2:
@@ -348,9 +354,10 @@ def main(argv=None) -> int:
     report = {"command": "python -m experiments.bench.speculative", "model": Path(path).name, "dtype": DTYPE,
               "tokens": args.tokens, "seed": args.seed, "prefix_cache_tokens": args.prefix_cache_tokens,
               "batch_sessions": args.batch_sessions, "speculative_k": args.speculative_k, "repeats": args.repeats,
+              "max_batch": args.max_batch,
               "temperature": args.temperature,
               **bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens, args.batch_sessions,
-                      args.speculative_k, args.repeats, args.temperature)}
+                      args.speculative_k, args.repeats, args.temperature, args.max_batch)}
     progress.close()
     report["wall_s"] = time.monotonic() - began
     report["targets"] = targets(report)
