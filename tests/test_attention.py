@@ -90,7 +90,8 @@ def test_the_strategy_follows_the_device_and_the_override(monkeypatch):
 
 
 def test_gradients_flow_through_the_padded_pass_as_through_the_per_sequence_one():
-    """petals' servers also run backward passes (rpc_backward): the padded pass records autograd like the other."""
+    """petals' servers also run backward passes (rpc_backward): the padded pass records autograd like the other,
+    also right after an inference-mode pass of the same shapes (whose memoised indices are inference tensors)."""
     spec = _spec(4, 2, None)
     block = DecoderBlock(spec, 0)
     torch.manual_seed(5)
@@ -98,8 +99,10 @@ def test_gradients_flow_through_the_padded_pass_as_through_the_per_sequence_one(
     hidden = torch.randn(sum(b * t for b, t, _ in shapes), spec.hidden_size)
     grads = {}
     for kernel in (PerSequence(), Padded()):
-        x = hidden.clone().requires_grad_(True)
         block.attention_kernel = kernel
+        with torch.inference_mode():
+            block.step(hidden, _segments(spec, shapes, seed=2))
+        x = hidden.clone().requires_grad_(True)
         block.step(x, _segments(spec, shapes, seed=2)).square().sum().backward()
         grads[kernel.name] = x.grad
     torch.testing.assert_close(grads["padded"], grads["per-sequence"], rtol=1e-5, atol=1e-5)

@@ -121,6 +121,7 @@ class Padded(AttentionKernel):
 
     def __init__(self, max_t: int = 32, budget: int = 1 << 26):
         self.max_t, self.budget = max_t, budget
+        self._memo: dict[tuple, tuple] = {}  # a step's indices and masks, for the next blocks of its span
 
     def __call__(self, q, k, v, out, segments, starts, scale, window):
         write_all(k, v, segments, starts)
@@ -149,25 +150,38 @@ class Padded(AttentionKernel):
             longest, widest = max(longest, length), max(widest, t)
         return chunks + [chunk] if chunk else chunks
 
-    @staticmethod
-    def _attend(q, out, chunk: list, scale: float, window: Optional[int]) -> None:
-        device, heads, d = q.device, q.shape[1], q.shape[2]
-        kv_heads = chunk[0][0].shape[0]
-        groups, n = heads // kv_heads, len(chunk)
-        keys = pad_sequence([x[0].permute(2, 0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
-        values = pad_sequence([x[1].transpose(0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
-        width = max(x[3] for x in chunk)
-        # every index on the host, one transfer: no step waits on the device to learn a shape
+    def _indices(self, chunk: list, width: int, length: int, window: Optional[int], device: torch.device) -> tuple:
+        """The chunk's gather/scatter rows and its visibility mask, built on the host and sent in one transfer —
+        once per step: every block of a span sees the same shapes, so the next blocks reuse them (a transfer from
+        pageable memory waits for the device, which would otherwise stall every block's launches)."""
+        key = (tuple((x[2], x[3], x[4], x[5], x[1].shape[1]) for x in chunk), width, length, window, device,
+               torch.is_inference_mode_enabled())  # inference tensors must not reach a pass that records autograd
+        found = self._memo.get(key)
+        if found is not None:
+            return found
         rows = [x[2] + min(i, x[3] - 1) for x in chunk for i in range(width)]  # (S·T) rows of q, padding repeats
         dest = [x[2] + i for x in chunk for i in range(x[3])]  # the step's rows of the real queries...
         src = [j * width + i for j, x in enumerate(chunk) for i in range(x[3])]  # ...and where they are padded
         shapes = [v for x in chunk for v in (x[3], x[4], x[5], x[1].shape[1])]  # t, pos, first key, keys
         rows, dest, src, shapes = torch.tensor(rows + dest + src + shapes, device=device).split(
             [len(rows), len(dest), len(src), len(shapes)])
-        t, pos, first, length = shapes.view(n, 4).unbind(1)
-        i, j = torch.arange(width, device=device), torch.arange(keys.shape[1], device=device)
-        visible = _visible(pos[:, None] + i, first[:, None] + j, window) & (j < length[:, None])[:, None, :]
+        t, pos, first, keys = shapes.view(len(chunk), 4).unbind(1)
+        i, j = torch.arange(width, device=device), torch.arange(length, device=device)
+        visible = _visible(pos[:, None] + i, first[:, None] + j, window) & (j < keys[:, None])[:, None, :]
         visible |= (i[None, :] >= t[:, None])[:, :, None] & (j == 0)  # a padding row sees one key (no NaN)
+        if len(self._memo) >= 16:
+            self._memo.clear()
+        self._memo[key] = found = (rows, dest, src, visible)
+        return found
+
+    def _attend(self, q, out, chunk: list, scale: float, window: Optional[int]) -> None:
+        device, heads, d = q.device, q.shape[1], q.shape[2]
+        kv_heads = chunk[0][0].shape[0]
+        groups, n = heads // kv_heads, len(chunk)
+        keys = pad_sequence([x[0].permute(2, 0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
+        values = pad_sequence([x[1].transpose(0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
+        width = max(x[3] for x in chunk)
+        rows, dest, src, visible = self._indices(chunk, width, keys.shape[1], window, device)
         q_s = q.index_select(0, rows).view(n, width, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(
             n, kv_heads, groups * width, d)
         scores = torch.matmul(q_s, keys.permute(0, 2, 3, 1)) * scale  # (S, kv, g·T, L)
