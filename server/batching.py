@@ -325,7 +325,8 @@ class BatchedInferenceStep:
                 backend._reorder_cache_inplace(tensors, hypo)
                 segments.append(Segment(tensors[0], tensors[1], info.prefix_length
                                         + _offset(backend, info.cache_handles), *group.shapes[i]))
-            token_pos = token_positions(segments) if token_pos is None else token_pos
+            if token_pos is None:  # on the device once for the span (a copy per block would wait for each)
+                token_pos = token_positions(segments).to(hidden.device, non_blocking=True)
             hidden = layer.step(hidden, segments, token_pos)
         offsets = list(itertools.accumulate([0, *group.sizes]))
         start = 0

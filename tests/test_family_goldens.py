@@ -185,6 +185,11 @@ def test_a_steps_cos_and_sin_are_computed_once_for_all_its_blocks():
         fresh = Rotary(rotary.rope, rotary.dim).cos_sin(torch.arange(5, 9), 0)
         assert torch.equal(fresh[0], cos) and torch.equal(fresh[1], sin)
         assert rotary.cos_sin(torch.arange(6, 10), 0)[0] is not cos  # other positions: computed anew
+        # a step's key (what DecoderBlock.step passes: its segments' positions): no tensor is compared
+        keyed = rotary.cos_sin(torch.arange(5, 9), 0, key=("cpu", ((5, 4, 1),)))
+        assert rotary.cos_sin(torch.arange(5, 9), 0, key=("cpu", ((5, 4, 1),)))[0] is keyed[0]
+        assert rotary.cos_sin(torch.arange(7, 11), 0, key=("cpu", ((7, 4, 1),)))[0] is not keyed[0]
+        assert torch.equal(rotary.cos_sin(torch.arange(5, 9), 0, key=("cpu", ((5, 4, 1),)))[0], cos)
     hidden = torch.randn(1, 4, model.spec.hidden_size, requires_grad=True)
     with torch.inference_mode():
         model.layers[0].run(hidden.detach())  # positions 0..3 memoised in inference mode

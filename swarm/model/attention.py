@@ -152,8 +152,8 @@ class Padded(AttentionKernel):
 
     def _indices(self, chunk: list, width: int, length: int, window: Optional[int], device: torch.device) -> tuple:
         """The chunk's gather/scatter rows and its visibility mask, built on the host and sent in one transfer —
-        once per step: every block of a span sees the same shapes, so the next blocks reuse them (a transfer from
-        pageable memory waits for the device, which would otherwise stall every block's launches)."""
+        once per step (without waiting for the device: the host's rows go to a staging buffer at once), and every
+        block of a span sees the same shapes, so the next blocks reuse them."""
         key = (tuple((x[2], x[3], x[4], x[5], x[1].shape[1]) for x in chunk), width, length, window, device,
                torch.is_inference_mode_enabled())  # inference tensors must not reach a pass that records autograd
         found = self._memo.get(key)
@@ -163,7 +163,7 @@ class Padded(AttentionKernel):
         dest = [x[2] + i for x in chunk for i in range(x[3])]  # the step's rows of the real queries...
         src = [j * width + i for j, x in enumerate(chunk) for i in range(x[3])]  # ...and where they are padded
         shapes = [v for x in chunk for v in (x[3], x[4], x[5], x[1].shape[1])]  # t, pos, first key, keys
-        rows, dest, src, shapes = torch.tensor(rows + dest + src + shapes, device=device).split(
+        rows, dest, src, shapes = torch.tensor(rows + dest + src + shapes).to(device, non_blocking=True).split(
             [len(rows), len(dest), len(src), len(shapes)])
         t, pos, first, keys = shapes.view(len(chunk), 4).unbind(1)
         i, j = torch.arange(width, device=device), torch.arange(length, device=device)

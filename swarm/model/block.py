@@ -149,8 +149,8 @@ class DecoderBlock(nn.Module):
         if spec.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         token_pos = token_positions(segments) if token_pos is None else token_pos
-        token_pos = token_pos.to(hidden.device)
-        q, k = self._rotate(q, k, segments, token_pos)
+        token_pos = token_pos.to(hidden.device, non_blocking=True)  # (no wait for the device: the rows are on the
+        q, k = self._rotate(q, k, segments, token_pos)                # host, copied to a staging buffer at once)
         out = torch.empty(n, heads, d, dtype=hidden.dtype, device=hidden.device)
         starts = list(itertools.accumulate([0, *(s.b * s.t for s in segments)]))
         kernel = self.attention_kernel or attention_for(hidden.device)
@@ -165,7 +165,8 @@ class DecoderBlock(nn.Module):
     def _rotate(self, q, k, segments, token_pos):
         rotary = self._rotary
         if rotary.rope.kind != "dynamic":  # one set of frequencies for every row; q and k rotated in one pass
-            cos, sin = rotary.cos_sin(token_pos, 0)
+            key = (token_pos.device, tuple((s.pos, s.t, s.b) for s in segments))  # the step's rows, told apart on
+            cos, sin = rotary.cos_sin(token_pos, 0, key=key)  # the host: comparing device tensors would wait
             rotated = rotary.apply(torch.cat((q, k), dim=1), cos, sin)
             return rotated[:, :q.shape[1]], rotated[:, q.shape[1]:]
         q_out, k_out, start = torch.empty_like(q), torch.empty_like(k), 0

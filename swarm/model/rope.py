@@ -67,18 +67,21 @@ class Rotary:
             freq = self._freq[device] = inv_freq(self.rope, self.dim, 0, device)
         return freq
 
-    def cos_sin(self, positions: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, seq_len: int, key=None) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(rows, 1, dim)`` cos and sin at ``positions`` (a step whose sequence ends at ``seq_len``); the
-        last call's, when ``positions`` is that call's tensor or equal to it (the next block of the same step)."""
+        last call's, when ``positions`` is that call's tensor or equal to it (the next block of the same step) —
+        or, if the caller gives a hashable ``key`` that determines the positions, when the key is the last one's
+        (no device tensors compared: on a GPU that comparison waits for the device)."""
         last, inference = self._last, torch.is_inference_mode_enabled()  # one read: another thread may replace it
-        if (last is not None and last[1] == (seq_len, inference) and (last[0] is positions or (
-                last[0].shape == positions.shape and last[0].device == positions.device
+        if (last is not None and last[1] == (seq_len, inference) and (
+                (key is not None and last[4] == key) or last[0] is positions or (
+                key is None and last[0].shape == positions.shape and last[0].device == positions.device
                 and torch.equal(last[0], positions)))):
             return last[2], last[3]  # (inference tensors are never handed to autograd: the mode is in the key)
         angles = positions.to(torch.float32)[:, None] * self._frequencies(positions.device, seq_len)[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
         cos, sin = angles.cos(), angles.sin()
-        self._last = (positions, (seq_len, inference), cos, sin)
+        self._last = (positions, (seq_len, inference), cos, sin, key)
         return cos, sin
 
     @staticmethod
