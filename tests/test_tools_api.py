@@ -153,7 +153,7 @@ def test_constrained_and_free_sessions_share_batched_steps(client, swarm):
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_api_function_call_round_trip(client, expected, stream):
     """``POST /v1/responses`` with the official client: a function call, then its output sent back with the
-    earlier output items; the call equals the chat API's, the answer the in-process reference's."""
+    earlier output items; the call and the answer equal the in-process reference's (the call: its chat API's)."""
     tool = {"type": "function", **WEATHER["function"]}
 
     def ask(api, items, **extra):
@@ -171,9 +171,9 @@ def test_responses_api_function_call_round_trip(client, expected, stream):
     [call] = first.output
     assert first.status == "completed" and call.type == "function_call" and call.name == "get_weather"
     assert jsonschema_rs.validator_for(WEATHER["function"]["parameters"]).is_valid(json.loads(call.arguments))
-    chat = client.chat.completions.create(model=client.model, messages=ASK, tools=[WEATHER], temperature=0,
-                                          tool_choice="required", parallel_tool_calls=False, max_tokens=64)
-    assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
+    # the same call as the chat API's (whose swarm answer test_tool_round_trip compares with this reference)
+    assert call.arguments == expected("chat", messages=ASK, tools=[WEATHER], max_tokens=64, tool_choice="required",
+                                      parallel_tool_calls=False).tool_calls[0].function.arguments
     conversation = [*ASK, *(item.model_dump(exclude_none=True) for item in first.output),
                     {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees celsius."}]
     answer = ask(client, conversation, tool_choice="none")
