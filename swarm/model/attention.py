@@ -3,8 +3,8 @@
 A step (:meth:`swarm.model.block.DecoderBlock.step`) carries the new tokens of several sequences (decode steps,
 speculative verifications, prefills), each with its own KV cache in petals' layout: keys ``(b, kv, d, L)``, values
 ``(b, kv, L, d)``. For every sequence and KV head the ``g = heads / kv`` query heads of its ``t`` new tokens form one
-``(g·t, d)`` block; the attention is ``softmax(Q·K / √d)·V`` over the keys each query may see (causal, and within the
-layer's window ``W`` if it has one), the softmax in float32.
+``(g·t, d)`` block; the attention is ``softmax(s·Q·K)·V`` (``s`` the family's scale, 1/√d or Gemma's own) over the
+keys each query may see (causal, and within the layer's window ``W`` if it has one), the softmax in float32.
 
 * :class:`PerSequence` runs that as one product pair per sequence, reading each cache where it lies: no cache is
   copied. On a CPU the step is bound by memory traffic, and copying caches costs what the step needs (a padded pass
