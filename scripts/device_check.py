@@ -90,6 +90,11 @@ def check_case(path: Path, dtype: torch.dtype, device: str) -> dict:
             "batched_vs_alone_rel": batched}
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20, positions: int = 1,
                attention: str | None = None) -> float:
     """ms per batched decode step of one Llama-3-8B-shaped block (bf16) with ``sessions`` sessions, each stepping
@@ -110,11 +115,11 @@ def time_block(device: str, sessions: int, cached: int = 512, repeats: int = 20,
     with torch.inference_mode():
         for _ in range(3):
             block.step(hidden, segments)
-        torch.cuda.synchronize()
+        _sync(device)
         start = time.perf_counter()
         for _ in range(repeats):
             block.step(hidden, segments)
-        torch.cuda.synchronize()
+        _sync(device)
     return (time.perf_counter() - start) / repeats * 1e3
 
 
