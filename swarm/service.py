@@ -93,11 +93,11 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
                                              dht_prefix=config.dht_prefix, request_timeout=options.request_timeout_s,
                                              torch_dtype=options.torch_dtype, batch_sessions=options.batch_sessions,
                                              batch_lanes=options.batch_lanes,
-                                             speculation=speculation(options))
+                                             speculation=speculation(options),
+                                             batch_bound=orchestrator.route_batch_bound)  # drafts per step
             if options.use_server_to_server is not None:
                 for client_config in (engine.model.config, engine.manager.config):
                     client_config.use_server_to_server = options.use_server_to_server
-            engine.batch_bound = orchestrator.route_batch_bound  # drafts fill a step up to its servers' bound
             from swarm.control.spot_checks import attach
 
             attach(orchestrator, engine, options.model_dir)

@@ -113,7 +113,8 @@ class GenerationEngine:
 
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
-                 batch_sessions: int = 16, batch_lanes: int = 1, speculation=None):
+                 batch_sessions: int = 16, batch_lanes: int = 1, speculation=None,
+                 batch_bound: Callable[[tuple], int | None] | None = None):
         from swarm.model.tokenizer import load_tokenizer, text_decoder
 
         from swarm.model.compat import petals
@@ -143,7 +144,7 @@ class GenerationEngine:
         self.fallbacks = 0  # batched sessions that went on on petals' per-session path
         # route -> the servers' smallest published batch bound (the orchestrator's route_batch_bound): how many
         # decode positions a step of that chain fills with drafts; None: ChainGenerator.STEP_POSITIONS
-        self.batch_bound: Callable[[tuple], int | None] = lambda route: None
+        self.batch_bound = batch_bound or (lambda route: None)
         self._closed = threading.Event()
 
     def encode(self, prompt: str) -> list[int]:

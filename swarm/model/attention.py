@@ -22,7 +22,7 @@ keys each query may see (causal, and within the layer's window ``W`` if it has o
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -41,11 +41,19 @@ def first_key(pos: int, window: Optional[int]) -> int:
     return 0 if window is None else max(0, pos + 1 - window)
 
 
+def _new_kv(k: torch.Tensor, v: torch.Tensor, s, start: int, stop: int) -> tuple:
+    """One segment's cache slots for its new tokens and the step's rows ``start:stop`` that go there, in the
+    cache's layouts: ``(key slots, new keys, value slots, new values)``."""
+    kv, d, end = k.shape[1], k.shape[2], s.pos + s.t
+    return (s.keys[:, :, :, s.pos:end], k[start:stop].view(s.b, s.t, kv, d).permute(0, 2, 3, 1),
+            s.values[:, :, s.pos:end, :], v[start:stop].view(s.b, s.t, kv, d).transpose(1, 2))
+
+
 def write_new(k: torch.Tensor, v: torch.Tensor, s, start: int, stop: int) -> None:
     """Write one segment's new keys/values (token rows ``start:stop`` of the step) at its positions."""
-    kv, d, end = k.shape[1], k.shape[2], s.pos + s.t
-    s.keys[:, :, :, s.pos:end] = k[start:stop].view(s.b, s.t, kv, d).permute(0, 2, 3, 1)
-    s.values[:, :, s.pos:end, :] = v[start:stop].view(s.b, s.t, kv, d).transpose(1, 2)
+    key_slots, keys, value_slots, values = _new_kv(k, v, s, start, stop)
+    key_slots.copy_(keys)
+    value_slots.copy_(values)
 
 
 def write_all(k: torch.Tensor, v: torch.Tensor, segments: Sequence, starts: Sequence[int]) -> None:
@@ -56,12 +64,27 @@ def write_all(k: torch.Tensor, v: torch.Tensor, segments: Sequence, starts: Sequ
         for i, s in enumerate(segments):
             write_new(k, v, s, starts[i], starts[i + 1])
         return
-    kv, d = k.shape[1], k.shape[2]
-    shaped = [(s, s.pos + s.t, slice(starts[i], starts[i + 1])) for i, s in enumerate(segments)]
-    torch._foreach_copy_([s.keys[:, :, :, s.pos:end] for s, end, _ in shaped],
-                         [k[rows].view(s.b, s.t, kv, d).permute(0, 2, 3, 1) for s, _, rows in shaped])
-    torch._foreach_copy_([s.values[:, :, s.pos:end, :] for s, end, _ in shaped],
-                         [v[rows].view(s.b, s.t, kv, d).transpose(1, 2) for s, _, rows in shaped])
+    key_slots, keys, value_slots, values = zip(*(_new_kv(k, v, s, starts[i], starts[i + 1])
+                                                 for i, s in enumerate(segments)))
+    torch._foreach_copy_(list(key_slots), list(keys))
+    torch._foreach_copy_(list(value_slots), list(values))
+
+
+class _Sequence(NamedTuple):
+    """One sequence of a padded pass: its visible keys ``(kv, d, L)`` and values ``(kv, L, d)`` (from ``first``,
+    its window's first key, to its new tokens' end), its first row in the step, its new tokens ``t`` and their
+    first position ``pos``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    row: int
+    t: int
+    pos: int
+    first: int
+
+    @property
+    def length(self) -> int:
+        return self.pos + self.t - self.first
 
 
 class AttentionKernel:
@@ -125,44 +148,45 @@ class Padded(AttentionKernel):
 
     def __call__(self, q, k, v, out, segments, starts, scale, window):
         write_all(k, v, segments, starts)
-        short = []  # (keys (kv, d, L), values (kv, L, d), first row, t, pos, first key)
+        short: list[_Sequence] = []
         for i, s in enumerate(segments):
             if s.t > self.max_t:
                 PerSequence.attend(q, out, s, starts[i], starts[i + 1], scale, window)
                 continue
             first, end = first_key(s.pos, window), s.pos + s.t
             for b in range(s.b):
-                short.append((s.keys[b, :, :, first:end], s.values[b, :, first:end], starts[i] + b * s.t, s.t,
-                              s.pos, first))
+                short.append(_Sequence(s.keys[b, :, :, first:end], s.values[b, :, first:end], starts[i] + b * s.t,
+                                       s.t, s.pos, first))
         for chunk in self._chunks(short, q.shape[1], q.shape[2]):
             self._attend(q, out, chunk, scale, window)
 
-    def _chunks(self, short: list, heads: int, d: int) -> list[list]:
+    def _chunks(self, short: list[_Sequence], heads: int, d: int) -> list[list[_Sequence]]:
         """Sequences by length, cut where the padded keys or the scores would pass ``budget`` elements."""
         chunks, chunk, longest, widest = [], [], 0, 0
-        for seq in sorted(short, key=lambda x: x[1].shape[1]):
-            length, t = seq[1].shape[1], seq[3]
-            size = (len(chunk) + 1) * max(longest, length) * max(heads * max(widest, t), seq[1].shape[0] * d)
+        for seq in sorted(short, key=lambda x: x.length):
+            size = (len(chunk) + 1) * max(longest, seq.length) * max(heads * max(widest, seq.t),
+                                                                     seq.keys.shape[0] * d)
             if chunk and size > self.budget:
                 chunks.append(chunk)
                 chunk, longest, widest = [], 0, 0
             chunk.append(seq)
-            longest, widest = max(longest, length), max(widest, t)
+            longest, widest = max(longest, seq.length), max(widest, seq.t)
         return chunks + [chunk] if chunk else chunks
 
-    def _indices(self, chunk: list, width: int, length: int, window: Optional[int], device: torch.device) -> tuple:
+    def _indices(self, chunk: list[_Sequence], width: int, length: int, window: Optional[int],
+                 device: torch.device) -> tuple:
         """The chunk's gather/scatter rows and its visibility mask, built on the host and sent in one transfer —
         once per step (without waiting for the device: the host's rows go to a staging buffer at once), and every
         block of a span sees the same shapes, so the next blocks reuse them."""
-        key = (tuple((x[2], x[3], x[4], x[5], x[1].shape[1]) for x in chunk), width, length, window, device,
+        key = (tuple((x.row, x.t, x.pos, x.first) for x in chunk), width, length, window, device,
                torch.is_inference_mode_enabled())  # inference tensors must not reach a pass that records autograd
         found = self._memo.get(key)
         if found is not None:
             return found
-        rows = [x[2] + min(i, x[3] - 1) for x in chunk for i in range(width)]  # (S·T) rows of q, padding repeats
-        dest = [x[2] + i for x in chunk for i in range(x[3])]  # the step's rows of the real queries...
-        src = [j * width + i for j, x in enumerate(chunk) for i in range(x[3])]  # ...and where they are padded
-        shapes = [v for x in chunk for v in (x[3], x[4], x[5], x[1].shape[1])]  # t, pos, first key, keys
+        rows = [x.row + min(i, x.t - 1) for x in chunk for i in range(width)]  # (S·T) rows of q, padding repeats
+        dest = [x.row + i for x in chunk for i in range(x.t)]  # the step's rows of the real queries...
+        src = [j * width + i for j, x in enumerate(chunk) for i in range(x.t)]  # ...and where they are padded
+        shapes = [v for x in chunk for v in (x.t, x.pos, x.first, x.length)]
         rows, dest, src, shapes = torch.tensor(rows + dest + src + shapes).to(device, non_blocking=True).split(
             [len(rows), len(dest), len(src), len(shapes)])
         t, pos, first, keys = shapes.view(len(chunk), 4).unbind(1)
@@ -174,13 +198,13 @@ class Padded(AttentionKernel):
         self._memo[key] = found = (rows, dest, src, visible)
         return found
 
-    def _attend(self, q, out, chunk: list, scale: float, window: Optional[int]) -> None:
+    def _attend(self, q, out, chunk: list[_Sequence], scale: float, window: Optional[int]) -> None:
         device, heads, d = q.device, q.shape[1], q.shape[2]
-        kv_heads = chunk[0][0].shape[0]
+        kv_heads = chunk[0].keys.shape[0]
         groups, n = heads // kv_heads, len(chunk)
-        keys = pad_sequence([x[0].permute(2, 0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
-        values = pad_sequence([x[1].transpose(0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
-        width = max(x[3] for x in chunk)
+        keys = pad_sequence([x.keys.permute(2, 0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
+        values = pad_sequence([x.values.transpose(0, 1) for x in chunk], batch_first=True)  # (S, L, kv, d)
+        width = max(x.t for x in chunk)
         rows, dest, src, visible = self._indices(chunk, width, keys.shape[1], window, device)
         q_s = q.index_select(0, rows).view(n, width, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(
             n, kv_heads, groups * width, d)
