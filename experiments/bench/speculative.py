@@ -32,6 +32,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 from experiments.bench.http_throughput import together
 from experiments.bench.cli import add_common, model_dir, replotted
@@ -217,7 +218,10 @@ def pair_point(workload: str, sessions: int, offs: list[dict], ons: list[dict]) 
 
 def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix_cache_tokens: int = 0,
           batch_sessions: int = 16, speculative_k: int = 8, repeats: int = 2, temperature: float = 0.0,
-          max_batch: int = 16) -> dict:
+          max_batch: int = 16, workloads: Sequence[str] = WORKLOADS,
+          on_point: Optional[Callable[[list], None]] = None) -> dict:
+    """The benchmark's swarm and its points; ``on_point(points)`` after each point (a partial report is written
+    there, so a run cut short by a time limit keeps what it measured)."""
     import httpx
     import torch
     from swarm.model.tokenizer import load_tokenizer
@@ -241,7 +245,7 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix
         url = swarm.orchestrator.info["url"]
         run_point(url, "free", 2, 4, True, "warmup")
         points = []
-        for workload in WORKLOADS:
+        for workload in workloads:
             for n in counts:
                 progress.set_postfix_str(f"{workload} × {n}")
                 runs: dict = {False: [], True: []}
@@ -251,11 +255,13 @@ def bench(path: str, counts: list[int], tokens: int, seed: int, progress, prefix
                                                     temperature, seed))
                 points.append(pair_point(workload, n, runs[False], runs[True]))
                 progress.update()
+                if on_point is not None:
+                    on_point(points)
         tokenizer = load_tokenizer(path)
         vanilla = {}
         with open_distributed_model(path, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
                                     torch_dtype=torch.float32) as model:
-            for workload in WORKLOADS if temperature == 0 else ():  # petals' generate: greedy runs only
+            for workload in workloads if temperature == 0 else ():  # petals' generate: greedy runs only
                 progress.set_postfix_str(f"vanilla petals {workload}")
                 vanilla[workload] = run_vanilla(model, tokenizer, workload, tokens)
                 progress.update()
@@ -288,7 +294,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for workload in WORKLOADS:
+    for workload in dict.fromkeys(p["workload"] for p in report["points"]):
         rows = [p for p in report["points"] if p["workload"] == workload]
         x = [p["sessions"] for p in rows]
         axes[0].plot(x, [p["per_token_ratio"] for p in rows], marker="o", label=workload)
@@ -313,6 +319,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common(parser, OUT)
     parser.add_argument("--sessions", default="1,4,16", help="concurrent sessions per point")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated workloads to run (default: all of {', '.join(WORKLOADS)})")
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per request")
     parser.add_argument("--prefix-cache-tokens", type=int, default=0,
                         help="the orchestrator's --prefix-cache-tokens (default 0, its default: no prefix reuse); "
@@ -343,25 +351,34 @@ def main(argv=None) -> int:
         parser.error(f"--temperature must be between 0 and 2, got {args.temperature}")
     if not 1 <= args.speculative_k <= 64:
         parser.error(f"--speculative-k must be between 1 and 64, got {args.speculative_k}")
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown or not workloads:
+        parser.error(f"--workloads: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(WORKLOADS)}")
     if replotted(args, plot):
         return 0
     from tqdm import tqdm
 
     path = model_dir(args, DTYPE)
     counts = [int(s) for s in args.sessions.split(",")]
-    progress = tqdm(total=len(WORKLOADS) * (len(counts) + (args.temperature == 0)), desc="bench_speculative")
+    progress = tqdm(total=len(workloads) * (len(counts) + (args.temperature == 0)), desc="bench_speculative")
     began = time.monotonic()
     report = {"command": "python -m experiments.bench.speculative", "model": Path(path).name, "dtype": DTYPE,
               "tokens": args.tokens, "seed": args.seed, "prefix_cache_tokens": args.prefix_cache_tokens,
               "batch_sessions": args.batch_sessions, "speculative_k": args.speculative_k, "repeats": args.repeats,
               "max_batch": args.max_batch,
-              "temperature": args.temperature,
-              **bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens, args.batch_sessions,
-                      args.speculative_k, args.repeats, args.temperature, args.max_batch)}
+              "temperature": args.temperature}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def partial(points: list) -> None:  # what is measured so far, marked partial until the run completes
+        args.out.write_text(json.dumps({**report, "partial": True, "points": points,
+                                        "wall_s": time.monotonic() - began}, indent=2))
+
+    report.update(bench(path, counts, args.tokens, args.seed, progress, args.prefix_cache_tokens, args.batch_sessions,
+                        args.speculative_k, args.repeats, args.temperature, args.max_batch, workloads, partial))
     progress.close()
     report["wall_s"] = time.monotonic() - began
     report["targets"] = targets(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot(report, args.out.with_suffix(".png"))
     for p in report["points"]:
