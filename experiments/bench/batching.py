@@ -190,9 +190,14 @@ def bench_servers(model_dir: str, counts, tokens: int, max_batch: int, repeats: 
     tokenizer = load_tokenizer(model_dir)
     with contextlib.ExitStack() as stack:
         chainswarm = stack.enter_context(LocalSwarm(model_dir, open_sessions=True))  # vanilla petals clients
+        # The clients below drive the chain directly, past the orchestrator's admission, up to max(counts) sessions:
+        # the plan reserves a max-length KV slot for each of them on every server (slots, c fixed), which the
+        # nodes' memory is sized for. With c tuned for the low planning rate, placement packed up to 24 of the
+        # 30 blocks onto one node, leaving its KV pool too small for 16 sessions (steps failed with a full pool).
         chainswarm.add_orchestrator(expected_rate=0.2, max_length=MAX_LENGTH, expected_input_tokens=32,
-                                    expected_output_tokens=tokens, refresh_s=0.5, torch_dtype=DTYPE)
-        nodes = [chainswarm.add_node(node_id=f"n{i}", memory_gb=_budget_gb(model_dir, 20), wait=False,
+                                    expected_output_tokens=tokens, refresh_s=0.5, torch_dtype=DTYPE,
+                                    kv_admission="slots", c=max(counts))
+        nodes = [chainswarm.add_node(node_id=f"n{i}", memory_gb=_budget_gb(model_dir, max(counts) + 4), wait=False,
                                      num_handlers=2, torch_dtype=DTYPE, max_batch=max_batch) for i in range(2)]
         for node in nodes:
             chainswarm.wait_profiled(node, timeout=300)
@@ -408,9 +413,10 @@ def main(argv=None) -> int:
               "results": bench_servers(model_dir, counts, args.tokens, args.max_batch, args.repeats, progress)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))  # each stage's figures kept as soon as they are measured
     for layout in layouts:
         store_http(report, bench_http(model_dir, counts, args.tokens, args.repeats, progress, layout, args.http_lanes))
-    out.write_text(json.dumps(report, indent=2))  # kept even if the profile below fails
+        out.write_text(json.dumps(report, indent=2))
     progress.set_postfix_str("step profile")
     report["step_profile"] = step_profile(model_dir)
     progress.update()
