@@ -322,3 +322,29 @@ def test_a_known_failure_cancels_only_the_steps_waiting_for_that_server():
         await orch.stop()
 
     run(scenario())
+
+
+def test_a_failed_server_that_restarts_as_a_new_process_is_planned_at_once():
+    """A suspicion is of the process that failed: the same record stays excluded for the grace period, but a record
+    of the same node id under another peer id (the node restarted) is planned at the next refresh. (Until
+    2026-11-30 a node that restarted at once waited out the whole 60 s: the failpoint tests' prefix-probe case
+    took 64 s instead of 16.)"""
+    import dataclasses
+
+    from test_orchestrator_logic import profile, publish
+
+    async def scenario():
+        orch, dht = await serving_orchestrator()
+        assert "b" in orch.view.assignments
+        orch.report_failure(orch.view.profiles["b"].peer_id)
+        await orch.refresh()
+        assert "b" in orch.suspects and "b" not in orch.view.assignments  # the failed process's record: excluded
+        publish(dht, dataclasses.replace(profile("b", 3), peer_id="peer-b-restarted"))
+        await orch.refresh()
+        assert "b" not in orch.suspects and "b" in orch.view.assignments
+        orch.report_failure("peer-b-restarted", confirmed=True)  # the new process fails too (while it loads)
+        await orch.refresh()
+        assert orch.suspects["b"].peer_id == "peer-b-restarted" and "b" not in orch.view.assignments
+        await orch.stop()
+
+    run(scenario())

@@ -22,6 +22,7 @@ from planner.fairness.types import Grant
 from swarm.control.leases import LeaseRecord
 from swarm.control.occupancy import blocks_of
 from swarm.control.planning import server_matches
+from swarm.control.view import Suspicion
 from swarm.engine.routing import NoRouteError, RouteSpan, clip_route
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Failover:
             self._event("failure_while_moving", node=node, peer_id=peer_id)
             self._check_reachable(peer_id)
             return
-        self.suspects[node] = time.monotonic()
+        self.suspects[node] = Suspicion(time.monotonic(), peer_id)
         self.claims.forget(node)
         self._event("server_failed", node=node, peer_id=peer_id)
         for control in list(self.running.values()):  # sessions stepping on it fail over now, not at the timeout

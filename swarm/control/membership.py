@@ -41,9 +41,12 @@ class Membership:
             logger.warning("refresh: %s", exc)
             profiles = self.view.profiles
         now = time.monotonic()
-        for node, since in list(self.suspects.items()):
-            if node not in profiles or now - since > self.config.suspect_s:
-                del self.suspects[node]  # gone for good (record expired) or back after the grace period
+        for node, suspicion in list(self.suspects.items()):
+            current = profiles.get(node)
+            if current is None or current.peer_id != suspicion.peer_id or now - suspicion.since > self.config.suspect_s:
+                # gone for good (record expired), restarted (a new process under its node id: what failed was the
+                # old one), or back after the grace period
+                del self.suspects[node]
         live = {node: p for node, p in profiles.items() if node not in self.suspects and p.rtt_s is not None
                 and self._same_dtype(node, p) and not self.is_banned(node)}
         gone = {n: p.peer_id for n, p in self.view.profiles.items() if n not in profiles}

@@ -49,7 +49,7 @@ from swarm.control.service_history import ServiceHistory
 from swarm.control.spot_checks import SpotCheckHooks
 from swarm.control.status import swarm_status
 from swarm.control.transition import Transition
-from swarm.control.view import OrchestratorConfig, SwarmView
+from swarm.control.view import OrchestratorConfig, Suspicion, SwarmView
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "QueueTimeout", "UnknownLeaseError",
            "LeaseRecord", "LeaseMisuse"]
@@ -96,7 +96,7 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
             raise ValueError(f"unknown router {config.router!r}; expected one of {tuple(ROUTERS)}")
         self.router = router(config, self.view, prefix_match=self.prefix.matcher if self.prefix.enabled else None)
         self.leases = LeaseBook(config.lease_ttl_s, config.expect.max_length)
-        self.suspects: dict[str, float] = {}
+        self.suspects: dict[str, Suspicion] = {}  # node id -> the failed process, excluded for a while
         self.claims = FailureClaims()  # lease holders' failure reports, excluded only when confirmed
         self.probe = DhtPing(dht)
         self._profiles_read, self._reports_read, self._publish = dht_calls()  # bounded (swarm.control.membership)
