@@ -107,3 +107,32 @@ def test_the_live_benchmark_pairs_its_repeats_and_takes_medians():
     assert point["on"]["acceptance"] == pytest.approx(4 / 6) and len(point["on"]["runs"]) == 3
     assert not pair_point("chat", 1, offs, [*ons[:2], run(0.09, 11.0, text="b")])["same_text"]
     assert not pair_point("chat", 1, offs, [*ons[:2], run(0.09, 11.0, errors=["boom"])])["same_text"]
+
+
+def test_a_live_benchmark_cut_short_keeps_the_points_it_measured(tmp_path, monkeypatch):
+    """bench_speculative writes its report after every point, marked partial, so a run its time limit ends (the
+    lent GPU machine's one prepared call) keeps what it measured; --workloads narrows the run, and an unknown
+    workload is refused before anything starts."""
+    from experiments.bench import speculative
+
+    asked = {}
+
+    def bench(path, counts, *args):
+        workloads, on_point = args[-2], args[-1]
+        asked["workloads"] = list(workloads)
+        points = []
+        for workload in workloads:
+            points.append({"workload": workload, "sessions": counts[0], "per_token_ratio": 0.5})
+            on_point(points)
+        raise KeyboardInterrupt  # the time limit, after the points above
+
+    monkeypatch.setattr(speculative, "bench", bench)
+    out = tmp_path / "spec.json"
+    with pytest.raises(KeyboardInterrupt):
+        speculative.main(["--model", str(tmp_path), "--sessions", "16", "--workloads", "summarise,free",
+                          "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert asked["workloads"] == ["summarise", "free"]
+    assert report["partial"] is True and [p["workload"] for p in report["points"]] == ["summarise", "free"]
+    with pytest.raises(SystemExit):
+        speculative.main(["--model", str(tmp_path), "--workloads", "summarise,poetry", "--out", str(out)])
