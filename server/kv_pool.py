@@ -71,6 +71,13 @@ def _with_tokens(descr: TensorDescriptor, axis: int, tokens: int) -> TensorDescr
     return TensorDescriptor(tuple(shape), dtype=descr.dtype, device=descr.device)
 
 
+class SessionCacheFreed(KeyError):
+    """A queued step of a session whose KV was freed before it ran (the session closed meanwhile)."""
+
+    def __str__(self) -> str:  # KeyError's own quotes the message
+        return str(self.args[0]) if self.args else ""
+
+
 class _Lease:
     """A session's hold on the pool (connection-handler side)."""
 
@@ -196,6 +203,10 @@ class PagedKvPool(MemoryCache):
     def use_cache(self, *handles: Handle) -> Sequence[torch.Tensor]:
         assert os.getpid() == self.runtime_pid, "use_cache runs in the runtime process"
         self.receive()
+        freed = [handle for handle in handles if handle not in self._allocated_tensors]
+        if freed:  # the step fails alone, with a reason instead of a bare KeyError
+            raise SessionCacheFreed(f"the KV of cache handles {freed} was freed before this step ran: its session "
+                                    "ended (its client left) while the step waited in the queue")
         yield tuple(self._allocated_tensors[handle] for handle in handles)
 
     def fit(self, handles: Sequence[Handle], positions: int) -> None:

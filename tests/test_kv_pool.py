@@ -92,3 +92,23 @@ def test_fit_pages_reads_the_pipe_itself_and_a_plain_cache_is_left_whole():
             assert keys.shape[-1] == values.shape[-2] == MAX_TOKENS
 
     asyncio.run(whole())
+
+
+def test_a_step_queued_for_a_session_that_closed_fails_with_the_reason():
+    """A session's step can wait in the pool's queue while its client leaves and the handler frees its KV; the
+    runtime then refuses that step alone, saying why (a bare ``KeyError: 68`` in the server's log before)."""
+    from server.kv_pool import SessionCacheFreed
+
+    pool = PagedKvPool(max_size_bytes=10 ** 7)
+    pool.runtime_pid = -1
+
+    async def scenario():
+        async with pool.allocate_cache(*descriptors(1), timeout=5) as handles:
+            await pool.extend(handles, 3)
+        return handles
+
+    closed = asyncio.run(scenario())
+    with runtime(pool), pytest.raises(SessionCacheFreed, match="freed before this step ran: its session ended"):
+        with pool.use_cache(*closed):
+            pass
+    assert pool.current_size_bytes == 0
