@@ -326,7 +326,8 @@ def test_a_known_failure_cancels_only_the_steps_waiting_for_that_server():
 
 def test_a_failed_server_that_restarts_as_a_new_process_is_planned_at_once():
     """A suspicion is of the process that failed: the same record stays excluded for the grace period, but a record
-    of the same node id under another peer id (the node restarted) is planned at the next refresh. (Until
+    of the same node id under another peer id (the node restarted) is planned at the next refresh, unless that
+    node's previous process failed too within the grace period (a crash loop). (Until
     2026-11-30 a node that restarted at once waited out the whole 60 s: the failpoint tests' prefix-probe case
     took 64 s instead of 16.)"""
     import dataclasses
@@ -345,6 +346,13 @@ def test_a_failed_server_that_restarts_as_a_new_process_is_planned_at_once():
         orch.report_failure("peer-b-restarted", confirmed=True)  # the new process fails too (while it loads)
         await orch.refresh()
         assert orch.suspects["b"].peer_id == "peer-b-restarted" and "b" not in orch.view.assignments
+        # a second failure in a row: the next restart waits the grace period out (a crash loop re-plans once)
+        publish(dht, dataclasses.replace(profile("b", 3), peer_id="peer-b-third"))
+        await orch.refresh()
+        assert orch.suspects["b"].repeated and "b" not in orch.view.assignments
+        orch.config.suspect_s = 0.0  # the grace period over
+        await orch.refresh()
+        assert "b" not in orch.suspects and "b" in orch.view.assignments
         await orch.stop()
 
     run(scenario())

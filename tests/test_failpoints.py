@@ -89,7 +89,8 @@ def swarm(smollm2_dir, tmp_path_factory):
             local.wait_profiled(peer, timeout=180)
         local.add_orchestrator(kv_admission="slots", policy="swarm", expected_rate=1.0, max_length=MAX_LENGTH,
                                expected_input_tokens=64, expected_output_tokens=16, refresh_s=0.5,
-                               request_timeout_s=20.0, prefix_cache_tokens=MAX_LENGTH, torch_dtype="float32")
+                               request_timeout_s=20.0, prefix_cache_tokens=MAX_LENGTH, torch_dtype="float32",
+                               suspect_s=10.0)  # a node killed in two tests in a row rejoins after 10 s, not 60
         s.url = local.orchestrator.info["url"]
         s.settled()
         yield s

@@ -45,7 +45,10 @@ class Failover:
             self._event("failure_while_moving", node=node, peer_id=peer_id)
             self._check_reachable(peer_id)
             return
-        self.suspects[node] = Suspicion(time.monotonic(), peer_id)
+        now = time.monotonic()
+        last = self.failed_at.get(node)
+        self.failed_at[node] = now
+        self.suspects[node] = Suspicion(now, peer_id, repeated=last is not None and now - last < self.config.suspect_s)
         self.claims.forget(node)
         self._event("server_failed", node=node, peer_id=peer_id)
         for control in list(self.running.values()):  # sessions stepping on it fail over now, not at the timeout

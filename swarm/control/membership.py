@@ -43,10 +43,14 @@ class Membership:
         now = time.monotonic()
         for node, suspicion in list(self.suspects.items()):
             current = profiles.get(node)
-            if current is None or current.peer_id != suspicion.peer_id or now - suspicion.since > self.config.suspect_s:
+            restarted = current is not None and current.peer_id != suspicion.peer_id and not suspicion.repeated
+            if current is None or restarted or now - suspicion.since > self.config.suspect_s:
                 # gone for good (record expired), restarted (a new process under its node id: what failed was the
-                # old one), or back after the grace period
+                # old one; not after a second failure in a row), or back after the grace period
                 del self.suspects[node]
+        for node, at in list(self.failed_at.items()):
+            if now - at > self.config.suspect_s:
+                del self.failed_at[node]
         live = {node: p for node, p in profiles.items() if node not in self.suspects and p.rtt_s is not None
                 and self._same_dtype(node, p) and not self.is_banned(node)}
         gone = {n: p.peer_id for n, p in self.view.profiles.items() if n not in profiles}

@@ -119,6 +119,10 @@ class OrchestratorOptions:
                                  "queue for a chain with room for the rest of its answer, then fails with a 503 "
                                  "(a preempted one ends with finish_reason length; default 120: outlasts a re-plan "
                                  "and a block load)")
+    suspect_s: float = option(60.0, flag="--failure-grace", metavar="S",
+                              help="a server reported failed is left out of the plan for S seconds, unless its "
+                              "record expires or it restarts as a new process (a second failure within S: not "
+                              "before S; default 60)")
     grow_tokens: int = option(256, metavar="N",
                               help="an answer without max_tokens may run to the end of the session length; its KV "
                               "reservation covers N output tokens at a time and grows by N while its chain has room; "

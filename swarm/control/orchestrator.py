@@ -97,6 +97,7 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
         self.router = router(config, self.view, prefix_match=self.prefix.matcher if self.prefix.enabled else None)
         self.leases = LeaseBook(config.lease_ttl_s, config.expect.max_length)
         self.suspects: dict[str, Suspicion] = {}  # node id -> the failed process, excluded for a while
+        self.failed_at: dict[str, float] = {}  # node id -> its last reported failure (within the grace period)
         self.claims = FailureClaims()  # lease holders' failure reports, excluded only when confirmed
         self.probe = DhtPing(dht)
         self._profiles_read, self._reports_read, self._publish = dht_calls()  # bounded (swarm.control.membership)

@@ -25,18 +25,19 @@ class OrchestratorConfig(OrchestratorOptions):
     num_blocks: int
     expect: Expectations
     assignment_ttl_s: float = 30.0
-    suspect_s: float = 60.0  # how long a server reported failed stays excluded unless its record expires or it
-    # comes back as a new process (another peer id under its node id)
     # the secret that roots this orchestrator's prefix-hash namespace (swarm.trust.prefix)
     prefix_secret: bytes = field(default_factory=lambda: os.urandom(32))
 
 
 class Suspicion(NamedTuple):
     """A server reported failed: when, and which process (peer id) failed. The suspicion is of that process: a
-    record of the same node id under another peer id is the node restarted, and is planned at once."""
+    record of the same node id under another peer id is the node restarted, and is planned at once — unless the
+    node's previous process had failed too within the grace period (``repeated``): a node that keeps failing
+    waits the grace period out, so that a crash loop does not re-plan the swarm at every restart."""
 
     since: float
     peer_id: str
+    repeated: bool = False
 
 
 @dataclass
