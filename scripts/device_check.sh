@@ -50,31 +50,33 @@ if compgen -G ".whl/*.whl" > /dev/null || [ "${STACK_INSTALLED:-0}" = 1 ]; then
     timeout -k 10 "$(limit 420)" "$PY" -m experiments.bench.batching --model /tmp/smollm2-shape \
       --sessions 1,8,16 --tokens 32 --repeats 1 --http-layouts user --out "${OUT:-/tmp}/bench_batching_gpu.json" || rc=1
   fi
-  spec=()
+  spec=("$PY" -m experiments.bench.speculative)
+  [ -n "${SPEC_WORKLOADS:-}" ] && spec+=(--workloads "$SPEC_WORKLOADS")  # else the benchmark's own: all of them
+  model=0
   if [ -f .m1/part ] && [ -f .m2/part ] && [ -f .m3/part ]; then
     export CHAINSWARM_CACHE=/tmp/chainswarm-cache
     src="$CHAINSWARM_CACHE/sources/smollm2-135m-instruct"
     mkdir -p "$src" && cat .m1/part .m2/part .m3/part > "$src/SmolLM2-135M-Instruct.Q4_1.gguf"
-    spec=("$PY" -m experiments.bench.speculative)
+    model=1
   elif [ "${STACK_INSTALLED:-0}" = 1 ]; then
-    spec=("$PY" -m experiments.bench.speculative)  # the model from the user cache, as here
+    model=1  # the model from the user cache, as here
   fi
-  if [ ${#spec[@]} -gt 0 ]; then
+  if [ "$model" = 1 ]; then
     # SPEC_MAX_BATCH=N first: 16 sessions with servers at --max-batch N (a GPU server's batch bound, which lets a
     # chain step carry drafts at 16 sessions: docs/speculative.md, "how many"); the 16-session target
     if [ -n "${SPEC_MAX_BATCH:-}" ] && within 120 "bench_speculative 16 sessions, --max-batch $SPEC_MAX_BATCH"; then
-      timeout -k 10 "$(limit 300)" "${spec[@]}" --sessions 16 --repeats 1 --workloads "${SPEC_WORKLOADS:-code_edit,summarise,chat,free}" \
+      timeout -k 10 "$(limit 300)" "${spec[@]}" --sessions 16 --repeats 1 \
         --max-batch "$SPEC_MAX_BATCH" --out "${OUT:-/tmp}/bench_speculative_gpu_mb${SPEC_MAX_BATCH}.json" || rc=1
     fi
     if within 90 "bench_speculative 1 session"; then
       timeout -k 10 "$(limit 300)" "${spec[@]}" --sessions 1 --repeats "${SPEC_REPEATS:-2}" \
-        --workloads "${SPEC_WORKLOADS:-code_edit,summarise,chat,free}" --out "${OUT:-/tmp}/bench_speculative_gpu.json" || rc=1
+        --out "${OUT:-/tmp}/bench_speculative_gpu.json" || rc=1
     fi
     # SPEC_K16=1: one session again with up to 16 drafts a step (the drafting replay, experiments/bench/drafting.py,
     # puts summaries at 0.50x there when verification is free, against 0.56x with the default 8)
     if [ "${SPEC_K16:-0}" = 1 ] && within 90 "bench_speculative --speculative-k 16"; then
       timeout -k 10 "$(limit 300)" "${spec[@]}" --sessions 1 --repeats 1 --speculative-k 16 \
-        --workloads "${SPEC_WORKLOADS:-code_edit,summarise,chat,free}" --out "${OUT:-/tmp}/bench_speculative_gpu_k16.json" || rc=1
+        --out "${OUT:-/tmp}/bench_speculative_gpu_k16.json" || rc=1
     fi
   fi
   # last, as the least decisive: the HTTP rows with the chain's sessions in two lanes (--batch-lanes 2), stored
