@@ -30,9 +30,9 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A 4-block random Llama (hidden 64) with a trained BPE tokenizer, written once per test session."""
-    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.model.checkpoint import TinyModelSpec, make_random_model
 
-    return str(make_random_llama(tmp_path_factory.mktemp("models") / "tiny", TinyLlamaSpec(seed=1)))
+    return str(make_random_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec(seed=1)))
 
 
 @pytest.fixture(scope="session")

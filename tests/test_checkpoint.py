@@ -1,11 +1,12 @@
-"""make-model writes a checkpoint that transformers and petals load from a local directory."""
+"""make-model writes a checkpoint of any supported family that transformers, petals and the block code load from a
+local directory."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from swarm.model.checkpoint import TinyLlamaSpec, dht_prefix_for
+from swarm.model.checkpoint import TinyModelSpec, dht_prefix_for
 
 
 def test_tiny_model_loads_with_auto_classes(tiny_model):
@@ -47,10 +48,63 @@ def test_cli_rejects_bad_shapes(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("bad", [dict(vocab=100), dict(layers=0), dict(heads=4, kv_heads=3)])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma3"])
+def test_a_family_checkpoint_has_its_features_and_loads_strictly(tmp_path, family):
+    """The families transformers 4.34 cannot build are written from the block code: the config reads back into
+    the family's own features (biases, q/k norms, sandwich norms, windows, an explicit head_dim), the weights load
+    strictly into :class:`LocalModel`, petals registers the config, the tokenizer is lossless, a seed is
+    reproducible."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from swarm.model.arch import arch_from_config
+    from swarm.model.checkpoint import make_random_model
+    from swarm.model.compat import petals
+    from swarm.model.local_model import LocalModel, read_config
+
+    spec = TinyModelSpec(family=family, layers=3, hidden=48, heads=4, kv_heads=2, head_dim=16, vocab=400,
+                         window=8 if family != "gemma3" else None, max_length=64, seed=3)
+    path = make_random_model(tmp_path / "a", spec)
+    arch = arch_from_config(read_config(path))
+    assert (arch.family, arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (family, 3, 4, 2, 16)
+    assert arch.qkv_bias == (family == "qwen2") and arch.qk_norm == (family in ("qwen3", "gemma3"))
+    assert arch.sandwich_norms == arch.tie_word_embeddings == (family == "gemma3")
+    windows = [layer.window for layer in arch.layers]
+    assert windows == ([16, 16, None] if family == "gemma3" else [8, 8, 8])  # Gemma: local, local, global
+    if family == "gemma3":
+        assert [layer.rope.theta for layer in arch.layers] == [1e4, 1e4, 1e6]
+    model = LocalModel.from_pretrained(path)  # strict: every tensor under its checkpoint name, none missing
+    if family == "qwen2":
+        assert float(model.layers[0].self_attn.q_proj.bias.abs().sum()) > 0  # a zero bias would test nothing
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = "The orchestrator collects what every server can offer."
+    ids = tokenizer(text).input_ids
+    assert tokenizer.decode(ids) == text and max(ids) < arch.vocab_size
+    tokens, _ = model.greedy(torch.tensor(ids), 4)
+    assert len(tokens) == 4
+    assert type(petals.AutoDistributedConfig.from_pretrained(str(path))).__name__.lower() == f"distributed{family}config"
+    again = make_random_model(tmp_path / "b", spec)
+    assert (path / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--family", "llama", "--head-dim", "32"], "leave it out"),
+    (["--family", "llama", "--window", "8"], "only mistral"),
+    (["--family", "qwen3", "--head-dim", "15"], "must be even"),
+    (["--family", "phi3"], "invalid choice"),
+])
+def test_cli_refuses_options_a_family_does_not_have(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "swarm.cli", "make-model", "--out", str(tmp_path / "x"), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("bad", [dict(vocab=100), dict(layers=0), dict(heads=4, kv_heads=3), dict(family="phi3"),
+                                 dict(hidden=12, heads=4), dict(family="mistral", window=0)])
 def test_spec_validation(bad):
     with pytest.raises(ValueError):
-        TinyLlamaSpec(**bad)
+        TinyModelSpec(**bad)
 
 
 def test_dht_prefix_is_stable(tmp_path):

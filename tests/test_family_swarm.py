@@ -54,6 +54,37 @@ def test_a_family_served_by_two_servers_generates_the_golden_tokens(case):
             torch.testing.assert_close(logits, golden["logits"], atol=1e-3, rtol=1e-3)
 
 
+def test_a_checkpoint_written_by_make_model_is_served_like_the_local_block_code(tmp_path):
+    """What a volunteer without a model hub tries first: ``chainswarm make-model --family qwen2`` (q/k/v biases,
+    GQA, a window shorter than the prompt) served by two servers; a vanilla petals client's greedy tokens equal
+    :class:`LocalModel`'s (up to the first near tie of the random weights)."""
+    import subprocess
+    import sys
+
+    from swarm.engine.petals_client import open_distributed_model
+    from swarm.model.local_model import LocalModel
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "qwen2"
+    made = subprocess.run([sys.executable, "-m", "swarm.cli", "make-model", "--family", "qwen2", "--out",
+                           str(model_dir), "--layers", "4", "--kv-heads", "2", "--window", "6", "--vocab", "512",
+                           "--max-length", "64", "--seed", "5"], capture_output=True, text=True, timeout=180)
+    assert made.returncode == 0, made.stderr
+    ids = torch.tensor(AutoTokenizer.from_pretrained(model_dir)("volunteers run servers on their own machines").input_ids)
+    assert len(ids) > 6  # the window is shorter than the prompt: the servers' sliding mask is exercised
+    expected, logits = LocalModel.from_pretrained(model_dir).greedy(ids, 12)
+    top2 = logits.topk(2).values
+    golden = {"generated_ids": torch.tensor(expected), "margins": top2[:, 0] - top2[:, 1]}
+    with LocalSwarm(model_dir) as swarm:
+        swarm.add_server((0, 3), torch_dtype="float32", max_length=64)
+        swarm.add_server((3, 4), torch_dtype="float32", max_length=64)
+        with open_distributed_model(str(model_dir), initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                    torch_dtype=torch.float32) as model:
+            with torch.inference_mode():
+                out = model.generate(ids[None], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert _compare(out[0, len(ids):].tolist(), golden) >= 4
+
+
 def test_a_family_outside_the_supported_ones_is_refused_in_one_line(tmp_path):
     from swarm.model.compat import petals
 

@@ -135,9 +135,9 @@ def tiny(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.model.checkpoint import TinyModelSpec, make_random_model
 
-    path = make_random_llama(tmp_path_factory.mktemp("tiny") / "ref", TinyLlamaSpec(
+    path = make_random_model(tmp_path_factory.mktemp("tiny") / "ref", TinyModelSpec(
         layers=2, hidden=64, heads=4, kv_heads=2, intermediate=192, seed=5))
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():

@@ -174,11 +174,11 @@ def main(argv=None) -> dict:
 
     from server.local_swarm import LocalSwarm
     from swarm.trust import prefix as protocol
-    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.model.checkpoint import TinyModelSpec, make_random_model
     from swarm.engine.generation import GenerationEngine
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
-    model = str(make_random_llama(tmp / "model", TinyLlamaSpec(layers=BLOCKS, hidden=512, heads=8, max_length=2048,
+    model = str(make_random_model(tmp / "model", TinyModelSpec(layers=BLOCKS, hidden=512, heads=8, max_length=2048,
                                                                seed=3)))
     keys = {"key-heavy": "heavy", "key-light": "light", "key-admin": "admin"}
     with LocalSwarm(model) as local:

@@ -36,11 +36,11 @@ SESSION_TOKENS = 256  # max_length of a session (LLaMA-2 experiment: 2048) -> on
 
 def experiment_model(root: str | Path) -> str:
     """The experiments' checkpoint (written once under ``root``)."""
-    from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
+    from swarm.model.checkpoint import TinyModelSpec, make_random_model
 
     path = Path(root) / f"llama-{MODEL_LAYERS}x{MODEL_HIDDEN}"
     if not (path / "config.json").is_file():
-        make_random_llama(path, TinyLlamaSpec(layers=MODEL_LAYERS, hidden=MODEL_HIDDEN, heads=MODEL_HEADS,
+        make_random_model(path, TinyModelSpec(layers=MODEL_LAYERS, hidden=MODEL_HIDDEN, heads=MODEL_HEADS,
                                               max_length=1024, seed=7))
     return str(path)
 

@@ -49,12 +49,12 @@ def _ensure_model(args) -> str:
     if args.model and args.model not in KNOWN_MODELS:
         return args.model
     if args.tiny:
-        from swarm.model.checkpoint import TinyLlamaSpec, make_random_llama
+        from swarm.model.checkpoint import TinyModelSpec, make_random_model
 
         path = Path(args.workdir) / "demo-model"
         if not (path / "config.json").exists():
             print(f"[demo] writing a tiny random Llama checkpoint to {path}")
-            make_random_llama(path, TinyLlamaSpec(layers=4, hidden=64, heads=4, seed=0))
+            make_random_model(path, TinyModelSpec(layers=4, hidden=64, heads=4, seed=0))
         return str(path)
     from swarm.model.store import DEFAULT_MODEL, ensure_model
 

@@ -7,7 +7,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE.gguf", help="a GGUF file of a supported architecture (llama, qwen2, qwen3, gemma3; F32/F16/Q8_0/Q4_x/K-quants)")
+    parser.add_argument("file", metavar="FILE.gguf", help="a GGUF file of a supported architecture (llama for Llama 1/2/3.x and Mistral, qwen2, qwen3, gemma3; F32/F16/Q8_0/Q4_x/K-quants)")
     parser.add_argument("--out", required=True, help="output checkpoint directory (created if needed)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                         help="dtype of the written weights (default float32)")
