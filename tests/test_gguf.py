@@ -300,13 +300,13 @@ def test_smollm2_perplexity_and_wrong_layout(smollm2, smollm2_dir):
 
     from real_model import paragraph, perplexity
 
-    from swarm.model.gguf import load_llama_weights
+    from swarm.model.gguf import load_gguf_weights
 
     model, tokenizer = smollm2
     good = perplexity(model, tokenizer, paragraph())
     assert good < 10, f"perplexity {good:.2f}"
     wrong_model = copy.deepcopy(model)
-    weights = load_llama_weights(read_model_info(smollm2_dir)["source"], unpermute_qk=False)
+    weights = load_gguf_weights(read_model_info(smollm2_dir)["source"], unpermute_qk=False)
     missing, unexpected = wrong_model.load_state_dict(weights, strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied to the embeddings
     del weights

@@ -36,15 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarm.model.gguf_families import (ROPE_FREQS, GGUFFamily, GGUFFamilyError, LlamaShape, ModelShape,
+from swarm.model.gguf_families import (ROPE_FREQS, GGUFFamily, GGUFFamilyError, ModelShape,
                                        expected_shape, read_shape)
 
 DTYPES = ("float32", "float16", "bfloat16")
 MAX_SHARD_BYTES = 2 * 1024**3  # bigger checkpoints are written in shards of at most this size (+ an index)
 MODEL_INFO_FILE = "chainswarm_model.json"
 
-__all__ = ["ConversionResult", "DTYPES", "GGUFConversionError", "LlamaShape", "ModelShape", "convert_gguf",
-           "file_sha256", "load_gguf_weights", "load_llama_weights", "read_model_info", "unpermute_qk_rows"]
+__all__ = ["ConversionResult", "DTYPES", "GGUFConversionError", "ModelShape", "convert_gguf",
+           "file_sha256", "load_gguf_weights", "read_model_info", "unpermute_qk_rows"]
 
 
 class GGUFConversionError(ValueError):
@@ -273,9 +273,6 @@ def load_gguf_weights(gguf_path: str | Path, dtype: str = "float32", *, unpermut
     opened = _open_gguf(gguf_path)
     return {name: _load_tensor(tensor, name, opened.shape, opened.family, unpermute_qk, getattr(torch, dtype))
             for name, tensor in opened.plan}
-
-
-load_llama_weights = load_gguf_weights  # the name from when only Llama converted
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32", *,

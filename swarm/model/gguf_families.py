@@ -76,9 +76,6 @@ class ModelShape:
     config: dict = field(default_factory=dict, compare=False)
 
 
-LlamaShape = ModelShape  # the name before other families were supported
-
-
 @dataclass(frozen=True)
 class GGUFFamily:
     """How one GGUF architecture maps onto transformers' checkpoint layout."""
