@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
 
     from server.node import run_node
+    from swarm.runtime.dht import p2p_start_failure
     from swarm.runtime.process import children_die_with_me
 
     children_die_with_me()  # a server that crashes leaves no DHT, handler or p2pd process behind
@@ -194,6 +195,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"chainswarm server: error: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        failure = p2p_start_failure(exc, kwargs["initial_peers"], "--port")
+        if failure is None:
+            raise
+        print(f"chainswarm server: error: {failure}", file=sys.stderr)
+        return 2
     finally:
         _reap_children()
     return 0

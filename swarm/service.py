@@ -13,6 +13,7 @@ from pathlib import Path
 from swarm.control import planning
 from swarm.control.options import OrchestratorOptions
 from swarm.control.orchestrator import Orchestrator, OrchestratorConfig
+from swarm.runtime.dht import StartupError, p2p_start_failure
 from swarm.trust.validation import swarm_validators
 
 __all__ = ["OrchestratorOptions", "build_config", "serve", "run", "orchestrator_process_main"]
@@ -60,10 +61,16 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     announce = (None if options.dht_announce_port is None
                 else [f"/ip4/{options.dht_host}/tcp/{options.dht_announce_port}"])
     dial = list(options.initial_peers) or ([] if store is None else store.peers())  # a restart: the known servers
-    dht = hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
-                       host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
-                       identity_path=None if store is None else store.identity_path(),
-                       record_validators=swarm_validators(identity, config.dht_prefix))
+    try:
+        dht = hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
+                           host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
+                           identity_path=None if store is None else store.identity_path(),
+                           record_validators=swarm_validators(identity, config.dht_prefix))
+    except Exception as exc:
+        failure = p2p_start_failure(exc, dial, "--dht-port", "are those peers up, and their addresses right?")
+        if failure is None:
+            raise
+        raise failure from None
     maddrs = [str(a) for a in dht.get_visible_maddrs()]
     keeper = saver = None
     initial_peers = list(options.initial_peers) or maddrs
@@ -150,7 +157,11 @@ def _bind(host: str, port: int):
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port} (--http): {exc.strerror or exc}") from None
     sock.listen(128)
     sock.setblocking(False)
     return sock

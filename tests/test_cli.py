@@ -65,3 +65,38 @@ def test_generate_reports_an_unreachable_orchestrator():
                         "--reconnect-s", "2")
     assert result.returncode == 1 and "cannot reach" in result.stderr
     assert 1 <= time.monotonic() - began < 30  # retried for about --reconnect-s, then gave up
+
+
+UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/QmTvHSGBJKfBZ3aBbV4ki2kuyHRsX6vNe8oUhnLpkYKmH9"  # nothing listens on port 9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["server", "--port", "{port}", "--initial-peers", UNREACHABLE], "cannot listen on 0.0.0.0:{port}: the address "
+                                                                     "is already in use (choose another --port)"),
+    (["server", "--initial-peers", UNREACHABLE], f"cannot reach any initial peer ({UNREACHABLE}): is the orchestrator"),
+    (["orchestrator", "--ephemeral", "--dht-port", "{port}"], "cannot listen on 127.0.0.1:{port}: the address is "
+                                                              "already in use (choose another --dht-port)"),
+    (["orchestrator", "--ephemeral", "--http", "127.0.0.1:{port}"], "cannot listen on 127.0.0.1:{port} (--http)"),
+])
+def test_a_peer_that_cannot_start_says_why_in_one_line(tiny_model, argv, message):
+    """What a volunteer or an operator gets wrong first — a port another process holds, the orchestrator's address
+    mistyped or the orchestrator not up — is one line naming the address and the option, exit code 2, and no
+    process left behind (it was a traceback from inside hivemind)."""
+    import socket
+
+    import psutil
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = chainswarm(*(a.replace("{port}", port) for a in argv), "--model", tiny_model, timeout=180)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, result.stderr
+        assert lines[-1].startswith(f"chainswarm {argv[0]}: error: " + message.replace("{port}", port)), lines[-1]
+        assert "Traceback" not in result.stderr
+        # the daemons of these peers name the unreachable peer or the port in their command lines
+        marks = (UNREACHABLE.rpartition("/")[2], f"/tcp/{port}")
+        left = [p.pid for p in psutil.process_iter(["name", "cmdline"])
+                if p.info["name"] == "p2pd" and any(m in " ".join(p.info["cmdline"] or []) for m in marks)]
+        assert not left, f"libp2p daemons left behind: {left}"

@@ -86,10 +86,13 @@ def run(args: argparse.Namespace) -> int:
         state = default_orchestrator_dir(options.dht_prefix or dht_prefix_for(options.model_dir))
         options = dataclasses.replace(options, state_dir=str(state))
         logging.getLogger(__name__).info("state in %s (--state-dir to choose, --ephemeral for none)", state)
+    from swarm.runtime.dht import StartupError
     from swarm.state.store import StateError
 
     try:
         run_service(options)
     except StateError as exc:  # a corrupt or unreadable state file: one line naming it, never a fresh start
+        return _fail(str(exc))
+    except StartupError as exc:  # a port in use, unreachable initial peers
         return _fail(str(exc))
     return 0

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 
 def bootstrap_dht_main(host: str, port: int, launcher_pid: int, report, dht_prefix: str | None = None) -> None:
@@ -35,3 +36,32 @@ def bootstrap_dht_main(host: str, port: int, launcher_pid: int, report, dht_pref
     finally:
         dht.shutdown()
         os._exit(0)
+
+
+class StartupError(RuntimeError):
+    """A peer that could not start for a reason its operator can fix (a port in use, unreachable initial peers):
+    the message is one line that says which."""
+
+
+SERVER_HINT = "is the orchestrator running, and is the address right? (it prints it; its dashboard shows the server command)"
+
+
+def p2p_start_failure(exc: BaseException, initial_peers=(), option: str = "--port",
+                      hint: str = SERVER_HINT) -> StartupError | None:
+    """The one-line :class:`StartupError` for hivemind's ``P2PDaemonError`` when the libp2p daemon would not start
+    (``None`` for any other exception). ``option`` names the flag that chose the port; ``hint`` follows a failure
+    to reach ``initial_peers``."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    if not isinstance(exc, P2PDaemonError) or "Daemon failed to start" not in str(exc):
+        return None  # not a start failure (a daemon error later, in a call, keeps its traceback)
+    text = " ".join(str(exc).split()).split("Daemon failed to start:", 1)[-1].strip()
+    text = re.sub(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? ", "", text)  # the daemon's log timestamp
+    if "failed to connect to bootstrap peers" in text:
+        peers = ", ".join(str(p) for p in initial_peers) or "none given"
+        return StartupError(f"cannot reach any initial peer ({peers}): {hint}")
+    if "address already in use" in text:
+        where = re.search(r"listen tcp[46]? (\S+?): bind", text)
+        return StartupError(f"cannot listen on {where.group(1) if where else 'its address'}: the address is "
+                            f"already in use (choose another {option})")
+    return StartupError(f"the libp2p daemon did not start: {text}")
