@@ -1,6 +1,7 @@
 """make-model writes a checkpoint of any supported family that transformers, petals and the block code load from a
 local directory."""
 import json
+import logging
 import subprocess
 import sys
 
@@ -49,7 +50,7 @@ def test_cli_rejects_bad_shapes(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma3"])
-def test_a_family_checkpoint_has_its_features_and_loads_strictly(tmp_path, family):
+def test_a_family_checkpoint_has_its_features_and_loads_strictly(tmp_path, caplog, family):
     """The families transformers 4.34 cannot build are written from the block code: the config reads back into
     the family's own features (biases, q/k norms, sandwich norms, windows, an explicit head_dim), the weights load
     strictly into :class:`LocalModel`, petals registers the config, the tokenizer is lossless, a seed is
@@ -82,7 +83,22 @@ def test_a_family_checkpoint_has_its_features_and_loads_strictly(tmp_path, famil
     assert tokenizer.decode(ids) == text and max(ids) < arch.vocab_size
     tokens, _ = model.greedy(torch.tensor(ids), 4)
     assert len(tokens) == 4
-    assert type(petals.AutoDistributedConfig.from_pretrained(str(path))).__name__.lower() == f"distributed{family}config"
+    records = []
+    petals_logger = logging.getLogger("petals.models.llama.config")  # where petals logs Meta's LLaMA terms
+    collect = logging.Handler()
+    collect.emit = records.append
+    petals_logger.addHandler(collect)
+    level = petals_logger.level
+    petals_logger.setLevel(logging.INFO)  # the suite runs hivemind's loggers at WARNING
+    try:
+        with caplog.at_level(logging.INFO, logger="swarm.model.families"):
+            config = petals.AutoDistributedConfig.from_pretrained(str(path))
+    finally:
+        petals_logger.removeHandler(collect)
+        petals_logger.setLevel(level)
+    assert type(config).__name__.lower() == f"distributed{family}config"
+    assert not [r for r in records if "LLaMA" in str(r.msg)]  # a Qwen or a Gemma is not under Meta's terms
+    assert ("Gemma Terms of Use" if family == "gemma3" else "this checkpoint's license") in caplog.text
     again = make_random_model(tmp_path / "b", spec)
     assert (path / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,19 @@ from transformers import AutoConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel  # noqa: E402
 
 _ROPE_KEY = "chainswarm_rope_scaling"
+logger = logging.getLogger(__name__)
+
+# petals logs Meta's LLaMA terms for every config it reads (DistributedLlamaConfig.from_pretrained), whatever the
+# family; each family's own terms are logged instead (ChainswarmConfig.from_pretrained)
+_PETALS_TERMS = "Make sure you follow the LLaMA's terms of use"
+LICENSE = "this checkpoint's license (its model card says which)"
+TERMS = {"llama": f"{LICENSE}; Meta's Llama 1/2/3.x weights are under Meta's licenses (https://bit.ly/llama2-license, "
+                  "https://www.llama.com/llama3_1/license/)",
+         "gemma3": "the Gemma Terms of Use (https://ai.google.dev/gemma/terms)"}
+
+
+def _not_petals_llama_terms(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_PETALS_TERMS)
 
 
 def config_dict(config: Any) -> dict:
@@ -71,6 +85,14 @@ class ChainswarmConfig(DistributedLlamaConfig):
         if read and self.__class__.model_type in FAMILIES:
             spec = arch_of(self)  # refuses what the block code cannot serve, at load time
             self.head_dim = spec.head_dim
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path, *args, **kwargs):
+        result = super().from_pretrained(model_name_or_path, *args, **kwargs)
+        family = FAMILIES[cls.model_type].name if cls.model_type in FAMILIES else None
+        if family is not None:
+            logger.info("Make sure you follow the terms of %s", TERMS.get(family, LICENSE))
+        return result
 
     @property
     def arch(self) -> ArchSpec:
@@ -182,6 +204,9 @@ def register() -> None:
         auto_config._CLASS_MAPPING[model_type] = auto_config._ModelClasses(
             config=config, model=model, model_for_causal_lm=lm)
     auto_config.AutoConfig = _ModelTypeOf
+    petals_config_logger = logging.getLogger("petals.models.llama.config")
+    if _not_petals_llama_terms not in petals_config_logger.filters:
+        petals_config_logger.addFilter(_not_petals_llama_terms)
 
 
 # petals' load_pretrained_block first calls load_state_dict on the meta-initialised block only to check the
