@@ -2,8 +2,6 @@
 local directory."""
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 
@@ -27,25 +25,21 @@ def test_tiny_model_loads_with_auto_classes(tiny_model):
 
 
 def test_cli_is_deterministic_for_a_seed(tmp_path):
+    from swarm.cli import main
+
     for name in ("a", "b"):
-        result = subprocess.run(
-            [sys.executable, "-m", "swarm.cli", "make-model", "--out", str(tmp_path / name), "--layers", "2",
-             "--hidden", "32", "--heads", "2", "--vocab", "400", "--seed", "7"],
-            capture_output=True, text=True, timeout=180,
-        )
-        assert result.returncode == 0, result.stderr
+        assert main(["make-model", "--out", str(tmp_path / name), "--layers", "2", "--hidden", "32", "--heads", "2",
+                     "--vocab", "400", "--seed", "7"]) == 0
     a = (tmp_path / "a" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
     assert json.loads((tmp_path / "a" / "config.json").read_text())["num_hidden_layers"] == 2
 
 
-def test_cli_rejects_bad_shapes(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "swarm.cli", "make-model", "--out", str(tmp_path / "x"), "--hidden", "30",
-         "--heads", "4"], capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2
-    assert "not divisible" in result.stderr
+def test_cli_rejects_bad_shapes(tmp_path, capsys):
+    from swarm.cli import main
+
+    assert main(["make-model", "--out", str(tmp_path / "x"), "--hidden", "30", "--heads", "4"]) == 2
+    assert "not divisible" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
@@ -109,10 +103,15 @@ def test_a_family_checkpoint_has_its_features_and_loads_strictly(tmp_path, caplo
     (["--family", "qwen3", "--head-dim", "15"], "must be even"),
     (["--family", "phi3"], "invalid choice"),
 ])
-def test_cli_refuses_options_a_family_does_not_have(tmp_path, args, message):
-    result = subprocess.run([sys.executable, "-m", "swarm.cli", "make-model", "--out", str(tmp_path / "x"), *args],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_cli_refuses_options_a_family_does_not_have(tmp_path, capsys, args, message):
+    from swarm.cli import main
+
+    try:
+        code = main(["make-model", "--out", str(tmp_path / "x"), *args])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.strip().splitlines()[-1].startswith("chainswarm make-model: error:"), err
     assert not (tmp_path / "x").exists()
 
 

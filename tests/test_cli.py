@@ -71,8 +71,6 @@ UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/QmTvHSGBJKfBZ3aBbV4ki2kuyHRsX6vNe8oUhnLp
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["server", "--port", "{port}", "--initial-peers", UNREACHABLE], "cannot listen on 0.0.0.0:{port}: the address "
-                                                                     "is already in use (choose another --port)"),
     (["server", "--initial-peers", UNREACHABLE], f"cannot reach any initial peer ({UNREACHABLE}): is the orchestrator"),
     (["orchestrator", "--ephemeral", "--dht-port", "{port}"], "cannot listen on 127.0.0.1:{port}: the address is "
                                                               "already in use (choose another --dht-port)"),
@@ -100,3 +98,36 @@ def test_a_peer_that_cannot_start_says_why_in_one_line(tiny_model, argv, message
         left = [p.pid for p in psutil.process_iter(["name", "cmdline"])
                 if p.info["name"] == "p2pd" and any(m in " ".join(p.info["cmdline"] or []) for m in marks)]
         assert not left, f"libp2p daemons left behind: {left}"
+
+
+def test_the_libp2p_daemons_own_start_failures_read_as_one_line():
+    """The daemon's real messages (a port in use, no initial peer answering) become the one-line reasons; any other
+    exception, or a daemon error after the start, is left alone (its traceback kept)."""
+    import asyncio
+    import socket
+
+    from hivemind.p2p import P2P
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    from swarm.runtime.dht import p2p_start_failure
+
+    async def failure(**options):
+        try:
+            p2p = await P2P.create(**options)
+        except P2PDaemonError as exc:
+            return exc
+        await p2p.shutdown()
+        raise AssertionError(f"the daemon started with {options}")
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        in_use = asyncio.run(failure(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"]))
+    unreachable = asyncio.run(failure(initial_peers=[UNREACHABLE]))
+    assert str(p2p_start_failure(in_use, option="--port")) == (
+        f"cannot listen on 127.0.0.1:{port}: the address is already in use (choose another --port)")
+    assert str(p2p_start_failure(unreachable, [UNREACHABLE], hint="check them")) == (
+        f"cannot reach any initial peer ({UNREACHABLE}): check them")
+    assert p2p_start_failure(ValueError("x")) is None
+    assert p2p_start_failure(P2PDaemonError("stream reset")) is None

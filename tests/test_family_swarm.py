@@ -58,18 +58,14 @@ def test_a_checkpoint_written_by_make_model_is_served_like_the_local_block_code(
     """What a volunteer without a model hub tries first: ``chainswarm make-model --family qwen2`` (q/k/v biases,
     GQA, a window shorter than the prompt) served by two servers; a vanilla petals client's greedy tokens equal
     :class:`LocalModel`'s (up to the first near tie of the random weights)."""
-    import subprocess
-    import sys
-
+    from swarm.cli import main
     from swarm.engine.petals_client import open_distributed_model
     from swarm.model.local_model import LocalModel
     from transformers import AutoTokenizer
 
     model_dir = tmp_path / "qwen2"
-    made = subprocess.run([sys.executable, "-m", "swarm.cli", "make-model", "--family", "qwen2", "--out",
-                           str(model_dir), "--layers", "4", "--kv-heads", "2", "--window", "6", "--vocab", "512",
-                           "--max-length", "64", "--seed", "5"], capture_output=True, text=True, timeout=180)
-    assert made.returncode == 0, made.stderr
+    assert main(["make-model", "--family", "qwen2", "--out", str(model_dir), "--layers", "4", "--kv-heads", "2",
+                 "--window", "6", "--vocab", "512", "--max-length", "64", "--seed", "5"]) == 0
     ids = torch.tensor(AutoTokenizer.from_pretrained(model_dir)("volunteers run servers on their own machines").input_ids)
     assert len(ids) > 6  # the window is shorter than the prompt: the servers' sliding mask is exercised
     expected, logits = LocalModel.from_pretrained(model_dir).greedy(ids, 12)
