@@ -125,3 +125,36 @@ def test_spec_validation(bad):
 def test_dht_prefix_is_stable(tmp_path):
     assert dht_prefix_for(tmp_path / "Llama-2-7b-hf") == "Llama-2-7b-hf-cs"
     assert dht_prefix_for(tmp_path / "a b.c") == "a-b-c-cs"
+
+
+def test_a_checkpoint_of_pytorch_bin_shards_loads_like_its_safetensors(tmp_path):
+    """Older checkpoints ship ``pytorch_model-*.bin`` shards (petals' servers load them): the block code, the
+    orchestrator's local spot-check opinion and the demo's reference read them too, to the same tensors."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from swarm.model.checkpoint import make_random_model
+    from swarm.model.local_model import LocalModel, load_blocks
+
+    source = make_random_model(tmp_path / "st", TinyModelSpec(family="qwen2", layers=2, hidden=32, heads=2, vocab=300))
+    binary = tmp_path / "bin"
+    shutil.copytree(source, binary)
+    state = load_file(str(binary / "model.safetensors"))
+    (binary / "model.safetensors").unlink()
+    names = sorted(state)
+    weight_map = {}
+    for i, half in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        torch.save({n: state[n] for n in half}, binary / f"pytorch_model-0000{i + 1}-of-00002.bin")
+        weight_map.update({n: f"pytorch_model-0000{i + 1}-of-00002.bin" for n in half})
+    (binary / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    ids = torch.tensor([5, 17, 42, 99, 3])
+    expected, binary_model = LocalModel.from_pretrained(source), LocalModel.from_pretrained(binary)
+    torch.testing.assert_close(binary_model.hidden_states(ids)[-1], expected.hidden_states(ids)[-1], rtol=0, atol=0)
+    block = load_blocks(binary, [1])[0]
+    assert all(torch.equal(t, expected.layers[1].state_dict()[n]) for n, t in block.state_dict().items())
+    (binary / "pytorch_model-00001-of-00002.bin").unlink()
+    (binary / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="no model\\*.safetensors or pytorch_model\\*.bin"):
+        LocalModel.from_pretrained(binary)

@@ -23,19 +23,27 @@ def read_config(model_dir: str | Path) -> dict:
 
 
 def load_state_dict(model_dir: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of a (possibly sharded) safetensors checkpoint whose name starts with ``prefix``."""
+    """Every tensor of a (possibly sharded) checkpoint whose name starts with ``prefix``: safetensors, or the
+    ``pytorch_model*.bin`` files older checkpoints ship (read as tensors only, memory-mapped), as petals' servers
+    load them too."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("model*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no model*.safetensors in {model_dir}")
     tensors = {}
+    files = sorted(model_dir.glob("model*.safetensors"))
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name.startswith(prefix):
                     tensors[name[len(prefix):]] = f.get_tensor(name)
+    if files:
+        return tensors
+    files = sorted(model_dir.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no model*.safetensors or pytorch_model*.bin in {model_dir}")
+    for path in files:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        tensors.update({name[len(prefix):]: t for name, t in state.items() if name.startswith(prefix)})
     return tensors
 
 
