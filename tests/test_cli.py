@@ -100,6 +100,7 @@ def test_a_peer_that_cannot_start_says_why_in_one_line(tiny_model, argv, message
         assert not left, f"libp2p daemons left behind: {left}"
 
 
+@pytest.mark.filterwarnings("ignore:path is deprecated:DeprecationWarning")  # hivemind's own use of importlib
 def test_the_libp2p_daemons_own_start_failures_read_as_one_line():
     """The daemon's real messages (a port in use, no initial peer answering) become the one-line reasons; any other
     exception, or a daemon error after the start, is left alone (its traceback kept)."""
