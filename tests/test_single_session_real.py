@@ -85,16 +85,27 @@ def _idle(url: str) -> bool:
     return whole and bool(status["chains"]) and all(c["ready"] and c["active"] == 0 for c in status["chains"])
 
 
-def _wait_idle(url: str, timeout: float = 240.0) -> None:
-    """Wait (bounded) for :func:`_idle`; on a timeout, say what the swarm still lacked."""
-    wait_for(lambda: _idle(url), timeout, what="the whole swarm idle",
-             explain=lambda: describe_swarm(_LAST.get("status") or {}))
+def _wait_idle(swarm, timeout: float = 240.0) -> None:
+    """Wait (bounded) for :func:`_idle`; on a timeout, say what the swarm still lacked, and for each node the
+    orchestrator does not list whether its process lives (its Python stacks, if so, go to stderr)."""
+    def explain() -> str:
+        status = _LAST.get("status") or {}
+        listed = {s["node_id"] for s in status.get("servers", [])}
+        missing = []
+        for peer in swarm.nodes:
+            if peer.name not in listed:
+                missing.append(f"{peer.name} " + ("alive" if peer.alive else f"exited ({peer.process.exitcode})"))
+                if peer.alive:
+                    peer.dump_stacks()
+        return f"{describe_swarm(status)}; not listed: {missing}"
+
+    wait_for(lambda: _idle(swarm.url), timeout, what="the whole swarm idle", explain=explain)
 
 
 def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token(swarm, reference):
     """The prompt's own list drafts its copy: the petals session verifies several tokens per step, and the text and
     logprobs are those of one token per step and of local transformers. No batched step runs in this swarm."""
-    _wait_idle(swarm.url)
+    _wait_idle(swarm)
     body = {"prompt": COPY, "max_tokens": 24, "logprobs": 2}
     answers, accepted, took = {}, {}, {}
     for speculative in (False, True):
@@ -128,7 +139,7 @@ def test_a_copying_text_is_verified_several_tokens_per_step_and_changes_no_token
 
 def test_concurrent_sessions_that_speculate_equal_local_transformers(swarm, reference):
     """Six concurrent greedy completions on the two chains, each drafting from its own text."""
-    _wait_idle(swarm.url)
+    _wait_idle(swarm)
 
     def one(i: int) -> str:
         time.sleep(0.1 * i)
@@ -145,7 +156,7 @@ def test_a_server_killed_in_a_verification_step_changes_no_answer(swarm, referen
     """The last server of the fastest chain (where a lone request goes) dies at its first step with drafted tokens;
     the session fails over to the other chain's server for those blocks and replays its history there — without
     the positions it had taken back — and the answer is unchanged."""
-    _wait_idle(swarm.url)
+    _wait_idle(swarm)
     status = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     victim_name = min(status["chains"], key=lambda c: c["service_time"])["servers"][-1]
     victim = next(p for p in swarm.nodes if p.name == victim_name)
