@@ -26,7 +26,9 @@ def test_kill_join_and_stop_under_load_lose_and_change_no_answer(tmp_path, smoll
     assert [e["kind"] for e in summary["events"]][:3] == ["kill", "join", "stop"]
     assert summary["requests"] >= 10
     failures = [r for r in report["requests"] if not r.get("ok")]
-    assert not failures, failures[:3]
+    # each failure's own reason (the whole records are too long for pytest to print)
+    assert not failures, [(r["i"], r["phase"], r.get("status"), r.get("error"), round(r.get("end", 0) - r["start"], 1))
+                          for r in failures]
     for target in ("nothing_lost", "nothing_cut_after_its_first_token", "no_wrong_answer", "every_request_answered"):
         assert summary["targets"][target], (target, summary)
     assert report["after"] == {"active": 0, "queue": 0}
