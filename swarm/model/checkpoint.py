@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
+from swarm.model.arch import FAMILIES
+
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-_SLIDING = ("mistral", "qwen2", "qwen3", "gemma3")  # the families whose configs have a sliding window
+FAMILY_NAMES = tuple(dict.fromkeys(family.name for family in FAMILIES.values()))  # llama, mistral, qwen2, ...
+_SLIDING = tuple(name for name in FAMILY_NAMES if name != "llama")  # the families whose configs have a window
 GEMMA_GLOBAL_EVERY = 6  # Gemma 3: five local (sliding-window) layers, then one global
 
 
@@ -42,6 +44,11 @@ class TinyModelSpec:
     head_dim: int | None = None
     window: int | None = None
 
+    @property
+    def head_size(self) -> int:
+        """The dimension of one attention head: ``head_dim``, else hidden / heads."""
+        return self.head_dim or self.hidden // self.heads
+
     def __post_init__(self) -> None:
         if self.family not in FAMILY_NAMES:
             raise ValueError(f"unknown family {self.family!r}; choose one of {', '.join(FAMILY_NAMES)}")
@@ -53,9 +60,8 @@ class TinyModelSpec:
             raise ValueError(f"window must be positive and only {', '.join(_SLIDING)} have one")
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden size {self.hidden} is not divisible by the number of heads {self.heads}")
-        if (self.head_dim or self.hidden // self.heads) % 2:
-            raise ValueError(f"the head dimension must be even (RoPE rotates pairs), not "
-                             f"{self.head_dim or self.hidden // self.heads}")
+        if self.head_size % 2:
+            raise ValueError(f"the head dimension must be even (RoPE rotates pairs), not {self.head_size}")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
             raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
         if self.vocab < 256 + len(SPECIAL_TOKENS):
@@ -129,7 +135,7 @@ def family_config(spec: TinyModelSpec, tokenizer) -> dict:
     """``config.json`` of a random Mistral, Qwen2, Qwen3 or Gemma 3 checkpoint, as a current transformers writes
     it (the family's own keys: q/k/v biases for Qwen2, q/k norms for Qwen3 and Gemma 3, Gemma's local/global
     layers with their two rope bases)."""
-    head_dim = spec.head_dim or spec.hidden // spec.heads
+    head_dim = spec.head_size
     window = spec.window
     layers = ["full_attention"] * spec.layers
     if spec.family == "gemma3":
@@ -141,7 +147,7 @@ def family_config(spec: TinyModelSpec, tokenizer) -> dict:
     cfg = {
         "architectures": [{"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "gemma3": "Gemma3ForCausalLM"}[spec.family]],
-        "model_type": "gemma3_text" if spec.family == "gemma3" else spec.family,
+        "model_type": next(t for t, f in FAMILIES.items() if f.name == spec.family),  # gemma3: gemma3_text
         "vocab_size": max(spec.vocab, len(tokenizer)), "hidden_size": spec.hidden,
         "intermediate_size": _intermediate(spec), "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads or spec.heads, "head_dim": head_dim,
