@@ -36,7 +36,7 @@ docs: venv
 # The suite runs on both cores, then the tests that measure times alone (scripts/run_tests.sh).
 test: export OMP_NUM_THREADS ?= 1
 test: venv docs
-	setsid --wait timeout -k 30 1500 scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
+	setsid --wait timeout -k 30 1680 scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
 
 # Debian's Chromium and ChromeDriver for tests/test_browser.py (without them `make test` says BROWSER TESTS NOT RUN).
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
