@@ -24,7 +24,8 @@ it with :func:`install`.
 
 :func:`install` rebinds the handler (and optionally a backend class) in ``petals.server.server``'s globals,
 where ``ModuleContainer`` looks them up, with the runtime that stops before the weights are freed
-(:mod:`server.runtime`); call it in the server process before ``Server.run()``.
+(:mod:`server.runtime`) and without petals' reachability probe (:class:`NoReachabilityProbe`); call it in the
+server process before the ``Server`` is built.
 """
 from __future__ import annotations
 
@@ -223,11 +224,26 @@ class ChainswarmHandler(_PetalsHandler):
 ChainswarmHandler.__name__ = ChainswarmHandler.__qualname__ = "TransformerConnectionHandler"
 
 
+class NoReachabilityProbe:
+    """Stands in for petals' ``ReachabilityProtocol`` in a Chainswarm server, which starts no probe.
+
+    petals' ``Server`` attaches that protocol to every directly reachable server: a second libp2p daemon (a
+    ``p2pd`` process) that answers newcomers of petals' public swarm asking whether they can be dialled back.
+    Chainswarm's servers never ask (``reachable_via_relay=False``, ``skip_reachability_check=True``: the
+    orchestrator's swarm is private and its servers listen where they are told), so the daemon only cost each
+    server a process, ~0.45 s of CPU to start and its idle share. A petals server that asks one of ours gets no
+    answer, which petals reads as "run a full peer"."""
+
+    @classmethod
+    def attach_to_dht(cls, dht: Any, await_ready: bool = False, **kwargs: Any) -> None:
+        return None
+
+
 def install(handler_class: type = ChainswarmHandler, backend_class: Optional[type] = None, *,
             push_counter: Any = None) -> Any:
     """Make petals' ``ModuleContainer`` build ``handler_class`` (and ``backend_class``, if given).
 
-    Call it in the server process before ``Server.run()``. ``push_counter`` is a shared
+    Call it in the server process before the ``Server`` is built. ``push_counter`` is a shared
     ``multiprocessing.Value('q')`` that counts pushes received by all handlers (one is created if not
     given); it is returned.
     """
@@ -240,6 +256,7 @@ def install(handler_class: type = ChainswarmHandler, backend_class: Optional[typ
     _push_refused = _push_refused or mp.Value(ctypes.c_int64, 0)
     server_module.TransformerConnectionHandler = handler_class
     server_module.MemoryCache = PagedKvPool  # every block's KV pool: paged, grown as sessions grow
+    server_module.ReachabilityProtocol = NoReachabilityProbe  # no second libp2p daemon per server
     runtime.install()  # a container that shuts down waits for the step in hand before it frees the weights
     if backend_class is not None:
         server_module.TransformerBackend = backend_class

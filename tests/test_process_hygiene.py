@@ -8,6 +8,7 @@ left the orchestrator's DHT reads and writes hanging for minutes, and the next t
 import multiprocessing as mp
 import os
 import signal
+import time
 
 from hivemind.utils.mpfuture import MPFuture
 
@@ -65,6 +66,12 @@ def test_a_node_that_crashes_leaves_no_process_behind(tiny_model):
         node = swarm.add_node(node_id="n0", memory_gb=0.5, num_handlers=1)
         family = psutil.Process(node.process.pid).children(recursive=True)
         assert len(family) >= 2  # its DHT process and p2pd at least
+        # one libp2p daemon, its DHT's: petals' reachability probe (a second daemon per server) is not started
+        # (server.handler.NoReachabilityProbe); petals starts it as the server is built, seconds before the profile
+        for _ in range(8):
+            daemons = [p for p in psutil.Process(node.process.pid).children(recursive=True) if p.name() == "p2pd"]
+            assert len(daemons) == 1, [" ".join(p.cmdline()) for p in daemons]
+            time.sleep(0.25)
         os.kill(node.process.pid, signal.SIGKILL)
         wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family), 15,
                  what="the crashed node's processes gone", explain=lambda: [
