@@ -302,9 +302,9 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
             for rid in liars:  # every answer a liar gave is marked
                 assert http.get(f"/v1/swarm/requests/{rid}").json()["verified"] == "false"
             assert http.get("/v1/swarm/requests/nope").status_code == 404
-            # on honest servers now: both executions agree. Both must be planned and trusted (a step that timed out
-            # at a load average of 4 once left h1 excluded for its grace period here, and dual execution was
-            # refused with a clear 400: no second server for blocks [0, 30)); wait for that, bounded
+            # on honest servers now: both executions agree. Both must be planned and trusted (at a load average of 4
+            # one honest server was once out of the plan here, excluded for its grace period after a failed stream,
+            # and dual execution was refused with a clear 400: no second server for blocks [0, 30)); wait, bounded
             def both_honest_serve():
                 state = http.get("/v1/swarm").json()
                 ready = {s for c in state["chains"] if c["ready"] for s in c["servers"]}
