@@ -65,7 +65,8 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
         dht = hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
                            host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
                            identity_path=None if store is None else store.identity_path(),
-                           record_validators=swarm_validators(identity, config.dht_prefix))
+                           record_validators=swarm_validators(identity, config.dht_prefix),
+                           num_workers=32)  # the engine's lookups of every block's servers go through it too
     except Exception as exc:
         failure = p2p_start_failure(exc, dial, "--dht-port", "are those peers up, and their addresses right?")
         if failure is None:
@@ -101,7 +102,8 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
                                              torch_dtype=options.torch_dtype, batch_sessions=options.batch_sessions,
                                              batch_lanes=options.batch_lanes,
                                              speculation=speculation(options),
-                                             batch_bound=orchestrator.route_batch_bound)  # drafts per step
+                                             batch_bound=orchestrator.route_batch_bound,  # drafts per step
+                                             dht=dht)  # one DHT and libp2p daemon for the orchestrator and it
             if options.use_server_to_server is not None:
                 for client_config in (engine.model.config, engine.manager.config):
                     client_config.use_server_to_server = options.use_server_to_server

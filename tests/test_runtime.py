@@ -109,6 +109,18 @@ def test_completion_and_stream_equal_local_transformers(swarm, tiny_model):
         assert sc.generate(prompt, 24, temperature=0).text == expected_text
 
 
+def test_the_orchestrator_and_its_engine_share_one_dht_and_libp2p_daemon(swarm):
+    """The engine finds the servers through the orchestrator's own DHT (``GenerationEngine(dht=...)``): the
+    orchestrator's process runs one DHT process and one ``p2pd``, not a second pair for petals' client."""
+    import psutil
+
+    family = psutil.Process(swarm.orchestrator.process.pid).children(recursive=True)
+    daemons = [p for p in family if p.name() == "p2pd"]
+    pythons = [p for p in family if p.name().startswith("python")]
+    assert len(daemons) == 1, [" ".join(p.cmdline()) for p in daemons]
+    assert len(pythons) == 1, [" ".join(p.cmdline())[:120] for p in pythons]  # the DHT's process
+
+
 def test_direct_swarm_model_routes_by_lease_and_matches_transformers(swarm, tiny_model):
     from client.direct import DirectSwarmModel
 

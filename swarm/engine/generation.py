@@ -114,17 +114,18 @@ class GenerationEngine:
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
                  batch_sessions: int = 16, batch_lanes: int = 1, speculation=None,
-                 batch_bound: Callable[[tuple], int | None] | None = None):
+                 batch_bound: Callable[[tuple], int | None] | None = None, dht=None):
+        """``dht``: a running hivemind DHT of the swarm to reach the servers through (the orchestrator passes its
+        own: one libp2p daemon for both); by default petals starts a client DHT, which :meth:`close` stops."""
+        from swarm.engine.petals_client import load_distributed_model
         from swarm.model.tokenizer import load_tokenizer, text_decoder
-
-        from swarm.model.compat import petals
 
         self.tokenizer = load_tokenizer(model_dir)
         self._decode = text_decoder(self.tokenizer)  # tokenizer.decode(ids, skip_special_tokens=True), in Rust
-        self.model = petals.AutoDistributedModelForCausalLM.from_pretrained(
-            model_dir, initial_peers=list(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries,
-            show_route=False, torch_dtype=getattr(torch, torch_dtype), request_timeout=request_timeout,
-        )
+        self.model = load_distributed_model(model_dir, initial_peers=initial_peers, dht_prefix=dht_prefix,
+                                            max_retries=max_retries, torch_dtype=getattr(torch, torch_dtype),
+                                            request_timeout=request_timeout, dht=dht)
+        self._own_dht = dht is None
         self.model.eval()
         self.manager = install(self.model)
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="session")
@@ -493,4 +494,4 @@ class GenerationEngine:
                 self._retire(generator)
         for generator in generators:
             generator.close()
-        close_distributed_model(self.model)
+        close_distributed_model(self.model, own_dht=self._own_dht)

@@ -17,6 +17,8 @@ and size its KV cache with the real ``head_dim`` (:class:`ModelBackend`).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import logging
@@ -159,10 +161,28 @@ class ChainswarmModel(DistributedLlamaModel):
         self.requires_grad_(False)
 
 
+_GIVEN_DHT: contextvars.ContextVar = contextvars.ContextVar("chainswarm_given_dht", default=None)
+
+
+@contextlib.contextmanager
+def using_dht(dht) -> Any:
+    """Client models built in this block find the servers through ``dht`` (a running hivemind DHT of the swarm)
+    instead of starting a client DHT of their own. (A context, not a ``from_pretrained`` argument: transformers
+    deep-copies the keyword arguments it is given into the model's configs, and a DHT does not copy.)"""
+    token = _GIVEN_DHT.set(dht)
+    try:
+        yield
+    finally:
+        _GIVEN_DHT.reset(token)
+
+
 class ChainswarmForCausalLM(DistributedLlamaForCausalLM):
-    def __init__(self, config: ChainswarmConfig):
+    """``dht``: a running hivemind DHT to find the servers through (default: :func:`using_dht`'s, else petals
+    starts a client DHT of its own: a process and a libp2p daemon)."""
+
+    def __init__(self, config: ChainswarmConfig, *, dht=None):
         LlamaPreTrainedModel.__init__(self, config)
-        self.model = ChainswarmModel(config)
+        self.model = ChainswarmModel(config, dht=dht if dht is not None else _GIVEN_DHT.get())
         self.pretraining_tp = 1
         self.vocab_size = config.vocab_size
         self.lm_head = LMHead(config)
