@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.model.checkpoint import dht_prefix_for
-from swarm.runtime.process import stop_process_group
+from swarm.runtime.process import remove_stale_sockets, stop_process_group
 
 # What the forkserver imports once, so that every peer forked from it starts without importing it again
 # (petals.utils.peft: petals' backend imports it inside TransformerBackend.__init__, ~0.3 s in every server).
@@ -130,6 +130,7 @@ class LocalSwarm:
         from swarm.trust.identity import Identity
 
         self.open_sessions = open_sessions
+        self._created_at = time.time()  # the hivemind sockets its killed peers leave are removed from then on
         self.orchestrator_identity = Identity.generate()
         self.model_dir = str(model_dir)
         self.dht_prefix = dht_prefix or dht_prefix_for(model_dir)
@@ -447,6 +448,7 @@ class LocalSwarm:
         if self.emulator is not None:  # after the servers (spec: start it before them, stop it after)
             self.emulator.stop()
             self.emulator = None
+        remove_stale_sockets(self._created_at)
         if getattr(self, "_key_dir", None):
             import shutil
 
