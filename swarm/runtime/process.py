@@ -132,12 +132,16 @@ def bound_unix_socket_paths() -> set[str]:
 
 def remove_stale_sockets(since: float) -> int:
     """Unlink hivemind's unix sockets (each libp2p daemon's and its client's, in ``/tmp``) made by this user at or
-    after ``since`` (``time.time()``) that no process has bound any more; return how many.
+    after ``since`` (``time.time()``), and over a second ago, that no process has bound any more; return how many.
+    (Another swarm's peers may start meanwhile: a socket is bound the moment its file exists.)
 
     hivemind removes them when a peer shuts down cleanly, but a peer killed with its group (a stopped or killed
     swarm peer, a crash) leaves both behind: a day of test runs left 15,000 in ``/tmp``. Without
     ``/proc/net/unix`` (not Linux) nothing is removed.
     """
+    # a file made after the snapshot of bound sockets below is not in it, yet may be bound: only older ones go (the
+    # margin: file times come from a coarse clock)
+    before = time.time() - 1.0
     bound = bound_unix_socket_paths()
     if not bound:
         return 0
@@ -147,7 +151,7 @@ def remove_stale_sockets(since: float) -> int:
             info = os.lstat(path)
         except FileNotFoundError:
             continue
-        if (stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid() and info.st_ctime >= since
+        if (stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid() and since <= info.st_ctime < before
                 and path not in bound):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
