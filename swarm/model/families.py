@@ -177,12 +177,12 @@ def using_dht(dht) -> Any:
 
 
 class ChainswarmForCausalLM(DistributedLlamaForCausalLM):
-    """``dht``: a running hivemind DHT to find the servers through (default: :func:`using_dht`'s, else petals
-    starts a client DHT of its own: a process and a libp2p daemon)."""
+    """Finds the servers through :func:`using_dht`'s DHT where one is given; else petals starts a client DHT of its
+    own (a process and a libp2p daemon)."""
 
-    def __init__(self, config: ChainswarmConfig, *, dht=None):
+    def __init__(self, config: ChainswarmConfig):
         LlamaPreTrainedModel.__init__(self, config)
-        self.model = ChainswarmModel(config, dht=dht if dht is not None else _GIVEN_DHT.get())
+        self.model = ChainswarmModel(config, dht=_GIVEN_DHT.get())
         self.pretraining_tp = 1
         self.vocab_size = config.vocab_size
         self.lm_head = LMHead(config)
