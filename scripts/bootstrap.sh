@@ -43,6 +43,6 @@ echo "[bootstrap] 2/3 petals (without its unbuildable pins)"
 install --no-deps petals==2.2.0.post1 tensor_parallel==1.0.23 bitsandbytes==0.41.1
 echo "[bootstrap] 3/3 hivemind 1.1.12, transformers 4.34.1, the experiments extra and the rest"
 install -r requirements.txt -r requirements-dev.txt -r requirements-experiments.txt
-pip_install --no-deps -e .
+install --no-deps -e .  # the project itself, editable (uv: ~1.7 s against pip's ~4.5 s)
 echo "$want" > "$STAMP"
 echo "[bootstrap] ready: $VENV"

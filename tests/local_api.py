@@ -4,16 +4,25 @@
 then a ``Finished``) but computes every token in local transformers, choosing it with the engine's own
 :class:`~swarm.engine.sampling.TokenChooser` — the same grammar masks, sampling and stop handling as the
 swarm's batched path, for fast tests of the API surface (structured outputs, tools) on the real SmolLM2.
-:func:`serve` runs the routes on a loopback port (uvicorn in a thread) for the official ``openai`` client.
+:func:`serve` runs the routes on a loopback port (uvicorn in a thread) for the official ``openai`` client;
+:func:`kept_reference` is an ``openai`` client of those routes whose answers are kept in the user cache (ground truth
+that several runs read: each answer is computed once per checkpoint, library versions and code).
 """
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hashlib
+import json
 import math
+import os
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
 
 import torch
 from fastapi import FastAPI, Request
@@ -133,3 +142,93 @@ def serve(app: FastAPI):
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+# -- answers kept across runs ----------------------------------------------------------------------------------
+_CODE = Path(__file__).resolve().parent.parent / "swarm"
+
+
+def code_digest() -> str:
+    """sha256 over the code that decides a local answer: every module of ``swarm/`` (handlers, wire formats,
+    grammar, sampling, tokenizer and chat templates) and this file. A change anywhere there computes the answers
+    anew; an unchanged tree reads the kept ones."""
+    digest = hashlib.sha256()
+    for path in sorted([*_CODE.rglob("*.py"), Path(__file__).resolve()]):
+        digest.update(f"{path.relative_to(_CODE.parent)}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class KeptAnswers(httpx.BaseTransport):
+    """An ``httpx`` transport that answers a request from the kept responses when it has one and otherwise sends it
+    to the local API (started on the first miss) and keeps its response: status, content type and body bytes
+    (a stream's whole event stream, which the ``openai`` client then reads as it would the live one). The key is
+    a digest of the method, path and body with the checkpoint's decoding digest (weights, tokenizer, library
+    versions: ``real_model.decoding_digest``) and :func:`code_digest`; only 200s are kept. Entries are written
+    under a file lock, so xdist workers asking the same question compute it once."""
+
+    def __init__(self, directory: Path, salt: str, start):
+        self.directory, self.salt, self._start = directory, salt, start
+        self._live: httpx.HTTPTransport | None = None
+        self._base = ""
+        self.misses = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        body = request.read()
+        key = hashlib.sha256(b"\0".join([self.salt.encode(), request.method.encode(),
+                                          request.url.path.encode(), body])).hexdigest()[:40]
+        path = self.directory / f"{key}.json"
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                kept = json.loads(path.read_text())
+            except (OSError, ValueError):  # not there yet, or unreadable: asked (again)
+                kept = None
+            if kept is None:
+                kept = self._ask(request, body)
+                if kept["status"] == 200:
+                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                    tmp.write_text(json.dumps(kept))
+                    tmp.replace(path)
+        return httpx.Response(kept["status"], headers={"content-type": kept["content_type"]},
+                              content=kept["body"].encode(), request=request)
+
+    def _ask(self, request: httpx.Request, body: bytes) -> dict:
+        self.misses += 1
+        if self._live is None:
+            self._base = self._start()
+            self._live = httpx.HTTPTransport()
+        url = httpx.URL(self._base).join(request.url.raw_path.decode())
+        live = httpx.Request(request.method, url, headers=request.headers, content=body)
+        response = self._live.handle_request(live)
+        try:
+            content = response.read()
+        finally:
+            response.close()
+        return {"status": response.status_code, "content_type": response.headers.get("content-type", ""),
+                "body": content.decode()}
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.close()
+
+
+@contextmanager
+def kept_reference(model_dir, *, max_length: int = 2048, model_name: str = "smollm2", timeout: float = 300):
+    """An ``openai.OpenAI`` client of the local API whose answers are kept (:class:`KeptAnswers`, in the greedy
+    references' directory: ``real_model.reference_dir``, so ``CHAINSWARM_FRESH_REFERENCES=1`` computes them anew
+    too). The local model is loaded only when an answer is not kept yet; ``client.transport.misses`` counts them."""
+    import openai
+    from real_model import decoding_digest, reference_dir
+
+    directory = reference_dir(model_dir) / "api"
+    directory.mkdir(exist_ok=True)
+    salt = f"{decoding_digest(model_dir)}\0{code_digest()}\0{max_length}\0{model_name}"
+    with ExitStack() as stack:
+        transport = KeptAnswers(directory, salt,
+                                lambda: stack.enter_context(serve(make_app(model_dir, max_length, model_name))))
+        stack.callback(transport.close)
+        client = openai.OpenAI(base_url="http://local-reference/v1", api_key="local", max_retries=0,
+                               timeout=timeout, http_client=httpx.Client(transport=transport, timeout=timeout))
+        client.transport = transport
+        yield client

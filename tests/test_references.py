@@ -79,3 +79,43 @@ def test_the_kept_real_model_reference_is_what_transformers_gives_now(smollm2_di
     """The references kept from earlier runs: one, decoded anew in every run, equals what is kept."""
     prompt = real_model.PROMPTS[0]
     assert greedy_reference(smollm2_dir)(prompt, 32) == _transformers(smollm2_dir, prompt, 32)
+
+
+def test_kept_api_answers_are_the_local_apis_own_and_read_back_without_the_model(tiny_model, tmp_path, monkeypatch):
+    """``local_api.kept_reference``: the answers of the in-process handlers (plain and streamed) kept in the
+    reference directory and read back by a later client without the model; a change of the code they depend on, or
+    a refused request, is asked anew."""
+    import openai
+
+    import local_api
+
+    monkeypatch.setenv("CHAINSWARM_REFERENCE_DIR", str(tmp_path))
+    options = dict(model="tiny", prompt="the quick brown fox", max_tokens=6, temperature=0)
+
+    def ask(client) -> tuple[str, str]:
+        plain = client.completions.create(**options).choices[0].text
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **options))
+        return plain, streamed
+
+    with local_api.serve(local_api.make_app(tiny_model, max_length=64, model_name="tiny")) as url:
+        live = ask(openai.OpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0))
+    with local_api.kept_reference(tiny_model, max_length=64, model_name="tiny") as first:
+        assert ask(first) == live
+        assert first.transport.misses == 2
+        with pytest.raises(openai.UnprocessableEntityError):
+            first.completions.create(**{**options, "max_tokens": -1})
+        assert first.transport.misses == 3
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the local API was started although the answer was kept")
+
+    monkeypatch.setattr(local_api, "make_app", no_model)
+    with local_api.kept_reference(tiny_model, max_length=64, model_name="tiny") as second:
+        assert ask(second) == live
+        assert second.transport.misses == 0
+        with pytest.raises(AssertionError, match="was started"):  # a refusal is never kept
+            second.completions.create(**{**options, "max_tokens": -1})
+    monkeypatch.setattr(local_api, "code_digest", lambda: "the handlers changed")
+    with local_api.kept_reference(tiny_model, max_length=64, model_name="tiny") as third:
+        with pytest.raises(AssertionError, match="was started"):
+            ask(third)

@@ -52,11 +52,12 @@ def swarm(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_dir):
-    """The same handlers over the local model in-process (the ground truth of constrained greedy decoding)."""
-    from local_api import make_app, serve
+    """The same handlers over the local model in-process (the ground truth of constrained greedy decoding), their
+    answers kept across runs (tests/local_api.py, ``kept_reference``: computed once per checkpoint, library versions
+    and code; the long tool prompts' prefills were 45 of this module's 65 in-process CPU-seconds)."""
+    from local_api import kept_reference
 
-    with serve(make_app(smollm2_dir, max_length=MAX_LENGTH, model_name=Path(smollm2_dir).name)) as url:
-        api = openai.OpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0, timeout=300)
+    with kept_reference(smollm2_dir, max_length=MAX_LENGTH, model_name=Path(smollm2_dir).name) as api:
         api.model = Path(smollm2_dir).name
         yield api
 
