@@ -23,6 +23,13 @@ if _REFERENCE_DIR_MADE_HERE:
 
 def pytest_unconfigure(config):
     __import__("shutil").rmtree(_STATE_DIR, ignore_errors=True)
+    if not hasattr(config, "workerinput"):  # the controller (or the only process), once every worker has ended
+        # hivemind's unix sockets that peers killed outside a LocalSwarm left in /tmp (a CLI orchestrator or server a
+        # test SIGKILLs: 8-12 a run; a LocalSwarm removes its own when it stops), made since the suite started and
+        # bound by no process (swarm.runtime.process.remove_stale_sockets)
+        from swarm.runtime.process import remove_stale_sockets
+
+        remove_stale_sockets(_SUITE_START)
     if _REFERENCE_DIR_MADE_HERE:
         __import__("shutil").rmtree(os.environ["CHAINSWARM_REFERENCE_DIR"], ignore_errors=True)
 
