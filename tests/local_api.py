@@ -159,24 +159,57 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
+_CALL_IDS = ("id", "tool_call_id", "call_id")
+
+
+def without_call_ids(body: bytes) -> bytes:
+    """The request body with the tool-call and item ids inside ``messages``/``input`` numbered by first appearance
+    (``id0``, ``id1``, ...; equal ids stay equal): the key of a question whose ids cannot reach the prompt, because
+    the chat template has no tool section and the fallback rendering drops them (``swarm.api.tools``). The swarm
+    answers with new random ids each run, and a conversation that sends them back is the same question."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body
+    numbers: dict[str, str] = {}
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if isinstance(node, dict):
+            return {key: (numbers.setdefault(value, f"id{len(numbers)}") if key in _CALL_IDS and isinstance(value, str)
+                          else walk(value)) for key, value in node.items()}
+        return node
+
+    if not isinstance(doc, dict):
+        return body
+    for field in ("messages", "input"):
+        if field in doc:
+            doc[field] = walk(doc[field])
+    return json.dumps(doc, sort_keys=True).encode()
+
+
 class KeptAnswers(httpx.BaseTransport):
     """An ``httpx`` transport that answers a request from the kept responses when it has one and otherwise sends it
     to the local API (started on the first miss) and keeps its response: status, content type and body bytes
     (a stream's whole event stream, which the ``openai`` client then reads as it would the live one). The key is
     a digest of the method, path and body with the checkpoint's decoding digest (weights, tokenizer, library
-    versions: ``real_model.decoding_digest``) and :func:`code_digest`; only 200s are kept. Entries are written
-    under a file lock, so xdist workers asking the same question compute it once."""
+    versions: ``real_model.decoding_digest``) and :func:`code_digest`; only 200s are kept. With ``ids_in_prompt``
+    false the key leaves out the tool-call ids (:func:`without_call_ids`). Entries are written under a file lock,
+    so xdist workers asking the same question compute it once."""
 
-    def __init__(self, directory: Path, salt: str, start):
+    def __init__(self, directory: Path, salt: str, start, *, ids_in_prompt: bool = True):
         self.directory, self.salt, self._start = directory, salt, start
+        self.ids_in_prompt = ids_in_prompt
         self._live: httpx.HTTPTransport | None = None
         self._base = ""
         self.misses = 0
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         body = request.read()
+        question = body if self.ids_in_prompt else without_call_ids(body)
         key = hashlib.sha256(b"\0".join([self.salt.encode(), request.method.encode(),
-                                          request.url.path.encode(), body])).hexdigest()[:40]
+                                          request.url.path.encode(), question])).hexdigest()[:40]
         path = self.directory / f"{key}.json"
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -220,13 +253,17 @@ def kept_reference(model_dir, *, max_length: int = 2048, model_name: str = "smol
     too). The local model is loaded only when an answer is not kept yet; ``client.transport.misses`` counts them."""
     import openai
     from real_model import decoding_digest, reference_dir
+    from swarm.api.tools import has_tool_section
+    from swarm.model.tokenizer import load_tokenizer
 
     directory = reference_dir(model_dir) / "api"
     directory.mkdir(exist_ok=True)
     salt = f"{decoding_digest(model_dir)}\0{code_digest()}\0{max_length}\0{model_name}"
+    template = getattr(load_tokenizer(model_dir), "chat_template", None)
     with ExitStack() as stack:
         transport = KeptAnswers(directory, salt,
-                                lambda: stack.enter_context(serve(make_app(model_dir, max_length, model_name))))
+                                lambda: stack.enter_context(serve(make_app(model_dir, max_length, model_name))),
+                                ids_in_prompt=has_tool_section(template))
         stack.callback(transport.close)
         client = openai.OpenAI(base_url="http://local-reference/v1", api_key="local", max_retries=0,
                                timeout=timeout, http_client=httpx.Client(transport=transport, timeout=timeout))

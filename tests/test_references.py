@@ -119,3 +119,42 @@ def test_kept_api_answers_are_the_local_apis_own_and_read_back_without_the_model
     with local_api.kept_reference(tiny_model, max_length=64, model_name="tiny") as third:
         with pytest.raises(AssertionError, match="was started"):
             ask(third)
+
+
+def test_kept_answers_key_a_conversation_without_its_tool_call_ids_only_where_they_miss_the_prompt(smollm2_dir):
+    """``local_api.without_call_ids``: ids numbered by first appearance (equal stay equal, different stay
+    different), nothing else changed — and on SmolLM2, whose template has no tool section, two conversations that
+    differ only in their ids render the same prompt (the fact that lets the tool tests' kept answers ignore them)."""
+    import json
+
+    from local_api import without_call_ids
+    from swarm.api.schemas import ChatCompletionRequest
+    from swarm.api.tools import fallback_messages, has_tool_section
+    from swarm.model.tokenizer import load_tokenizer
+
+    def conversation(call_id: str, other: str) -> dict:
+        return {"model": "m", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "messages": [{"role": "user", "content": "Weather?"},
+                             {"role": "assistant", "content": None, "tool_calls": [
+                                 {"id": call_id, "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                                 {"id": other, "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+                             {"role": "tool", "tool_call_id": call_id, "content": "Sunny."},
+                             {"role": "tool", "tool_call_id": other, "content": "Rain."}]}
+
+    first, second = conversation("call_abc", "call_def"), conversation("call_123", "call_456")
+    key = json.loads(without_call_ids(json.dumps(first).encode()))
+    assert without_call_ids(json.dumps(second).encode()) == without_call_ids(json.dumps(first).encode())
+    assert [c["id"] for c in key["messages"][1]["tool_calls"]] == ["id0", "id1"]
+    assert [m.get("tool_call_id") for m in key["messages"][2:]] == ["id0", "id1"]
+    assert key["messages"][1]["tool_calls"][1]["function"] == first["messages"][1]["tool_calls"][1]["function"]
+    assert without_call_ids(json.dumps(conversation("x", "x")).encode()) != without_call_ids(json.dumps(first).encode())
+    responses = {"input": [{"type": "function_call", "id": "fc_1", "call_id": "call_9", "name": "f", "arguments": "{}"},
+                           {"type": "function_call_output", "call_id": "call_9", "output": "Sunny."}], "model": "m"}
+    assert json.loads(without_call_ids(json.dumps(responses).encode()))["input"][1]["call_id"] == "id1"
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    assert not has_tool_section(tokenizer.chat_template)
+    prompts = {tokenizer.apply_chat_template(fallback_messages(ChatCompletionRequest(**c).messages,
+                                                               ChatCompletionRequest(**c).tools),
+                                             tokenize=False, add_generation_prompt=True) for c in (first, second)}
+    assert len(prompts) == 1 and "Sunny." in prompts.pop()
