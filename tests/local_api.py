@@ -11,11 +11,9 @@ that several runs read: each answer is computed once per checkpoint, library ver
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hashlib
 import json
 import math
-import os
 import socket
 import threading
 import time
@@ -34,6 +32,8 @@ from swarm.api.openai_routes import add_openai_routes
 from swarm.engine.completion import Finished
 from swarm.engine.sampling import StopMatcher, TokenChooser
 from swarm.model.tokenizer import text_decoder
+
+from real_model import decoding_digest, kept_entry, reference_dir
 
 
 class LocalEngine:
@@ -196,7 +196,7 @@ class KeptAnswers(httpx.BaseTransport):
     a digest of the method, path and body with the checkpoint's decoding digest (weights, tokenizer, library
     versions: ``real_model.decoding_digest``) and :func:`code_digest`; only 200s are kept. With ``ids_in_prompt``
     false the key leaves out the tool-call ids (:func:`without_call_ids`). Entries are written under a file lock,
-    so xdist workers asking the same question compute it once."""
+    so xdist workers asking the same question compute it once (``real_model.kept_entry``)."""
 
     def __init__(self, directory: Path, salt: str, start, *, ids_in_prompt: bool = True):
         self.directory, self.salt, self._start = directory, salt, start
@@ -210,19 +210,8 @@ class KeptAnswers(httpx.BaseTransport):
         question = body if self.ids_in_prompt else without_call_ids(body)
         key = hashlib.sha256(b"\0".join([self.salt.encode(), request.method.encode(),
                                           request.url.path.encode(), question])).hexdigest()[:40]
-        path = self.directory / f"{key}.json"
-        with open(path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                kept = json.loads(path.read_text())
-            except (OSError, ValueError):  # not there yet, or unreadable: asked (again)
-                kept = None
-            if kept is None:
-                kept = self._ask(request, body)
-                if kept["status"] == 200:
-                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                    tmp.write_text(json.dumps(kept))
-                    tmp.replace(path)
+        kept = kept_entry(self.directory / f"{key}.json", lambda entry: entry is not None,
+                          lambda: self._ask(request, body), keep=lambda entry: entry["status"] == 200)
         return httpx.Response(kept["status"], headers={"content-type": kept["content_type"]},
                               content=kept["body"].encode(), request=request)
 
@@ -252,7 +241,7 @@ def kept_reference(model_dir, *, max_length: int = 2048, model_name: str = "smol
     references' directory: ``real_model.reference_dir``, so ``CHAINSWARM_FRESH_REFERENCES=1`` computes them anew
     too). The local model is loaded only when an answer is not kept yet; ``client.transport.misses`` counts them."""
     import openai
-    from real_model import decoding_digest, reference_dir
+
     from swarm.api.tools import has_tool_section
     from swarm.model.tokenizer import load_tokenizer
 

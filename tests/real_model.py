@@ -83,6 +83,25 @@ def reference_dir(model_dir) -> Path:
     return path
 
 
+def kept_entry(path: Path, usable, compute, keep=lambda entry: True) -> dict:
+    """The JSON entry kept at ``path`` when ``usable(entry)``, else ``compute()``'s (written there, atomically, when
+    ``keep(entry)``), under an exclusive lock on ``path.lock``: xdist workers asking for one entry compute it once.
+    An unreadable file counts as no entry (``usable`` gets None)."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):  # not there yet, or unreadable: computed (again)
+            entry = None
+        if not usable(entry):
+            entry = compute()
+            if keep(entry):
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(entry))
+                tmp.replace(path)
+    return entry
+
+
 def greedy_reference(model_dir, horizon: int = 32):
     """``generate(prompt, max_new_tokens) -> text``: greedy decoding of the checkpoint in local transformers
     (float32, stopping at the end-of-sequence token) — the ground truth.
@@ -123,19 +142,8 @@ def greedy_reference(model_dir, horizon: int = 32):
         if not enough(memory.get(key), count):
             if not store:
                 store.append(reference_dir(model_dir))
-            path = store[0] / f"{key}.json"
-            with open(path.with_suffix(".lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # a worker decoding this prompt: wait for its answer
-                try:
-                    entry = json.loads(path.read_text())
-                except (OSError, ValueError):  # not there yet, or unreadable: decoded (again)
-                    entry = None
-                if not enough(entry, count):
-                    entry = decode_anew(prompt, max(count, horizon))
-                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                    tmp.write_text(json.dumps(entry))
-                    tmp.replace(path)
-            memory[key] = entry
+            memory[key] = kept_entry(store[0] / f"{key}.json", lambda entry: enough(entry, count),
+                                     lambda: decode_anew(prompt, max(count, horizon)))
         return memory[key]["tokens"][:count]
 
     def generate(prompt: str, max_new_tokens: int) -> str:
