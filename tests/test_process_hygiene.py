@@ -63,6 +63,10 @@ def test_a_node_that_crashes_leaves_no_process_behind(tiny_model):
     from server.local_swarm import LocalSwarm
 
     with LocalSwarm(tiny_model) as swarm:
+        # the bootstrap DHT peer shares no tensors: no torch_shm_manager beside its DHT process and daemon
+        # (swarm.runtime.process.share_tensors_by_descriptor), where every server keeps hivemind's manager
+        bootstrap = {p.name() for p in psutil.Process(swarm.dht.process.pid).children(recursive=True)}
+        assert "p2pd" in bootstrap and not any(n.startswith("torch_shm_manag") for n in bootstrap), bootstrap
         node = swarm.add_node(node_id="n0", memory_gb=0.5, num_handlers=1)
         family = psutil.Process(node.process.pid).children(recursive=True)
         assert len(family) >= 2  # its DHT process and p2pd at least

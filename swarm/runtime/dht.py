@@ -15,10 +15,12 @@ def bootstrap_dht_main(host: str, port: int, launcher_pid: int, report, dht_pref
     validators (:mod:`swarm.trust.identity`: signatures, and Chainswarm's schemas under ``dht_prefix``), so it stores
     no forged control-plane record either.
     """
-    from swarm.runtime.process import become_group_leader
+    from swarm.runtime.process import become_group_leader, share_tensors_by_descriptor
 
     become_group_leader(launcher_pid)
     import hivemind
+
+    share_tensors_by_descriptor()  # a DHT peer passes no tensors: no torch_shm_manager for it
 
     from hivemind.dht.crypto import RSASignatureValidator
 

@@ -32,6 +32,22 @@ def own_mpfuture_locks() -> None:
         mpfuture.MPFuture.reset_backend()
 
 
+def share_tensors_by_descriptor() -> None:
+    """Have this process share tensors between processes by file descriptor (torch's own default on Linux), not
+    through files that a ``torch_shm_manager`` tracks (hivemind's default, set when ``hivemind`` is imported).
+
+    For the bootstrap DHT peer: its only shared memory is hivemind's ``MPFuture`` state buffer, which its DHT process
+    inherits at fork, and it makes no DHT calls of its own. Under hivemind's default it starts a ``torch_shm_manager``
+    (a binary that loads libtorch: 0.3-0.4 CPU-s, measured 2026-11-30) for that one buffer. Every other peer keeps
+    hivemind's choice: each DHT call pickles an ``MPFuture`` to the DHT process, where a descriptor would cost one
+    more round trip to the sender per call, and a server's handler processes hand every step's tensors to its runtime.
+    Call it after ``import hivemind`` and before the process makes its first ``MPFuture``."""
+    import hivemind.utils.mpfuture  # noqa: F401  (its import sets hivemind's strategy: this call comes after it)
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+
+
 def become_group_leader(launcher_pid: int, poll_s: float = 1.0, *, child_of_launcher: bool = False) -> None:
     """Make this process a process-group leader that exits cleanly on SIGTERM and dies with its launcher.
 
