@@ -21,11 +21,10 @@ import time
 import warnings
 from pathlib import Path
 
-import httpx
 import pytest
 
 from browser import Browser, missing
-from helpers import HTTP, wait_for
+from helpers import HTTP, http_client, wait_for
 
 REASON = missing()
 if REASON and os.environ.get("CHAINSWARM_REQUIRE_BROWSER") == "1":
@@ -234,7 +233,7 @@ class Burst:
 
     def client(self, key: str, tokens: int) -> None:
         body = {"prompt": "Tell me about the sea.", "max_tokens": tokens, "temperature": 0}
-        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {key}"}) as http:
+        with http_client(timeout=120, headers={"Authorization": f"Bearer {key}"}) as http:
             while not self.stop.is_set():
                 response = http.post(f"{self.url}/v1/completions", json=body)
                 if response.status_code == 200:

@@ -9,13 +9,12 @@ import contextlib
 import functools
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
 
 from client import SwarmClient
-from helpers import HTTP, describe_swarm, wait_for
+from helpers import HTTP, describe_swarm, http_client, wait_for
 from real_model import greedy_reference
 from server.local_swarm import LocalSwarm
 
@@ -138,7 +137,7 @@ def test_a_growing_chat_on_a_full_chain_is_preempted_and_still_answers_in_full(s
     pages = [free_pages // count + (i < free_pages % count) for i in range(count)]
     assert free_pages > 0
     before = _preempted(swarm.url)
-    with httpx.Client(base_url=swarm.url, headers={"Authorization": "Bearer sk-flood"}, timeout=120) as http, \
+    with http_client(base_url=swarm.url, headers={"Authorization": "Bearer sk-flood"}, timeout=120) as http, \
             cf.ThreadPoolExecutor(1) as pool, \
             openai.OpenAI(base_url=f"{swarm.url}/v1", api_key="sk-test", max_retries=0, timeout=300) as client:
         readers = []

@@ -9,13 +9,12 @@ prompts in a namespace of its own — which also plays the client whose hashes d
 import os
 import time
 
-import httpx
 import pytest
 import torch
 
 from server.local_swarm import LocalSwarm
 from swarm.trust import prefix as protocol
-from helpers import HTTP, wait_for
+from helpers import HTTP, http_client, wait_for
 from swarm.trust.identity import Identity
 from test_orchestrator_logic import MemoryDHT, node_key
 
@@ -88,7 +87,7 @@ def reference(tiny_model):
 
 
 def complete(swarm, prompt, max_tokens=12, key="key-a"):
-    with httpx.Client(base_url=swarm.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
+    with http_client(base_url=swarm.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
         response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     assert response.status_code == 200, response.text
     prefix = dict(kv.split("=") for kv in response.headers["x-chainswarm-prefix"].split(";"))

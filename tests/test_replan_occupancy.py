@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from helpers import HTTP, server_info
+from helpers import HTTP, http_client, server_info
 from server.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.swarm
@@ -90,7 +90,7 @@ class Sampler(threading.Thread):
 
 def client_loop(url: str, index: int, stop: threading.Event, outcomes: list):
     i = index
-    with httpx.Client(base_url=url, headers={"X-Client-Id": f"c{index}"}, timeout=120) as http:
+    with http_client(base_url=url, headers={"X-Client-Id": f"c{index}"}, timeout=120) as http:
         while not stop.is_set():
             prompt = PROMPTS[i % len(PROMPTS)]
             i += 1
@@ -135,7 +135,7 @@ def test_requests_are_bounded_before_any_work(swarm):
 
     limit = prompt_char_limit(AutoTokenizer.from_pretrained(swarm.model_dir), MAX_LENGTH)
     assert 0 < limit < 100 * MAX_LENGTH
-    with httpx.Client(base_url=swarm.url, headers={"X-Client-Id": "bounds"}, timeout=30) as http:
+    with http_client(base_url=swarm.url, headers={"X-Client-Id": "bounds"}, timeout=30) as http:
         long = http.post("/v1/completions", json={"prompt": "a" * (limit + 1), "max_tokens": 1})
         assert long.status_code == 400 and "longer than" in long.json()["error"]["message"], long.text
         chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "b" * (limit // 2)},

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from helpers import HTTP, wait_for
+from helpers import HTTP, http_client, wait_for
 from server.local_swarm import LocalSwarm
 from swarm.trust.validation import swarm_validators
 
@@ -31,7 +31,7 @@ OPTIONS = dict(policy="dlpm", quantum=200.0, expected_rate=4.0, max_length=256, 
 
 
 def complete(url, prompt=PROMPT, key="key-a", max_tokens=12):
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+    with http_client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
         response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     assert response.status_code == 200, response.text
     reused = dict(kv.split("=") for kv in response.headers["x-chainswarm-prefix"].split(";"))["reused"]

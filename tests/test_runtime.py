@@ -8,14 +8,13 @@ import concurrent.futures as cf
 import threading
 import time
 
-import httpx
 import pytest
 import torch
 
 from planner.model import ModelSpec, Placement, Server
 from planner.plan import plan as run_planner, plan_for_placement
 from server.local_swarm import LocalSwarm
-from helpers import HTTP, wait_for
+from helpers import HTTP, http_client, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -49,7 +48,7 @@ def swarm(tiny_model, tmp_path_factory):
 
 
 def client(url, key="key-alice", **kw):
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
+    return http_client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
 
 
 def reference(tiny_model, prompt, max_new_tokens):
@@ -258,7 +257,7 @@ def test_overload_queues_and_jffc_fills_fastest_chains_first(swarm):
     stop = threading.Event()
 
     def sample():
-        with httpx.Client(base_url=swarm.url, timeout=30) as http:
+        with http_client(base_url=swarm.url, timeout=30) as http:
             while not stop.is_set():
                 samples.append(http.get("/v1/swarm", headers=ADMIN).json())
                 time.sleep(0.05)

@@ -10,10 +10,10 @@ import json
 import math
 import random
 
-import httpx
 import pytest
 import torch
 
+from helpers import http_client
 from swarm.engine.recording import SpanRecorder
 from swarm.trust.verification import EPSILON, CheckPolicy, Ledger, distance, tolerance
 
@@ -268,7 +268,7 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
         url = local.orchestrator.info["url"]
         rng = random.Random(0)
         served, answers, after_bans = {}, [], 0
-        with httpx.Client(base_url=url, timeout=120) as http:
+        with http_client(base_url=url, timeout=120) as http:
             # dual execution first: the liars get it (the fastest chains), every span is re-executed at once, the
             # liar disagrees with two others on each attempt: the answer is withheld, never sent
             dual = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "dual_execution": True}
@@ -345,7 +345,7 @@ def test_an_honest_bfloat16_server_checked_against_the_orchestrators_float32_is_
                                spot_check_local=True)
         local.wait_chains_ready(["bf"], timeout=120)
         url = local.orchestrator.info["url"]
-        with httpx.Client(base_url=url, timeout=60) as http:
+        with http_client(base_url=url, timeout=60) as http:
             for i in range(8):
                 r = http.post("/v1/completions", json={"prompt": f"request {i} of the mixed swarm", "max_tokens": 8,
                                                         "temperature": 0})

@@ -14,12 +14,11 @@ import statistics
 import time
 from functools import partial
 
-import httpx
 import pytest
 
 from server.local_swarm import LocalSwarm
 from wan import WanConfig
-from helpers import HTTP, wait_for
+from helpers import HTTP, http_client, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.alone]  # measures RTTs: nothing may run beside it
 
@@ -137,7 +136,7 @@ def _per_token_ms(url: str) -> float:
     body = {"prompt": "The weather today is mild and", "max_tokens": 24, "temperature": 0, "stream": True,
             "speculative": False, "ignore_eos": True}
     arrivals = []
-    with httpx.Client(base_url=url, timeout=120) as http:
+    with http_client(base_url=url, timeout=120) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]" and '"text":""' not in line.replace(" ", ""):
