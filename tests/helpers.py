@@ -3,22 +3,24 @@ import time
 
 import httpx
 
-# One client for the tests' plain requests. ``httpx.get``/``post``/``stream`` build a client, and with it an SSL
-# context (certifi's bundle), on every call: ~60 ms of CPU each on this machine, paid again by every poll of a
-# wait loop (two API modules made 143 such calls). Otherwise as those calls: httpx's default timeout (5 s) where a
-# call names none; no keep-alive, so each request opens its own connection (a pooled connection could outlive an
-# orchestrator the test restarts); no bound on concurrent connections (the overload tests send more requests at
-# once than httpx's default pool of 100 would take).
-HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
-# One SSL context for the clients that tests make of their own (per client's headers, base URL or thread): each
-# ``httpx.Client()`` builds one otherwise, 22 ms of CPU here (2026-11-30), and the queueing and fairness tests make
-# one per request in a burst of dozens.
+# One SSL context for every client of the tests (HTTP below, and those they make of their own per headers, base URL
+# or thread): each ``httpx.Client()`` builds one otherwise, 22 ms of CPU here (2026-11-30), and the queueing and
+# fairness tests make one per request in a burst of dozens.
 _SSL = httpx.create_ssl_context()
 
 
 def http_client(**options) -> httpx.Client:
     """``httpx.Client(**options)`` sharing the tests' one SSL context."""
     return httpx.Client(verify=_SSL, **options)
+
+
+# One client for the tests' plain requests. ``httpx.get``/``post``/``stream`` build a client, and with it an SSL
+# context (certifi's bundle), on every call: ~60 ms of CPU each on this machine, paid again by every poll of a
+# wait loop (two API modules made 143 such calls). Otherwise as those calls: httpx's default timeout (5 s) where a
+# call names none; no keep-alive, so each request opens its own connection (a pooled connection could outlive an
+# orchestrator the test restarts); no bound on concurrent connections (the overload tests send more requests at
+# once than httpx's default pool of 100 would take).
+HTTP = http_client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 def wait_for(predicate, timeout=90.0, period=0.25, what="condition", explain=None):
