@@ -463,8 +463,10 @@ def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
     """Build a :class:`ChainswarmServer` (ticket-gated, push-fixed handler with the prefix store and multi-session
     streams; the batching pool: ``max_batch``) and run it until SIGTERM/SystemExit."""
     from server import batching, multi_session
+    from swarm.runtime.process import freeze_imported_heap
 
     multi_session.install(push_counter=push_counter)
+    freeze_imported_heap()
     bound = server_kwargs.get("max_batch")
     server = ChainswarmServer(report=report, max_batch=batching.DEFAULT_MAX_BATCH if bound is None else bound,
                               **batching.install(server_kwargs))

@@ -171,9 +171,10 @@ def _bind(host: str, port: int):
 
 def run(options: OrchestratorOptions, report=None) -> None:
     """Blocking entry point with clean SIGTERM/SIGINT handling; the DHT's process dies with this one."""
-    from swarm.runtime.process import children_die_with_me
+    from swarm.runtime.process import children_die_with_me, freeze_imported_heap
 
     children_die_with_me()
+    freeze_imported_heap()
     async def main() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()

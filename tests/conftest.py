@@ -116,6 +116,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
 
 
+def pytest_collection_finish(session):
+    """Every test module is imported: freeze what is alive now (swarm.runtime.process.freeze_imported_heap). A
+    worker holds ~410k objects after collection, and every full collection walked them: 22 of them, 2.6 of its 18
+    CPU-s, in one run of two real-model files (measured 2026-11-30); transformers' ``from_pretrained`` asks for one
+    each time a test loads a model."""
+    import gc
+
+    from swarm.runtime.process import freeze_imported_heap
+
+    gc.collect()  # once per worker: leave no garbage in the frozen generation
+    freeze_imported_heap()
+
+
 # -- a suite that always ends with its summary, and says what the machine looked like when a test failed --------
 # `make test` kills pytest after 28 minutes (Makefile). A suite that runs into that limit prints no summary, so a
 # failure on a loaded or failing machine would say nothing: past CHAINSWARM_SUITE_BUDGET_S (default 25 minutes)
