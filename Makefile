@@ -11,14 +11,21 @@ export PYTHONWARNINGS ?= ignore::FutureWarning
 # a missing model is a failure, never a silent skip.
 export CHAINSWARM_REQUIRE_REAL_MODEL ?= 1
 
-.PHONY: demo test venv bench clean browser screenshots docs
+.PHONY: demo test venv bench clean browser screenshots docs bytecode
 
 venv: $(VENV)/.chainswarm-stamp
 $(VENV)/.chainswarm-stamp: requirements.txt requirements-dev.txt requirements-experiments.txt pyproject.toml scripts/bootstrap.sh
 	@scripts/bootstrap.sh $(VENV)
 
-demo: venv
+demo: venv bytecode
 	$(VENV)/bin/chainswarm demo
+
+# The project's own modules compiled once (into __pycache__, ignored by git), as the installer compiled the
+# dependencies: where PYTHONDONTWRITEBYTECODE is set (this machine sets it) nothing else writes them, and every
+# process the tests or the demo start (CLI servers and orchestrators, pytest workers) compiled them all again,
+# 0.2-0.3 CPU-s each. Only changed files are compiled; Python checks each file's time stamp before using it.
+bytecode: venv
+	@$(PY) -m compileall -q -j 0 swarm server client planner wan experiments tests scripts
 
 # The documentation site into build/docs: the generated references (scripts/docs/: CLI from argparse, HTTP API from
 # the OpenAPI schema, results tables from experiments/results/*.json) into docs/reference/, then a strict build
@@ -35,7 +42,7 @@ docs: venv
 # spins against the others (the real-model swarm tests ran 12% faster so).
 # The suite runs on both cores, then the tests that measure times alone (scripts/run_tests.sh).
 test: export OMP_NUM_THREADS ?= 1
-test: venv docs
+test: venv docs bytecode
 	setsid --wait timeout -k 30 1680 scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
 
 # Debian's Chromium and ChromeDriver for tests/test_browser.py (without them `make test` says BROWSER TESTS NOT RUN).
