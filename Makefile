@@ -1,5 +1,5 @@
-# Chainswarm — the two commands: `make demo` (run the demo swarm) and `make test` (run the tests; it also builds
-# the documentation site strictly, as `make docs` does).
+# Chainswarm — the two commands: `make demo` (run the demo swarm) and `make test` (run the tests; one of them
+# builds the documentation site strictly, as `make docs` does).
 # Both build .venv on first use with scripts/bootstrap.sh and reuse it afterwards.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -37,12 +37,13 @@ docs: venv
 	@echo "[docs] site in $(DOCS_OUT)/index.html"
 
 # setsid + timeout: a hung swarm test can never outlive the run or leave orphaned servers behind.
-# The strict docs build runs first (a few seconds): a broken page fails `make test` before the suite starts.
+# The docs are built strictly by the suite itself (tests/test_docs.py runs what `make docs` runs: a broken page
+# fails `make test`); building them here as well cost ~10 CPU-s a run for nothing.
 # One torch thread per process: a test swarm is 3-6 processes on 2 shared cores, where every extra thread only
 # spins against the others (the real-model swarm tests ran 12% faster so).
 # The suite runs on both cores, then the tests that measure times alone (scripts/run_tests.sh).
 test: export OMP_NUM_THREADS ?= 1
-test: venv docs bytecode
+test: venv bytecode
 	setsid --wait timeout -k 30 1680 scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
 
 # Debian's Chromium and ChromeDriver for tests/test_browser.py (without them `make test` says BROWSER TESTS NOT RUN).
