@@ -281,6 +281,49 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(run):
     assert out["elapsed"] < 2
 
 
+class LateGrantOrchestrator(FakeOrchestrator):
+    """Its grant comes in the very step the wait is cancelled, and acquire() returns it all the same: what the real
+    one does on Python 3.11, where ``asyncio.wait_for`` returns a result that arrives as its task is cancelled."""
+
+    async def acquire(self, client, input_tokens, max_new_tokens, *, page_hashes=(), reserve=None):
+        try:
+            await asyncio.sleep(self.grant_after)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+        grant = FakeGrant(f"r{len(self.granted)}", f"chain{len(self.granted)}")
+        self.granted.append(grant.request_id)
+        return grant
+
+
+def test_a_grant_that_comes_as_the_client_leaves_the_queue_is_given_back(run):
+    orchestrator = LateGrantOrchestrator(grant_after=60.0)
+    out = run(orchestrator, FakeEngine(), disconnect_after=0.2)
+    assert isinstance(out["error"], ClientGone)
+    assert orchestrator.cancelled == 1 and orchestrator.granted == ["r0"]
+    assert orchestrator.finished == ["r0"] and not orchestrator.aborted  # its slot free again, settled once
+
+
+def test_a_grant_that_comes_as_the_wait_is_cancelled_is_given_back():
+    """The request's other runs were refused (a batch, ``n``): its wait is cancelled as its grant comes."""
+    orchestrator = LateGrantOrchestrator(grant_after=60.0)
+    runner = CompletionRunner(orchestrator, FakeEngine(), SwarmMetrics(orchestrator), poll_s=0.05)
+
+    async def never_gone():
+        return False
+
+    async def scenario():
+        task = asyncio.ensure_future(runner._wait(orchestrator.acquire("alice", 3, 8), "alice", never_gone))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(10):  # the acquire task ends, then its done callback runs
+            await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert orchestrator.granted == ["r0"] and orchestrator.finished == ["r0"]
+
+
 def test_a_client_that_leaves_mid_generation_stops_the_session_and_frees_its_slot(run):
     orchestrator = FakeOrchestrator()
     out = run(orchestrator, FakeEngine("tokens:200"), disconnect_after=0.3)

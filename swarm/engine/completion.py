@@ -281,8 +281,11 @@ class CompletionRunner:
         return await self._wait(waiting, client, is_disconnected)
 
     async def _wait(self, waiting: Awaitable[Grant], client: str, is_disconnected) -> Grant:
-        """Wait for a chain slot; a client that disconnects while queued leaves the queue at once. A wait cancelled
-        (the request's other runs were refused: a batch, ``n``) just as its grant came gives the slot back."""
+        """Wait for a chain slot; a client that disconnects while queued leaves the queue at once. A wait given up
+        (the client left, or the request's other runs were refused: a batch, ``n``) gives back a grant that comes
+        anyway: Python 3.11's ``asyncio.wait_for`` returns a result that arrives in the step its task is
+        cancelled, so a cancelled ``acquire()`` can still end with a grant (a chain slot that stayed taken for good
+        under a burst of 4x the capacity: the swarm was never idle again)."""
         waiting, granted = asyncio.ensure_future(waiting), False
         try:
             while True:
@@ -297,10 +300,14 @@ class CompletionRunner:
                     self.metrics.requests.labels(self.metrics.client_label(client), "left_queue").inc()
                     raise ClientGone("the client disconnected while queued")
         finally:
-            if not waiting.done():
-                waiting.cancel()  # acquire() gives back a grant that comes as it is cancelled
-            elif not granted and not waiting.cancelled() and waiting.exception() is None:
-                self.orchestrator.finish(waiting.result().request_id, 0)
+            if not granted:
+                waiting.cancel()  # nothing if it is done already
+                waiting.add_done_callback(self._give_back)
+
+    def _give_back(self, waiting: asyncio.Future) -> None:
+        """A wait given up: the grant it ended with, if any, is finished at once (its slot free again)."""
+        if not waiting.cancelled() and waiting.exception() is None:
+            self.orchestrator.finish(waiting.result().request_id, 0)
 
     async def _session(self, grant, client, input_ids, params, page_hashes, is_disconnected,
                        control: SessionControl, prior: Progress | None, dual: bool = False):
