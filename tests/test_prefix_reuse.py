@@ -14,7 +14,7 @@ import torch
 
 from server.local_swarm import LocalSwarm
 from swarm.trust import prefix as protocol
-from helpers import HTTP, http_client, wait_for
+from helpers import HTTP, describe_swarm, http_client, wait_for
 from swarm.trust.identity import Identity
 from test_orchestrator_logic import MemoryDHT, node_key
 
@@ -175,7 +175,10 @@ def test_reuse_gives_the_same_tokens_as_no_reuse_and_transformers(swarm, referen
     assert first["choices"][0]["text"] == reference(SHARED + "Question: who kept the diary?", 12)[1]
     status = HTTP.get(f"{swarm.url}/v1/swarm").json()
     assert status["prefix"]["hits"] >= 2 and status["prefix"]["tokens_saved"] >= 64
-    assert max(c["cached_prefix_tokens"] for c in status["chains"]) >= 64
+    # (once, beside a busy loop, every chain said 0 here after the hits: the index is reset for a server whose store
+    # restarted, whose reports have a gap or that left the live set; the message says which chains and events)
+    assert max(c["cached_prefix_tokens"] for c in status["chains"]) >= 64, (
+        [(c["servers"], c["cached_prefix_tokens"]) for c in status["chains"]], status["prefix"], describe_swarm(status))
     metrics = HTTP.get(f"{swarm.url}/metrics").text
     assert "chainswarm_prefix_hit_rate" in metrics and "chainswarm_chain_cached_prefix_tokens" in metrics
     hit_rate = next(float(line.split()[-1]) for line in metrics.splitlines()
