@@ -189,9 +189,9 @@ class LocalSwarm:
     def initial_peers(self) -> list[str]:
         """The multiaddrs a new peer joins with: the bootstrap orchestrator's DHT peer, or the bootstrap DHT peer
         (started now if the swarm has neither yet)."""
+        if self.dht is None and self.orchestrator is not None and self.orchestrator.info.get("bootstrap"):
+            return list(self.orchestrator.info["maddrs"])  # the orchestrator's own DHT peer
         if self.dht is None:
-            if self.orchestrator is not None and self.orchestrator.info.get("bootstrap"):
-                return list(self.orchestrator.info["maddrs"])  # the orchestrator's own DHT peer
             self.start_dht()
         return list(self.dht.info["maddrs"])
 
@@ -396,16 +396,14 @@ class LocalSwarm:
         ``api_keys``, ``http_port`` ...). ``peer.info["url"]`` is its HTTP API. Start it before the nodes
         or after: nodes wait for their assignments either way. With ``bootstrap`` the orchestrator's DHT peer is
         the swarm's (no :meth:`start_dht`): nodes added later join with its multiaddrs, ``peer.info["maddrs"]``
-        (start it first then; a restart with the same ``state_dir`` keeps them). By default it is when it is the
-        swarm's first peer (no DHT peer, no server yet) and the swarm has no WAN emulation; a later orchestrator
-        joins the servers through :attr:`initial_peers` (a test that stops a bootstrap orchestrator and starts
-        another one, with the servers kept, restarts it with ``bootstrap=True`` and the same ``state_dir``, or
-        starts the swarm with :meth:`start_dht`).
+        (start it first then; a restart with the same ``state_dir`` keeps them). By default it is, when no DHT
+        peer runs yet and the swarm has no WAN emulation: a test that stops it and starts another one, with the
+        servers kept, starts a server first or calls :meth:`start_dht`.
         """
         from swarm.service import OrchestratorOptions, orchestrator_process_main
 
-        if bootstrap is None:  # its first peer: with servers already joined, a fresh DHT would be a swarm apart
-            bootstrap = self.dht is None and self.wan is None and not self.servers
+        if bootstrap is None:
+            bootstrap = self.dht is None and self.wan is None
         options.setdefault("http_port", 0)
         if "identity_key" not in options:  # the swarm's orchestrator key, which the nodes were given
             import tempfile
