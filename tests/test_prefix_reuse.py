@@ -365,6 +365,10 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
         await orch.refresh()
         assert orch.prefix_index.longest_match(node, hashes) == 0 and orch.chain_cached_tokens(chain) == 0
         assert orch.status()["prefix"]["resets"] >= 1
+        # and the operator can see which server was forgotten, and why
+        resets = [e for e in orch.events if e["event"] == "prefix_index_reset"]
+        assert [(e["node"], e["reason"]) for e in resets] == [
+            (node, "evictions 3..8 missing from its reports (seq 9)")]
         await orch.stop()
 
     asyncio.run(scenario())

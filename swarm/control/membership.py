@@ -76,6 +76,8 @@ class Membership:
                     reports = await self._reports_read(prefix_protocol.fetch_reports, self.dht,
                                                        self.config.dht_prefix, dict(self.pins.pins))
                 self.prefix.apply_reports(reports, live=set(profiles))
+                for node, why in self.prefix.drain_resets():
+                    self._event("prefix_index_reset", node=node, reason=why)
         except CallTimeout as exc:  # the chains below are still brought up to date
             logger.warning("refresh: %s", exc)
         self._update_chains()

@@ -27,6 +27,7 @@ class PrefixView:
         self.stats = dict(requests=0, hits=0, prompt_tokens=0, reused_tokens=0, expected_tokens=0,
                           stale=0, evictions_applied=0, resets=0)
         self._report_state: dict[str, tuple[str, int]] = {}  # node -> (store epoch, last eviction seq applied)
+        self.reset_log: list[tuple[str, str]] = []  # (node, why) of the holders forgotten since last drained
 
     def prompt_hashes(self, token_ids) -> list[bytes]:
         """Page hashes of a prompt the orchestrator tokenized, in its secret namespace ([] when off)."""
@@ -71,14 +72,16 @@ class PrefixView:
             entries = [e for e in report.get("evicted", ())
                        if isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int)]
             if last is None or last[0] != epoch:
-                if last is not None:
-                    self._reset_holder(node)  # the server's store restarted (reload): what it held is gone
+                if last is not None:  # the server's store restarted (reload): what it held is gone
+                    self._reset_holder(node, f"new store epoch {epoch} (was {last[0]})")
                 base = 0
             else:
                 base = last[1]
             fresh = [e for e in entries if e[0] > base]
             if seq > base and (not fresh or min(e[0] for e in fresh) != base + 1):
-                self._reset_holder(node)  # reports were lost: forget what we believed about this node
+                # reports were lost: forget what we believed about this node
+                first = min((e[0] for e in fresh), default=seq + 1)
+                self._reset_holder(node, f"evictions {base + 1}..{first - 1} missing from its reports (seq {seq})")
             else:
                 hashes = []
                 for _, h in fresh:
@@ -88,10 +91,17 @@ class PrefixView:
             self._report_state[node] = (epoch, seq)
         if live is not None:
             for node in [n for n in self.index.holders() if n not in live]:
-                self._reset_holder(node)
+                self._reset_holder(node, "left the swarm")
                 self._report_state.pop(node, None)
 
-    def _reset_holder(self, node: str) -> None:
+    def drain_resets(self) -> list[tuple[str, str]]:
+        """The (node, why) of every holder forgotten since the last call (the orchestrator logs them as events)."""
+        out, self.reset_log = self.reset_log, []
+        return out
+
+    def _reset_holder(self, node: str, why: str) -> None:
+        if self.index.pages_held(node):
+            self.reset_log.append((node, why))
         budget = self.index.budget(node)
         self.index.remove_holder(node)
         self.index.set_budget(node, budget)
