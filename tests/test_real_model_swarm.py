@@ -166,6 +166,17 @@ def test_greedy_completions_and_streams_equal_local_transformers(swarm, prompts,
         assert text == expected[prompt], prompt[:40]
 
 
+def test_the_benchmarks_http_client_measures_this_swarm_and_gets_local_greedy(swarm, reference):
+    """``experiments.bench.http_throughput.run_http``, the client behind the README's HTTP headline: concurrent
+    sessions released together, each with its own HTTP client and client id, tokens counted from the answers."""
+    from experiments.bench.http_throughput import PROMPTS as BENCH_PROMPTS, run_http
+
+    result = run_http(swarm.url, sessions=2, tokens=8)
+    assert result["errors"] == [] and result["sessions"] == 2
+    assert result["texts"] == [reference(p, 8) for p in BENCH_PROMPTS[:2]]
+    assert result["tokens"] == 16 and 0 < result["tokens_per_s"] == pytest.approx(16 / result["wall_s"])
+
+
 def test_generate_cli_chats_through_the_models_template(swarm, prompts, reference):
     """``chainswarm generate --chat``: the prompt as a user message through the chat template, greedy, printed and
     streamed — the model's answer to the templated question, as local transformers gives it."""

@@ -315,6 +315,14 @@ def plot(report: dict, path: Path) -> None:
             axes[1].plot(n, [r["per_token_ms_median"] for r in rows], "o" + style, label=f"{name}, {client} median")
             axes[1].plot(n, [r["per_token_ms_p95"] for r in rows], "x" + style, alpha=0.5,
                          label=f"{name}, {client} P95")
+    # the product's path: /v1/completions through an orchestrator with default options, on each layout measured
+    # (its own swarm, started after the two above: same machine, same model)
+    for http in [report.get("http"), *report.get("http_layouts", {}).values()]:
+        if http and http.get("rows"):
+            rows = http["rows"]
+            axes[0].plot([r["sessions"] for r in rows], [r["tokens_per_s"] for r in rows], "s--",
+                         label="HTTP /v1/completions, defaults, "
+                               + str(http.get("layout_text", http.get("layout"))).replace("`", ""))
     axes[0].set(xscale="log", xlabel="concurrent sessions", ylabel="aggregate tokens/s", title="throughput")
     axes[1].set(xscale="log", yscale="log", xlabel="concurrent sessions", ylabel="ms between tokens",
                 title="per-token latency")
@@ -325,7 +333,7 @@ def plot(report: dict, path: Path) -> None:
     axes[2].set(xscale="log", xlabel="sessions in the step", ylabel="ms per decode step (15 blocks)",
                 title="one server's decode step, in-process")
     for ax in axes:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper left", framealpha=0.7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
