@@ -392,6 +392,9 @@ class LocalSwarm:
         from swarm.service import OrchestratorOptions, orchestrator_process_main
 
         options.setdefault("http_port", 0)
+        started = sum(1 for p in self.nodes if p.alive)
+        if started:  # the first plan as soon as the nodes started so far are live (settle_s is for unknown fleets)
+            options.setdefault("expect_servers", started)
         if "identity_key" not in options:  # the swarm's orchestrator key, which the nodes were given
             import tempfile
 

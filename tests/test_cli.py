@@ -31,6 +31,7 @@ def test_unknown_subcommand_exits_2():
     (["--batch-sessions", "-1"], "--batch-sessions must be between 0 and 1024"),
     (["--batch-lanes", "0"], "--batch-lanes must be between 1 and 16"),
     (["--failure-grace", "-5"], "--failure-grace must be between 0 and 86400 seconds"),
+    (["--expect-servers", "-1"], "--expect-servers must be between 0 and 100000"),
 ])
 def test_orchestrator_rejects_bad_input(tiny_model, args, message):
     argv = ["orchestrator", "--model", tiny_model, *args] if args[0] != "--model" else ["orchestrator", *args]

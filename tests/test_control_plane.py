@@ -265,6 +265,23 @@ def test_the_first_plan_waits_until_the_servers_settle():
     run(scenario())
 
 
+def test_the_first_plan_is_made_once_the_expected_servers_are_live():
+    from test_orchestrator_logic import SERVERS, make, profile, publish
+
+    async def scenario():
+        orch, dht = make(settle_s=60.0, expect_servers=len(SERVERS))
+        publish(dht, *(profile(n, m) for n, m in SERVERS[:2]))
+        await orch.start()
+        await orch.refresh()
+        assert orch.view.plan is None  # fewer than expected: they settle as without the expectation
+        publish(dht, *(profile(n, m) for n, m in SERVERS[2:]))
+        await orch.refresh()
+        assert set(orch.view.assignments) == {n for n, _ in SERVERS}  # all of them: no minute of settling
+        await orch.stop()
+
+    run(scenario())
+
+
 def test_a_failed_over_session_gets_the_next_free_slot_before_the_queue():
     async def scenario():
         orch, dht = await serving_orchestrator()

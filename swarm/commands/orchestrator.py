@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--batch-sessions must be between 0 and 1024, got {options.batch_sessions}")
     if not 1 <= options.batch_lanes <= 16:
         return _fail(f"--batch-lanes must be between 1 and 16, got {options.batch_lanes}")
+    if not 0 <= options.expect_servers <= 100_000:
+        return _fail(f"--expect-servers must be between 0 and 100000, got {options.expect_servers}")
     if not 0 <= options.suspect_s <= 86400:
         return _fail(f"--failure-grace must be between 0 and 86400 seconds, got {options.suspect_s}")
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

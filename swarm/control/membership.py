@@ -94,8 +94,11 @@ class Membership:
         self._members = nodes
 
     def _settled(self, members: set[str], now: float) -> bool:
-        """Whether the first plan may be made: the live servers unchanged for ``settle_s`` (at most 5x that)."""
+        """Whether the first plan may be made: the live servers unchanged for ``settle_s`` (at most 5x that), or
+        as many as ``expect_servers`` live."""
         if self.view.plan is not None or self.config.settle_s <= 0 or not members:
+            return True
+        if 0 < self.config.expect_servers <= len(members):
             return True
         first, since, seen = self._settling
         if members != seen:

@@ -89,6 +89,9 @@ class OrchestratorOptions:
     settle_s: float = option(2.0, cli=False, help="the first plan waits until the set of live servers has not changed "
                              "for this long (servers report their RTT once they see the orchestrator, not all at "
                              "once), at most 5x this")
+    expect_servers: int = option(0, metavar="N", help="make the first plan as soon as N servers are live, without "
+                                 "waiting for the set to settle (a fleet of known size); fewer live servers wait as "
+                                 "without it; default 0: always wait")
     queue_timeout_s: float = option(300.0, flag="--max-queue-wait", metavar="S",
                                     help="a request that waited this long for a chain slot gets a 503 with "
                                     "Retry-After (default 300)")
