@@ -162,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with LocalSwarm(model_dir) as swarm:
         planning = {"expected_input_tokens": args.max_length / 2, **PLANNING["tiny" if args.tiny else "real"]}
+        # the demo knows its fleet: the first plan as soon as every node is live (no settle wait)
         orchestrator = swarm.add_orchestrator(policy="dlpm", max_length=args.max_length, refresh_s=0.5,
-                                              torch_dtype=DTYPE, **planning)
+                                              torch_dtype=DTYPE, expect_servers=len(budgets), **planning)
         url = orchestrator.info["url"]
         print(f"[demo] orchestrator at {url} (status page {url}/, API docs {url}/docs)")
         nodes = [swarm.add_node(node_id=f"node{i}", memory_gb=gb, wait=False, torch_dtype=DTYPE)
