@@ -253,6 +253,7 @@ class ChainswarmServer(Server):
                 version=petals.__version__,
                 batch_step_s=self.batch_steps,
                 max_batch=self.max_batch,
+                prefix_epoch=self._prefix_store().epoch,  # with the state: the orchestrator resets its index in step
             )
 
     def _set_state(self, state: str, current: Optional[Assignment] = None, *, keep_current: bool = False) -> None:

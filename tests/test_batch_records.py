@@ -26,13 +26,15 @@ def test_profile_schema_accepts_a_curve_and_refuses_malformed_ones():
                        ("batch_step_s", [0.02, 0.01, 0.03, 0.04, 0.05]),  # a larger batch faster
                        ("batch_step_s", [0.01, 0.02, 0.04, 0.08, 0.5]),  # > 2 × sequential
                        ("batch_step_s", [0.01, 0.02, 0.04, float("inf"), 0.1]),
-                       ("batch_step_s", {"1": 0.01}), ("max_batch", 0), ("max_batch", 10**6), ("max_batch", 2.5)):
+                       ("batch_step_s", {"1": 0.01}), ("max_batch", 0), ("max_batch", 10**6), ("max_batch", 2.5),
+                       ("prefix_epoch", ""), ("prefix_epoch", "e" * 65), ("prefix_epoch", 7)):
         value = dict(good, **{field: bad})
         with pytest.raises(records.RecordError):
             records.ServerProfile.from_dict(value)
         assert not _accepts(_signed(NODE, _record(records.PROFILES, NODE.subkey("n1"), value))), (field, bad)
     plain = records.ServerProfile.from_dict(profile("n1", 3).to_dict())  # older servers: no curve
-    assert plain.batch_step_s is None and plain.batch_curve() is None
+    assert plain.batch_step_s is None and plain.batch_curve() is None and plain.prefix_epoch is None
+    assert records.ServerProfile.from_dict(dict(good, prefix_epoch="3f2a9c01d4e5")).prefix_epoch == "3f2a9c01d4e5"
 
 
 def test_measured_declared_and_sequential_curves(tiny_model, tmp_path):

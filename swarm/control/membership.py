@@ -75,6 +75,7 @@ class Membership:
                     self._reports_read_at = now
                     reports = await self._reports_read(prefix_protocol.fetch_reports, self.dht,
                                                        self.config.dht_prefix, dict(self.pins.pins))
+                self.prefix.follow_epochs({node: p.prefix_epoch for node, p in profiles.items()})
                 self.prefix.apply_reports(reports, live=set(profiles))
                 for node, why in self.prefix.drain_resets():
                     self._event("prefix_index_reset", node=node, reason=why)

@@ -28,6 +28,7 @@ class PrefixView:
                           stale=0, evictions_applied=0, resets=0)
         self._report_state: dict[str, tuple[str, int]] = {}  # node -> (store epoch, last eviction seq applied)
         self.reset_log: list[tuple[str, str]] = []  # (node, why) of the holders forgotten since last drained
+        self._epochs: dict[str, str] = {}  # node -> store epoch its profile record announced last
 
     def prompt_hashes(self, token_ids) -> list[bytes]:
         """Page hashes of a prompt the orchestrator tokenized, in its secret namespace ([] when off)."""
@@ -61,11 +62,32 @@ class PrefixView:
         stats["expected_tokens"] += expected_tokens
         stats["stale"] += reused_tokens < expected_tokens
 
+    def follow_epochs(self, epochs: dict[str, str | None]) -> None:
+        """The store epochs the servers' profile records announce (read every refresh, with their state). A new
+        epoch means the server (re)loaded or restarted: what the index held for it is gone, and only that epoch's
+        reports count from now on. A server announces its new epoch in the same record as the state that makes its
+        chains ready, so the index forgets its old pages before any request is dispatched to the new ones; the
+        reports (read less often) could otherwise announce the epoch after requests had been indexed under it, and
+        drop them. Servers that announce no epoch (older ones) are followed by their reports alone."""
+        for node, epoch in epochs.items():
+            if epoch is None or self._epochs.get(node) == epoch:
+                continue
+            known = self._epochs.get(node)
+            last = self._report_state.get(node)
+            if (known is not None or (last is not None and last[0] != epoch)):
+                self._reset_holder(node, f"new store epoch {epoch} (was {known or last[0]})")
+            self._epochs[node] = epoch
+            if last is None or last[0] != epoch:
+                self._report_state[node] = (epoch, 0)
+
     def apply_reports(self, reports: dict[str, dict], live: set[str] | None = None) -> None:
         """Follow the servers' eviction reports (``swarm.trust.prefix``): drop evicted pages from the radix index;
-        a new store epoch (reload) or a gap in the eviction sequence drops everything the node held."""
+        a new store epoch (reload) or a gap in the eviction sequence drops everything the node held. A report of
+        another epoch than the one the node's profile announced (:meth:`follow_epochs`) is stale or early: ignored."""
         for node, report in reports.items():
             epoch, seq = report["epoch"], report["seq"]
+            if node in self._epochs and epoch != self._epochs[node]:
+                continue
             last = self._report_state.get(node)
             if last is not None and last[0] == epoch and seq <= last[1]:
                 continue
@@ -93,6 +115,7 @@ class PrefixView:
             for node in [n for n in self.index.holders() if n not in live]:
                 self._reset_holder(node, "left the swarm")
                 self._report_state.pop(node, None)
+                self._epochs.pop(node, None)
 
     def drain_resets(self) -> list[tuple[str, str]]:
         """The (node, why) of every holder forgotten since the last call (the orchestrator logs them as events)."""

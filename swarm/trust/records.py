@@ -89,6 +89,7 @@ class ServerProfile:
     version: str = ""
     batch_step_s: tuple[float, ...] | None = None  # per block: one decode step of b sessions, b in BATCH_SIZES
     max_batch: int | None = None  # the server's batch bound (1: petals' one-session-at-a-time pool)
+    prefix_epoch: str | None = None  # its prompt-prefix store's epoch (server.prefix_cache): a new one, new pages
 
     def __post_init__(self) -> None:
         if self.state not in SERVER_STATES:
@@ -101,6 +102,8 @@ class ServerProfile:
             object.__setattr__(self, "batch_step_s", check_batch_steps(self.batch_step_s))
         if self.max_batch is not None and not (1 <= self.max_batch <= MAX_BATCH_LIMIT):
             raise RecordError(f"max_batch must be in [1, {MAX_BATCH_LIMIT}]")
+        if self.prefix_epoch is not None and not 0 < len(self.prefix_epoch) <= 64:
+            raise RecordError("prefix_epoch must be 1 to 64 characters")
 
     def batch_curve(self) -> BatchCurve | None:
         """g_j for the planner from ``batch_step_s`` and ``max_batch`` (None: not published)."""
