@@ -1,4 +1,4 @@
-"""Start a whole swarm on this machine: a bootstrap DHT and petals servers in child processes.
+"""Start a whole swarm on this machine: petals servers, an orchestrator and their DHT, in child processes.
 
 This is the launcher behind the demo, the multi-process tests and the live experiments. Children come
 from a *forkserver* that has already imported torch and petals, so a server starts without paying for the
@@ -15,6 +15,12 @@ by ``wan_host=``), listens on its real port and announces the emulator's proxy p
 DHT peer sits on the client host (127.0.0.1) behind a proxy of its own, so that every path — orchestrator
 or client → server, server → server and server → orchestrator (the nodes' RTT probes) — pays the
 configured RTT. The bootstrap DHT and the HTTP API stay undelayed on 127.0.0.1.
+
+Who the others join: an orchestrator started before any server is the swarm's bootstrap peer, as in a deployment
+where volunteers join with the orchestrator's address; otherwise the first server or node started (or
+:meth:`LocalSwarm.start_dht`) starts a bootstrap DHT peer of its own, which a WAN-emulated swarm always has. A
+peer fewer (its DHT process and libp2p daemon: ~1.5 CPU-s over a test module) for every swarm that starts its
+orchestrator first.
 """
 from __future__ import annotations
 
@@ -115,10 +121,10 @@ def _give_up_on(peer: Peer) -> None:
 
 
 class LocalSwarm:
-    """A DHT plus any number of petals servers for one model, on loopback.
+    """Any number of petals servers for one model and their DHT, on loopback.
 
     >>> with LocalSwarm("models/tiny") as swarm:
-    ...     swarm.add_server((0, 2)); swarm.add_server((2, 4))
+    ...     swarm.add_server((0, 2)); swarm.add_server((2, 4))   # the first one starts a bootstrap DHT peer
     ...     peers = swarm.initial_peers   # give these to clients
     """
 
@@ -148,7 +154,8 @@ class LocalSwarm:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def __enter__(self) -> "LocalSwarm":
-        self.start_dht()
+        if self.wan is not None:  # the emulator starts with the DHT, before any peer
+            self.start_dht()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -180,10 +187,12 @@ class LocalSwarm:
 
     @property
     def initial_peers(self) -> list[str]:
+        """The multiaddrs a new peer joins with: the bootstrap orchestrator's DHT peer, or the bootstrap DHT peer
+        (started now if the swarm has neither yet)."""
         if self.dht is None:
             if self.orchestrator is not None and self.orchestrator.info.get("bootstrap"):
                 return list(self.orchestrator.info["maddrs"])  # the orchestrator's own DHT peer
-            raise RuntimeError("the swarm's DHT is not started")
+            self.start_dht()
         return list(self.dht.info["maddrs"])
 
     # -- WAN emulation ---------------------------------------------------------------------------------
@@ -380,17 +389,23 @@ class LocalSwarm:
         stop_process_group(peer.process, timeout)
 
     # -- the orchestrator ------------------------------------------------------------------------------
-    def add_orchestrator(self, *, timeout: float = 120.0, bootstrap: bool = False, **options: Any) -> Peer:
+    def add_orchestrator(self, *, timeout: float = 120.0, bootstrap: bool | None = None, **options: Any) -> Peer:
         """Start an orchestrator (``swarm.service``) that joins this swarm's DHT; return its peer.
 
         ``options`` are :class:`swarm.service.OrchestratorOptions` fields (``policy``, ``expected_rate``,
         ``api_keys``, ``http_port`` ...). ``peer.info["url"]`` is its HTTP API. Start it before the nodes
         or after: nodes wait for their assignments either way. With ``bootstrap`` the orchestrator's DHT peer is
         the swarm's (no :meth:`start_dht`): nodes added later join with its multiaddrs, ``peer.info["maddrs"]``
-        (start it first then; a restart with the same ``state_dir`` keeps them).
+        (start it first then; a restart with the same ``state_dir`` keeps them). By default it is when it is the
+        swarm's first peer (no DHT peer, no server yet) and the swarm has no WAN emulation; a later orchestrator
+        joins the servers through :attr:`initial_peers` (a test that stops a bootstrap orchestrator and starts
+        another one, with the servers kept, restarts it with ``bootstrap=True`` and the same ``state_dir``, or
+        starts the swarm with :meth:`start_dht`).
         """
         from swarm.service import OrchestratorOptions, orchestrator_process_main
 
+        if bootstrap is None:  # its first peer: with servers already joined, a fresh DHT would be a swarm apart
+            bootstrap = self.dht is None and self.wan is None and not self.servers
         options.setdefault("http_port", 0)
         started = sum(1 for p in self.nodes if p.alive)
         if started:  # the first plan as soon as the nodes started so far are live (settle_s is for unknown fleets)

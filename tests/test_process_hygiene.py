@@ -63,6 +63,7 @@ def test_a_node_that_crashes_leaves_no_process_behind(tiny_model):
     from server.local_swarm import LocalSwarm
 
     with LocalSwarm(tiny_model) as swarm:
+        swarm.start_dht()  # what the first node would start
         # the bootstrap DHT peer shares no tensors: no torch_shm_manager beside its DHT process and daemon
         # (swarm.runtime.process.share_tensors_by_descriptor), where every server keeps hivemind's manager
         bootstrap = {p.name() for p in psutil.Process(swarm.dht.process.pid).children(recursive=True)}
