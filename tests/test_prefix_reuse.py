@@ -7,6 +7,7 @@ completions, the test process runs its own petals client (``GenerationEngine``) 
 prompts in a namespace of its own — which also plays the client whose hashes do not match its tokens.
 """
 import os
+import threading
 import time
 
 import pytest
@@ -373,6 +374,30 @@ def test_orchestrator_index_follows_dispatch_and_eviction_reports():
         resets = [e for e in orch.events if e["event"] == "prefix_index_reset"]
         assert [(e["node"], e["reason"]) for e in resets] == [
             (node, "evictions 3..8 missing from its reports (seq 9)")]
+        # a reload its profile announces is followed even in a refresh whose read of the reports hangs: the index
+        # forgets the server before the chains are brought up to date (and requests dispatched to its new pages)
+        again = await orch.acquire("x", len(ids), 8, page_hashes=hashes)
+        orch.finish(again.request_id, 8)
+        assert orch.prefix_index.longest_match(node, hashes) == 5
+        release, original = threading.Event(), dht.get
+
+        def hanging_get(key, *args, **kwargs):
+            if key.endswith(protocol.REPORTS):
+                release.wait(30)
+            return original(key, *args, **kwargs)
+
+        dht.get, orch._reports_read.timeout_s = hanging_get, 0.2
+        served = {n: dict(state=records.SERVING, start=a.start, end=a.end, cache_slots=a.cache_slots)
+                  for n, a in assigned.items() if a.end > a.start}
+        records.publish_profile(dht, prefix, profile(node, sizes[node], **served[node], prefix_epoch="e2"), ttl=10,
+                                owner=node_key(node))
+        orch._reports_read_at = 0.0
+        await orch.refresh()
+        assert orch._reports_read.timeouts == 1 and orch.prefix_index.longest_match(node, hashes) == 0
+        assert [e["reason"] for e in orch.events if e["event"] == "prefix_index_reset"][-1] == \
+            "new store epoch e2 (was e1)"
+        release.set()
+        dht.get = original
         await orch.stop()
 
     asyncio.run(scenario())

@@ -66,6 +66,9 @@ class Membership:
         for kind, data in self.transition.advance(self.view, self._compose, now):
             self._event(kind, **data)
             self._published_at = 0.0  # tell the released servers now
+        if self.prefix.enabled:  # from the records just read, whatever the DHT calls below do: a reloaded server's
+            # old pages are forgotten before the chains below are brought up to date and get requests
+            self.prefix.follow_epochs({node: p.prefix_epoch for node, p in profiles.items()})
         try:
             if now - self._published_at > self.config.assignment_ttl_s / 3:
                 await self._publish_assignments()
@@ -75,12 +78,11 @@ class Membership:
                     self._reports_read_at = now
                     reports = await self._reports_read(prefix_protocol.fetch_reports, self.dht,
                                                        self.config.dht_prefix, dict(self.pins.pins))
-                self.prefix.follow_epochs({node: p.prefix_epoch for node, p in profiles.items()})
                 self.prefix.apply_reports(reports, live=set(profiles))
-                for node, why in self.prefix.drain_resets():
-                    self._event("prefix_index_reset", node=node, reason=why)
         except CallTimeout as exc:  # the chains below are still brought up to date
             logger.warning("refresh: %s", exc)
+        for node, why in self.prefix.drain_resets():
+            self._event("prefix_index_reset", node=node, reason=why)
         self._update_chains()
         self.expire_leases()
         self.router.forget_idle(now, self.config.forget_idle_s)

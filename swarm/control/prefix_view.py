@@ -70,11 +70,11 @@ class PrefixView:
         reports (read less often) could otherwise announce the epoch after requests had been indexed under it, and
         drop them. Servers that announce no epoch (older ones) are followed by their reports alone."""
         for node, epoch in epochs.items():
-            if epoch is None or self._epochs.get(node) == epoch:
-                continue
             known = self._epochs.get(node)
+            if epoch is None or known == epoch:
+                continue
             last = self._report_state.get(node)
-            if (known is not None or (last is not None and last[0] != epoch)):
+            if known is not None or (last is not None and last[0] != epoch):
                 self._reset_holder(node, f"new store epoch {epoch} (was {known or last[0]})")
             self._epochs[node] = epoch
             if last is None or last[0] != epoch:
