@@ -65,7 +65,7 @@ class FakeOrchestrator:
         return grant
 
     async def resume(self, request_id, client, input_tokens, max_new_tokens, *, timeout, page_hashes=(),
-                     reserve=None, refused=True):
+                     reserve=None, refused=True, kv_freed=()):
         """The real one requeues the running request in its place; the fake grants it again at once (or never:
         ``resume_fails``)."""
         self.resumed.append((request_id, input_tokens, max_new_tokens))
@@ -90,7 +90,7 @@ class FakeOrchestrator:
     def tokens(self, request_id, count):
         pass
 
-    def finish(self, request_id, output_tokens=None):
+    def finish(self, request_id, output_tokens=None, *, kv_freed=()):
         self.finished.append(request_id)
 
     def abort(self, request_id):

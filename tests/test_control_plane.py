@@ -4,6 +4,8 @@ lease detail, idle clients forgotten. (tests/test_runtime.py drives the same ove
 """
 import asyncio
 import json
+import threading
+from unittest import mock
 
 import pytest
 
@@ -176,7 +178,50 @@ def test_fit_capacities_and_moves():
     book.move("r", 2, 4, [("c", 2, 4)])  # b failed: blocks 2..4 now on c
     assert book.holds("r") == {"a": 2, "c": 2} and book.uncounted({"split": {"a": 2, "b": 2}}) == {"c": 2}
     assert book.can_take({"c": 2}, {"c": 4}) and not book.can_take({"c": 3}, {"c": 4})
-    assert book.release("r") and book.per_server() == {}
+    key = book.retire("r")  # ended, its servers not told yet: held apart from its chain, the id free again
+    assert key and book.holds(key) == {"a": 2, "c": 2} and book.holds("r") == {}
+    assert book.uncounted({"split": {"a": 2, "b": 2}}) == {"a": 2, "c": 2} and not book.can_take({"c": 3}, {"c": 4})
+    assert book.retire("r") is None and not book.release("r")
+    assert book.release(key) and book.per_server() == {}
+
+
+def test_a_finished_session_keeps_its_slots_until_its_servers_have_freed_its_kv():
+    """A batched session's close reaches its servers with its chain's next step: until the engine hears that it
+    did (``kv_freed``), neither a new session nor a failed-over one gets the slots it held (a server's own count
+    went 15 block-slots over its 90 once, live, when a reroute was granted in that moment)."""
+    import concurrent.futures
+
+    async def scenario():
+        orch, dht = await serving_orchestrator()
+        capacity = sum(c.capacity for c in orch._ready)
+        running = [await orch.acquire(f"c{i}", 10, 10, timeout=1) for i in range(capacity)]
+        closing = running.pop()
+        freed = concurrent.futures.Future()
+        orch.finish(closing.request_id, 10, kv_freed=[freed])
+        waiting = asyncio.create_task(orch.acquire("next", 10, 10, timeout=10))
+        victim = orch.chain(running[0].chain_id).route[0][0]
+        reroute = asyncio.create_task(orch.reroute(running[0].chain_id, 0, 4, [victim],
+                                                   request_id=running[0].request_id, wait_s=5))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and not reroute.done()  # the finished session's servers still hold its KV
+        assert orch.occupancy.holds(closing.request_id) == {} and len(orch.occupancy) == capacity  # held apart
+        threading.Thread(target=freed.set_result, args=(None,)).start()  # the engine hears it on its own thread
+        route = await asyncio.wait_for(reroute, 3)  # the failed-over session first, then the queue
+        assert victim not in [p for p, _, _ in route]
+        for g in running:
+            orch.finish(g.request_id, 10)
+        await asyncio.wait_for(waiting, 3)
+        orch.finish(waiting.result().request_id, 10)
+        stuck = concurrent.futures.Future()  # never resolved: the slots come back after KV_FREED_WAIT_S
+        grant = await orch.acquire("last", 10, 10, timeout=1)
+        with mock.patch("swarm.control.orchestrator.KV_FREED_WAIT_S", 0.2):
+            orch.finish(grant.request_id, 10, kv_freed=[stuck])
+        assert orch.occupancy.per_server()
+        await asyncio.sleep(0.4)
+        assert orch.occupancy.per_server() == {}
+        await orch.stop()
+
+    run(scenario())
 
 
 def test_occupancy_survives_a_replan_and_no_server_is_overcommitted():

@@ -231,6 +231,38 @@ def test_continuous_batching_admits_and_retires_sessions_between_steps(swarm, mo
         assert new["cohorts"] - old["cohorts"] >= generator.steps and new["failed"] == old["failed"]
 
 
+def test_a_sequences_kv_freed_resolves_only_once_no_server_counts_it(swarm, model):
+    """``kv_freed`` is what the orchestrator waits for before it grants a finished session's KV slots again
+    (swarm.control.occupancy): it resolves after the sequence's result, once every server's own counter has let
+    the sequence go — while another sequence runs (its close rides on that one's next step), when the generator
+    goes idle, and at once for a sequence cancelled before it was ever sent."""
+    import concurrent.futures
+
+    from swarm.engine.batching import ChainGenerator, SequenceFailed
+
+    p2p = model.transformer.h.sequence_manager.state.p2p
+    used = lambda: [server_info(p2p, peer, f"{swarm.dht_prefix}.{start}")["chainswarm_kv"]["used"]  # noqa: E731
+                    for peer, start, _ in swarm.route]
+    spans = [end - start for _, start, end in swarm.route]
+    assert used() == [0, 0]
+    with ChainGenerator(model, swarm.route, max_sessions=2) as generator:
+        freed = [concurrent.futures.Future() for _ in range(3)]
+        long = generator.submit([7, 8, 9], 120, kv_freed=freed[0])
+        short = generator.submit([3, 4], 2, kv_freed=freed[1])
+        never = generator.submit([5], 4, kv_freed=freed[2])  # waits: two sessions at most
+        generator.cancel(never)
+        assert freed[2].result(timeout=10) is None  # never sent: nothing to free
+        with pytest.raises(SequenceFailed, match="cancelled"):
+            never.result(timeout=10)
+        short.result(timeout=60)
+        freed[1].result(timeout=10)
+        if not long.done():  # (the long one nearly always runs on: each server then counts it alone)
+            assert used() == spans and not freed[0].done()
+        long.result(timeout=60)
+        freed[0].result(timeout=10)
+        assert used() == [0, 0]  # read once, no wait: freed means freed
+
+
 class _Drafts:
     """Drafts for ChainGenerator from the sequence's known greedy continuation: right ones, or each one token off
     (always rejected). Records (step, limit) for every step."""

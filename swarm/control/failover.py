@@ -90,17 +90,19 @@ class Failover:
         return next((n for n, p in self.view.profiles.items() if p.peer_id == peer_id), None)
 
     async def resume(self, request_id: str, client_id: str, input_tokens: int, max_new_tokens: int, *,
-                     timeout: float, page_hashes=(), reserve: int | None = None, refused: bool = True) -> Grant:
+                     timeout: float, page_hashes=(), reserve: int | None = None, refused: bool = True,
+                     kv_freed=()) -> Grant:
         """The session ``request_id`` failed on its chain (a server died, its route could not be mended, or it
         stalled): its continuation — ``input_tokens`` = prompt + tokens delivered so far, ``max_new_tokens``
         left — goes back to the head of its client's queue in its original place (the router's ``requeue``;
         the tokens already generated stay charged), its KV reservation moves with it, and it waits up to
         ``timeout`` for a chain with room (:class:`QueueTimeout` after that: "no chain ... within N s").
         Accepted work is not counted against the queue bounds again. ``reserve``: as :meth:`acquire`'s. Not
-        ``refused``: a timeout raises no refusal event (a preempted answer then ends at ``length``, not refused)."""
+        ``refused``: a timeout raises no refusal event (a preempted answer then ends at ``length``, not refused).
+        ``kv_freed``: as :meth:`finish`'s (the old session's slots stay counted until its servers free them)."""
         now = time.monotonic()
         reserve = max_new_tokens if reserve is None else min(reserve, max_new_tokens)
-        self.occupancy.release(request_id)
+        self._release(request_id, kv_freed)  # (a preempted batched session's servers may still hold its KV)
         if not self.router.requeue(request_id, input_tokens, reserve, now):
             self._ended(request_id)  # this router cannot keep its place: a new request at the back
             return await self.acquire(client_id, input_tokens, max_new_tokens, timeout=timeout,

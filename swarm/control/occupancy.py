@@ -12,7 +12,9 @@ unit of the servers' pools (cache_slots × slot tokens, Σ_k c_k·m_kj slots) �
 
 where U_j is what sessions the scheduler does not count on a current chain through j hold there (the old plan's,
 and rerouted ones'): the slowest chains give up capacity first, and get it back as those sessions end. A reroute
-takes a block-slot on each server of its new route (:meth:`Occupancy.can_take`) or waits for one.
+takes a block-slot on each server of its new route (:meth:`Occupancy.can_take`) or waits for one. A finished
+session whose close has not reached its servers yet (a batched session's close travels with its chain's next step)
+is :meth:`Occupancy.retire`\ d: no chain counts it, so it is part of U_j until :meth:`Occupancy.release`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class Occupancy:
         self._held: dict[str, list[tuple[str, int, int]]] = {}  # request id -> [(node, start, end)]
         self._chain: dict[str, str] = {}  # request id -> the chain the scheduler counts it on
         self._weight: dict[str, int] = {}  # request id -> block-slots per block (its KV need in slots)
+        self._retired = 0
 
     def hold(self, request_id: str, chain_id: str, servers: Sequence[str], spans: Sequence[tuple[int, int]],
              weight: int = 1) -> None:
@@ -49,6 +52,19 @@ class Occupancy:
         """The session's reservation per block changed (an answer reserved in parts grew)."""
         if request_id in self._weight:
             self._weight[request_id] = max(1, int(weight))
+
+    def retire(self, request_id: str) -> str | None:
+        """The session ended but its servers may still hold its KV: it keeps holding it under a new key (returned;
+        None for an unknown session), counted on no chain, until :meth:`release` of that key. The request id is
+        free again at once (a preempted request is held again under it)."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return None
+        self._retired += 1
+        key = f"{request_id}#closing{self._retired}"
+        self._held[key], self._weight[key] = held, self._weight.pop(request_id, 1)
+        self._chain.pop(request_id, None)
+        return key
 
     def release(self, request_id: str) -> bool:
         """The session ended; True when it was known."""

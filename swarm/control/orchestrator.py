@@ -55,6 +55,9 @@ __all__ = ["Orchestrator", "OrchestratorConfig", "SwarmView", "NoChainsError", "
            "LeaseRecord", "LeaseMisuse"]
 
 logger = logging.getLogger(__name__)
+# a finished batched session's close reaches its servers with its chain's next step or its streams' close (at most
+# the engine's 30 s step timeout and 10 s close): after this its slots are free in the accounting whatever was heard
+KV_FREED_WAIT_S = 60.0
 
 
 class QueueTimeout(Exception):
@@ -349,20 +352,46 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
     def tokens(self, request_id: str, count: int) -> None:
         self.router.tokens(request_id, count, time.monotonic())
 
-    def finish(self, request_id: str, output_tokens: int | None = None) -> None:
+    def finish(self, request_id: str, output_tokens: int | None = None, *, kv_freed: Sequence = ()) -> None:
+        """The session ended. ``kv_freed``: futures (:class:`concurrent.futures.Future`) that resolve once its
+        servers no longer hold its KV; its slots stay counted till then (:meth:`_release`)."""
         self.router.finish(request_id, output_tokens, time.monotonic())
-        self._ended(request_id)
+        self._ended(request_id, kv_freed)
 
     def abort(self, request_id: str) -> None:
         self.router.cancel(request_id, time.monotonic())
         self._ended(request_id)
 
-    def _ended(self, request_id: str) -> None:
+    def _ended(self, request_id: str, kv_freed: Sequence = ()) -> None:
         self.reservations.close(request_id)
-        if self.occupancy.release(request_id):
-            self._refit()  # its slots are free, on whichever servers it held them
+        if self._release(request_id, kv_freed):
+            self._refit()  # its slots are free (or held apart from its chain), on whichever servers it held them
         else:
             self._dispatch()
+
+    def _release(self, request_id: str, kv_freed: Sequence = ()) -> bool:
+        """Free the session's KV slots in the accounting: now, or — while some of ``kv_freed`` is pending — once
+        they resolve (at most ``KV_FREED_WAIT_S`` later); until then they are held apart from any chain
+        (:meth:`Occupancy.retire`: part of U_j), so no grant or reroute takes a slot a server still holds. False
+        for a session the accounting did not know."""
+        pending = [f for f in kv_freed if not f.done()]
+        key = self.occupancy.retire(request_id) if pending and self._loop is not None else None
+        if key is None:
+            return self.occupancy.release(request_id)
+        loop = self._loop
+
+        def check(_=None) -> None:  # on the loop
+            if all(f.done() for f in pending) and self.occupancy.release(key):
+                self._refit()
+
+        def resolved(_) -> None:  # on any thread
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(check)
+
+        for future in pending:
+            future.add_done_callback(resolved)
+        loop.call_later(KV_FREED_WAIT_S, lambda: self.occupancy.release(key) and self._refit())
+        return True
 
     # -- prefix reuse (swarm.control.prefix_view) ----------------------------------------------------------------
     def prompt_hashes(self, token_ids) -> list[bytes]:

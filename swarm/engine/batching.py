@@ -90,7 +90,9 @@ class ChainGenerator:
         self.model, self.max_sessions, self.idle_close_s = model, int(max_sessions), idle_close_s
         self._route = tuple(route)
         self._open_batch = lambda: ChainBatch(manager.state.p2p, self._route, manager.block_uids,
-                                              step_timeout=step_timeout, alloc_timeout=alloc_timeout)
+                                              step_timeout=step_timeout, alloc_timeout=alloc_timeout,
+                                              on_freed=self._on_freed)
+        self._freeing: dict[str, Future] = {}  # sid -> the caller's kv_freed future (dict ops only: any thread)
         self.batch: Optional[ChainBatch] = None  # open while there is work (and idle_close_s after)
         self.steps = 0  # chain steps run
         self.stepped_sequences = 0  # sequence-steps run (÷ steps: the mean batch)
@@ -119,7 +121,7 @@ class ChainGenerator:
     def submit(self, input_ids: Sequence[int], max_new_tokens: int, *, eos_token_id: Optional[int] = None,
                on_token: Optional[Callable[[int], None]] = None, processor: Optional[Callable] = None,
                ticket: Optional[bytes] = None, recorder=None, drafts=None,
-               prefix: Optional[multi_wire.Prefix] = None) -> Future:
+               prefix: Optional[multi_wire.Prefix] = None, kv_freed: Optional[Future] = None) -> Future:
         """Queue one generation; the future's result is its generated token ids.
 
         ``on_token(token)`` is called for every token; if it raises :class:`StopSequence` the sequence is complete,
@@ -130,7 +132,9 @@ class ChainGenerator:
         the tokens it drafts; the chain verifies them in the same pass (:func:`emit_verified`). With ``prefix``
         (:class:`swarm.engine.multi_wire.Prefix`) every server loads the prompt's first ``prefix.load`` pages from its
         prefix store and the prefill sends only the positions after them; the servers store the prompt's new full
-        pages after it. A sequence the swarm could not complete fails with :class:`SequenceFailed`."""
+        pages after it. A sequence the swarm could not complete fails with :class:`SequenceFailed`. ``kv_freed`` is
+        resolved once no server of the route holds the sequence's KV any more (the future resolves first: the
+        close travels with the next step)."""
         if not input_ids or max_new_tokens < 1:
             raise ValueError("a generation needs at least one input token and max_new_tokens >= 1")
         if prefix is not None and prefix.load * PAGE_TOKENS >= len(input_ids):
@@ -143,7 +147,10 @@ class ChainGenerator:
         with self._cv:
             if self._closed or self._broken is not None:
                 raise RuntimeError(f"the chain generator is closed{f': {self._broken}' if self._broken else ''}")
-            self._waiting.append(Decoding(f"s{next(self._ids)}", list(input_ids), int(max_new_tokens),
+            sid = f"s{next(self._ids)}"
+            if kv_freed is not None:
+                self._freeing[sid] = kv_freed
+            self._waiting.append(Decoding(sid, list(input_ids), int(max_new_tokens),
                                            eos_token_id, on_token, processor, ticket, future, recorder=recorder,
                                            drafts=drafts, prefix=prefix))
             self._cv.notify()
@@ -226,7 +233,8 @@ class ChainGenerator:
         self._cancelled.clear()
         self._waiting = [s for s in self._waiting if s not in gone]
         for seq in gone:
-            self._running.pop(seq.sid, None)
+            if self._running.pop(seq.sid, None) is None:  # never sent: no server holds anything of it
+                self._on_freed([seq.sid])
             seq.future.set_exception(SequenceFailed("cancelled", seq.produced))
         if self.batch is not None:
             self.batch.close_sessions([s.sid for s in gone])
@@ -306,6 +314,7 @@ class ChainGenerator:
             recorders = self.batch.recorders
             for sid, recorder in recorders.items():
                 recorder.rollback(inputs[sid].shape[1])  # what the first servers answered before the failure
+            self.batch.on_freed = lambda sids: self._on_freed([sid for sid in sids if sid not in opens])  # (reopened)
             self._close_batch()
             self.batch = self._open_batch()
             self.batch.recorders.update(recorders)
@@ -326,6 +335,15 @@ class ChainGenerator:
         for seq in victims:
             if not seq.future.done():
                 seq.future.set_exception(SequenceFailed(reason, seq.produced, peer, unsupported))
+        if self.batch is None:  # (else its close reports what the servers held)
+            self._on_freed(list(self._freeing))
+
+    def _on_freed(self, sids) -> None:
+        """No server of the route holds these sequences' KV any more (:class:`ChainBatch`'s ``on_freed``)."""
+        for sid in sids:
+            future = self._freeing.pop(sid, None)
+            if future is not None and not future.done():
+                future.set_result(None)
 
     def close(self) -> None:
         """Fail whatever is still queued or running, close the streams (bounded)."""
@@ -335,6 +353,7 @@ class ChainGenerator:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=60)
         self._close_batch()
+        self._on_freed(list(self._freeing))  # (sequences never sent)
 
     def __enter__(self) -> "ChainGenerator":
         return self

@@ -117,9 +117,9 @@ class _Stopped(Exception):
 class _Preempted(Exception):
     """The session was preempted (:class:`Preempted`): it stopped on ``servers``/``route``; its request still runs."""
 
-    def __init__(self, servers: list, route: list):
+    def __init__(self, servers: list, route: list, kv_freed: tuple = ()):
         super().__init__("preempted")
-        self.servers, self.route = servers, route
+        self.servers, self.route, self.kv_freed = servers, route, kv_freed
 
 
 @dataclass
@@ -196,7 +196,8 @@ class CompletionRunner:
                     client, len(input_ids), params.max_new_tokens, page_hashes=page_hashes,
                     reserve=self.reserve(params, 0)), client, is_disconnected)
                     if grant is None else self._continue(grant, client, input_ids, params, prior, page_hashes,
-                                                         is_disconnected, refused=preempted is None))
+                                                         is_disconnected, refused=preempted is None,
+                                                         kv_freed=preempted.kv_freed if preempted else ()))
             except ClientGone:
                 raise
             except Exception as exc:
@@ -269,7 +270,7 @@ class CompletionRunner:
                            len(prior.tokens), attempt + 1, detail)
 
     async def _continue(self, grant, client, input_ids, params, prior: Progress, page_hashes, is_disconnected,
-                        refused: bool = True):
+                        refused: bool = True, kv_freed: tuple = ()):
         """The session of ``grant`` failed (or was preempted: not ``refused``, its timeout ends the answer without
         a refusal) after delivering ``prior``: its continuation waits in its old place in the queue
         (:meth:`Orchestrator.resume`) for up to ``route_wait_s`` (with the prompt's page hashes only when nothing
@@ -277,7 +278,7 @@ class CompletionRunner:
         waiting = self.orchestrator.resume(
             grant.request_id, client, len(input_ids) + len(prior.tokens), params.max_new_tokens - len(prior.tokens),
             timeout=self.route_wait_s, page_hashes=() if prior.tokens else page_hashes,
-            reserve=self.reserve(params, len(prior.tokens)), refused=refused)
+            reserve=self.reserve(params, len(prior.tokens)), refused=refused, kv_freed=kv_freed)
         return await self._wait(waiting, client, is_disconnected)
 
     async def _wait(self, waiting: Awaitable[Grant], client: str, is_disconnected) -> Grant:
@@ -426,10 +427,11 @@ class CompletionRunner:
             settled = True
             result = task.result()
             if result.finish_reason == Preempted.finish_reason:
-                raise _Preempted(list(chain.servers), list(chain.route))
+                raise _Preempted(list(chain.servers), list(chain.route), result.kv_freed)
             if dual:  # the second execution is charged to the client as the first one's tokens again
                 orchestrator.tokens(grant.request_id, len(result.token_ids))
-            orchestrator.finish(grant.request_id, len(result.token_ids))
+            # its KV stays counted until the servers have freed it (the close travels with the chain's next step)
+            orchestrator.finish(grant.request_id, len(result.token_ids), kv_freed=result.kv_freed)
             prefix.update(reused=result.reused_tokens, prefill=result.prefill_tokens, restarts=result.restarts)
             verified, tokens = None, list(input_ids) + result.token_ids
             if dual:

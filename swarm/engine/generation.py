@@ -79,6 +79,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when requested
     drafted: int = 0  # speculative decoding: tokens drafted into this session's decode steps
     accepted: int = 0  # ... and verified (each saved a decode step)
+    # batched sessions: resolved once no server holds their KV (the close travels with the chain's next step)
+    kv_freed: tuple[concurrent.futures.Future, ...] = ()
 
 
 @dataclass
@@ -289,6 +291,7 @@ class GenerationEngine:
                     and produced[-1] == self.eos_token_id)
 
         drafts = None  # the batched session's drafting (swarm.engine.speculative.SessionDrafts), when it speculates
+        freed: list[concurrent.futures.Future] = []  # the batched sessions' kv_freed
 
         def result(finish_reason: str) -> GenerationResult:
             if self.speculation is not None:
@@ -296,7 +299,7 @@ class GenerationEngine:
             return GenerationResult(produced, finish_reason, reused, prefill, restarts,
                                     chooser.logprobs[:len(produced)] if chooser else [],
                                     drafts.drafted if drafts is not None else 0,
-                                    drafts.accepted if drafts is not None else 0)
+                                    drafts.accepted if drafts is not None else 0, tuple(freed))
 
         def resume() -> None:
             """Go on from the prompt plus the tokens produced so far as one petals session, without reuse (drafting
@@ -323,7 +326,7 @@ class GenerationEngine:
                 if self.batch_sessions > 0 and tuple(lease.route) not in self._unbatched:
                     try:
                         self._run_batched(lease, prompt, budget, chooser, sink, control, ignore_eos, recorder, drafts,
-                                          plan)
+                                          plan, freed)
                     except SequenceFailed as exc:
                         self.fallbacks += 1
                         logger.warning("a batched session continues on its own: %s", exc)
@@ -404,10 +407,12 @@ class GenerationEngine:
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None,
-                     ignore_eos: bool = False, recorder=None, drafts=None, plan: PrefixPlan | None = None) -> None:
-        """Run the session in its chain's batch (blocking), reusing ``plan``'s prompt pages. Raises
-        :class:`SequenceFailed` to fall back."""
+                     ignore_eos: bool = False, recorder=None, drafts=None, plan: PrefixPlan | None = None,
+                     freed: list | None = None) -> None:
+        """Run the session in its chain's batch (blocking), reusing ``plan``'s prompt pages; its ``kv_freed`` future
+        goes into ``freed``. Raises :class:`SequenceFailed` to fall back."""
         generator = self._generator(tuple(lease.route))
+        kv_freed = concurrent.futures.Future()
         stopped = []
 
         def on_token(token: int) -> None:
@@ -421,9 +426,12 @@ class GenerationEngine:
             future = generator.submit(input_ids, max_new_tokens, eos_token_id=None if ignore_eos else self.eos_token_id,
                                       on_token=on_token, processor=chooser, ticket=lease.ticket, recorder=recorder,
                                       drafts=drafts, prefix=None if plan is None else Prefix(tuple(plan.hashes),
-                                                                                             plan.load_pages))
+                                                                                             plan.load_pages),
+                                      kv_freed=kv_freed)
         except RuntimeError as exc:  # closed meanwhile
             raise SequenceFailed(str(exc), []) from exc
+        if freed is not None:
+            freed.append(kv_freed)
         unwatch = control.watch_peers(generator.peer_failed) if control is not None else None
         try:
             while True:

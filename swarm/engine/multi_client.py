@@ -10,6 +10,10 @@ Every coroutine runs on hivemind's ``RemoteExpertWorker`` event loop (as petals'
 methods block the calling thread, never that loop, and every wait is bounded (``step_timeout``). A session a
 server refuses or fails is reported in the step's ``failed`` map and closed everywhere; a server that stops
 answering fails the step with :class:`ChainBatchError` (the caller fails its sessions over).
+
+When a session's KV is free on every server (the message carrying its close went through the whole chain, or the
+batch closed its streams) ``on_freed`` hears of it: the orchestrator keeps counting a finished session's KV until
+then, so it never grants a slot that a server still holds (:meth:`swarm.control.occupancy.Occupancy.retire`).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from swarm.model.compat import petals  # noqa: F401  (shim first)
 import torch  # noqa: E402
@@ -108,8 +112,10 @@ class ChainBatch:
     sequence manager has them). ``tickets`` maps a session to the orchestrator ticket its opens carry."""
 
     def __init__(self, p2p, route: Sequence[RouteSpan], block_uids: Sequence[str], *, step_timeout: float = 30.0,
-                 alloc_timeout: float = 5.0):
+                 alloc_timeout: float = 5.0, on_freed: Optional[Callable[[Iterable[str]], None]] = None):
         self.route = tuple(route)
+        self.on_freed = on_freed  # called (from any thread) with sessions whose KV every server has freed
+        self._unfreed: set[str] = set()  # sessions sent to the servers whose KV some server may still hold
         self.streams = [_Stream(p2p, peer, block_uids[start:end], (peer, start, end)) for peer, start, end in self.route]
         self.step_timeout, self.alloc_timeout = step_timeout, alloc_timeout
         self.open_sessions: set[str] = set()
@@ -180,6 +186,8 @@ class ChainBatch:
         new = [multi_wire.Open(sid, int(length), tickets.get(sid), self.alloc_timeout, prefixes.get(sid))
                for sid, length in opens.items()]
         self.open_sessions.update(opens)
+        self._unfreed.update(opens)
+        sent = closes
         for stream in self.streams:
             order = list(hidden)  # the sessions still going (those failed upstream are not in it)
             metadata = multi_wire.encode([o for o in new if o.sid not in failed],
@@ -202,7 +210,15 @@ class ChainBatch:
         if failed:  # close the failed sessions on the servers before the one that failed them
             self.open_sessions.difference_update(failed)
             self._closing.update(failed)
+        self._freed(sent)  # every server processed the closes first thing in this message
         return hidden, failed
+
+    def _freed(self, sids) -> None:
+        freed = self._unfreed.intersection(sids)
+        if freed:
+            self._unfreed.difference_update(freed)
+            if self.on_freed is not None:
+                self.on_freed(freed)
 
     def close(self) -> None:
         """Close every session and stream (bounded)."""
@@ -215,6 +231,7 @@ class ChainBatch:
 
         with contextlib.suppress(Exception):
             RemoteExpertWorker.run_coroutine(close_all(), return_future=True).result(timeout=10)
+        self._freed(set(self._unfreed))  # a server frees a stream's sessions when it ends (or times it out)
 
     def __enter__(self) -> "ChainBatch":
         return self
