@@ -277,8 +277,10 @@ def test_overload_queues_and_jffc_fills_fastest_chains_first(swarm):
     assert all(code == 200 for code, _ in results), results
     queued = [s for s in samples if sum(s["queue"].values()) > 0]
     assert queued, "with more requests than chain capacity some must wait in the queue"
-    for s in queued:  # while requests wait, every chain is full
-        assert all(c["active"] == c["capacity"] for c in s["chains"]), s["chains"]
+    for s in queued:  # while requests wait, every chain is full: no free slot (a finished session's slots are
+        # free once its servers have freed its KV, a step after its answer: swarm.control.occupancy)
+        assert all(c["free"] == 0 and c["active"] <= c["capacity"] for c in s["chains"]), s["chains"]
+    assert any(c["active"] == c["capacity"] for s in queued for c in s["chains"])
     fastest = chains[0]["id"]
     per_chain = {c["id"]: sum(1 for _, d in results if d["chainswarm"]["chain_id"] == c["id"]) for c in chains}
     assert per_chain[fastest] >= max(per_chain.values()) * 0.8  # the fastest chain serves the most
