@@ -17,7 +17,8 @@ unless a server of its route cannot take positions back (a vanilla petals server
 
 With ``batch_lanes`` L > 1 a chain has up to L such generators (lanes) and a new session joins the one with the
 fewest sessions: each lane steps through the chain on its own, so one lane's step on a server overlaps another's
-on the next server, where a single lockstep cohort leaves every server idle while the others compute.
+on the next server, where a single lockstep cohort leaves every server idle while the others compute
+(:mod:`swarm.engine.lanes`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from typing import Callable
 import torch
 
 from swarm.engine import batching, scoring, single
-from swarm.engine.batching import ChainGenerator, Decoding, SequenceFailed, StopSequence
+from swarm.engine.batching import Decoding, SequenceFailed, StopSequence
+from swarm.engine.lanes import ChainLanes
 from swarm.engine.multi_client import ChainBatch
 from swarm.engine.multi_wire import Prefix
 from swarm.trust.prefix import MISSING_MESSAGE as PREFIX_MISSING, PAGE_TOKENS, reusable_pages
@@ -43,8 +45,6 @@ from swarm.engine.routing import (
 )
 
 logger = logging.getLogger(__name__)
-
-GENERATOR_IDLE_S = 120.0  # a chain's generator unused this long is closed when another chain's is needed
 
 
 class StopGeneration(Exception):
@@ -133,21 +133,16 @@ class GenerationEngine:
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="session")
         self.eos_token_id = self.tokenizer.eos_token_id
         self.batch_sessions, self.request_timeout = int(batch_sessions), request_timeout
-        if batch_lanes < 1:
-            raise ValueError("batch_lanes must be >= 1")
-        self.batch_lanes = int(batch_lanes)
-        self._lane_sessions = -(-self.batch_sessions // self.batch_lanes)  # per lane: the chain's total stays bounded
         self.speculation = speculation  # swarm.engine.speculative.Speculation, or None: one token per step
         self.score_cache = scoring.ScoreCache()  # scored prompt prefixes, reused by prompts that share them
-        self._generators: dict[tuple, ChainGenerator] = {}  # (route, lane) -> that lane's batch of sessions
-        self._generators_lock = threading.Lock()
         self._unbatched: set[tuple] = set()  # routes with a server that has no multi-session streams
         self._no_rollback: set[str] = set()  # servers that did not confirm a rollback: no drafts on their routes
-        self._retired = {"steps": 0, "sequence_steps": 0}  # counts of generators already replaced or closed
         self.fallbacks = 0  # batched sessions that went on on petals' per-session path
         # route -> the servers' smallest published batch bound (the orchestrator's route_batch_bound): how many
-        # decode positions a step of that chain fills with drafts; None: ChainGenerator.STEP_POSITIONS
+        # decode positions a step of that chain fills with drafts; None: batching.ChainGenerator.STEP_POSITIONS
         self.batch_bound = batch_bound or (lambda route: None)
+        self.lanes = ChainLanes(self.model, lanes=batch_lanes, sessions=self.batch_sessions,
+                                step_timeout=request_timeout, batch_bound=self.batch_bound)
         self._closed = threading.Event()
 
     def encode(self, prompt: str) -> list[int]:
@@ -349,27 +344,6 @@ class GenerationEngine:
             return result(stop.finish_reason)
         return result("stop" if ended() else "length")
 
-    def _generator(self, route: tuple) -> ChainGenerator:
-        """The chain's batch of sessions in its least busy lane (a new one if that lane has none, or its last one
-        broke)."""
-        done = []  # replaced or long idle (routes of earlier plans): closed outside the lock (a bounded wait)
-        with self._generators_lock:
-            for key, generator in list(self._generators.items()):
-                if (key[0] == route and not generator.usable) or (key[0] != route
-                                                                   and generator.idle_s() > GENERATOR_IDLE_S):
-                    done.append(self._generators.pop(key))
-                    self._retire(done[-1])
-            lanes = [self._generators.get((route, lane)) for lane in range(self.batch_lanes)]
-            lane = min(range(self.batch_lanes), key=lambda i: lanes[i].sessions() if lanes[i] is not None else 0)
-            generator = lanes[lane]
-            if generator is None:
-                generator = self._generators[(route, lane)] = ChainGenerator(
-                    self.model, route, max_sessions=self._lane_sessions, step_timeout=self.request_timeout,
-                    step_positions=self.batch_bound(route) or ChainGenerator.STEP_POSITIONS)
-        for old in done:
-            old.close()
-        return generator
-
     def _reroute(self, lease: Lease, provider: LeaseProvider, failed_peer: str,
                  control: SessionControl | None) -> tuple:
         """The lease's route with the failed server's blocks served elsewhere (as petals' own failover does: the
@@ -391,19 +365,9 @@ class GenerationEngine:
                 control.check()
             time.sleep(0.5)
 
-    def _retire(self, generator: ChainGenerator) -> None:
-        self._retired["steps"] += generator.steps
-        self._retired["sequence_steps"] += generator.stepped_sequences
-
     def batch_stats(self) -> dict:
-        """Chain steps run by the batched path, the session-steps they carried (÷: the mean batch), fallbacks, the
-        live batches of sessions (one per chain and lane) and the fewest positions one of them fills with drafts."""
-        with self._generators_lock:
-            live = list(self._generators.values())
-            steps = self._retired["steps"] + sum(g.steps for g in live)
-            sequence_steps = self._retired["sequence_steps"] + sum(g.stepped_sequences for g in live)
-        return {"steps": steps, "sequence_steps": sequence_steps, "fallbacks": self.fallbacks, "generators": len(live),
-                "step_positions": min((g.step_positions for g in live), default=0)}
+        """The batched path's figures (:meth:`swarm.engine.lanes.ChainLanes.stats`) and its fallbacks."""
+        return {**self.lanes.stats(), "fallbacks": self.fallbacks}
 
     def _run_batched(self, lease: Lease, input_ids: list[int], max_new_tokens: int, chooser: TokenChooser | None,
                      sink: Callable[[int], None], control: SessionControl | None,
@@ -411,7 +375,7 @@ class GenerationEngine:
                      freed: list | None = None) -> None:
         """Run the session in its chain's batch (blocking), reusing ``plan``'s prompt pages; its ``kv_freed`` future
         goes into ``freed``. Raises :class:`SequenceFailed` to fall back."""
-        generator = self._generator(tuple(lease.route))
+        generator = self.lanes.get(tuple(lease.route))
         kv_freed = concurrent.futures.Future()
         stopped = []
 
@@ -496,10 +460,5 @@ class GenerationEngine:
 
         self._closed.set()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        with self._generators_lock:
-            generators, self._generators = list(self._generators.values()), {}
-            for generator in generators:
-                self._retire(generator)
-        for generator in generators:
-            generator.close()
+        self.lanes.close()
         close_distributed_model(self.model, own_dht=self._own_dht)
