@@ -38,13 +38,14 @@ def wait_for(predicate, timeout=90.0, period=0.25, what="condition", explain=Non
 def describe_swarm(status: dict) -> str:
     """What an orchestrator's ``/v1/swarm`` status says, in one line, for a wait that timed out: the re-plan in
     progress, the queue, each chain (servers, ready, active), each server (node, state, suspect, banned, told KV
-    slots, planned KV slots) and the last events."""
+    slots, planned KV slots), the running sessions of each client (admin view) and the last events."""
     servers = [(s["node_id"], s.get("state"), "suspect" if s.get("suspect") else "",
                 "banned" if s.get("banned") else "", (s.get("assignment") or {}).get("cache_slots"),
                 (s.get("target") or {}).get("cache_slots")) for s in status.get("servers", [])]
     chains = [(c["servers"], c["ready"], c["active"]) for c in status.get("chains", [])]
+    running = {c: v["running"] for c, v in status.get("clients", {}).items() if v.get("running")}
     return (f"transition {status.get('transition')}, queue {status.get('queue')}, chains {chains}, servers {servers}, "
-            f"events {status.get('events', [])[-8:]}")
+            f"running by client {running}, events {status.get('events', [])[-8:]}")
 
 
 def server_info(p2p, peer_id: str, uid: str = "", timeout: float = 10.0) -> dict:

@@ -191,6 +191,8 @@ def test_a_finished_session_keeps_its_slots_until_its_servers_have_freed_its_kv(
     went 15 block-slots over its 90 once, live, when a reroute was granted in that moment)."""
     import concurrent.futures
 
+    from swarm.control.status import swarm_status
+
     async def scenario():
         orch, dht = await serving_orchestrator()
         capacity = sum(c.capacity for c in orch._ready)
@@ -198,6 +200,10 @@ def test_a_finished_session_keeps_its_slots_until_its_servers_have_freed_its_kv(
         closing = running.pop()
         freed = concurrent.futures.Future()
         orch.finish(closing.request_id, 10, kv_freed=[freed])
+        status = swarm_status(orch)  # (the admin view)
+        assert all(c["free"] == 0 for c in status["chains"])  # what the scheduler may grant: nothing
+        assert sum(c["active"] for c in status["chains"]) == capacity - 1 == sum(
+            v["running"] for v in status["clients"].values())
         waiting = asyncio.create_task(orch.acquire("next", 10, 10, timeout=10))
         victim = orch.chain(running[0].chain_id).route[0][0]
         reroute = asyncio.create_task(orch.reroute(running[0].chain_id, 0, 4, [victim],

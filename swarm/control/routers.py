@@ -202,9 +202,13 @@ class JffcRouter(Router):
     def status(self):
         queue = {str(c): n for c, n in self.scheduler.queue_lengths().items() if n}
         deficit = getattr(self.scheduler, "deficit", None)  # DLPM-family policies keep deficit counters
+        running: dict[str, int] = {}
+        for r in self.scheduler.running():
+            running[str(r.client_id)] = running.get(str(r.client_id), 0) + 1
 
         def entry(c) -> dict[str, Any]:
-            doc = {"service": self.scheduler.service(c), "waiting": queue.get(str(c), 0)}
+            doc = {"service": self.scheduler.service(c), "waiting": queue.get(str(c), 0),
+                   "running": running.get(str(c), 0)}
             if deficit is not None:
                 with contextlib.suppress(FairnessError):
                     value = deficit(c)
