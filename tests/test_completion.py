@@ -331,3 +331,37 @@ def test_a_client_that_leaves_mid_generation_stops_the_session_and_frees_its_slo
     assert orchestrator.aborted == ["r0"] and not orchestrator.finished
     assert out["aborted"]["client_gone"] == 1
     assert out["elapsed"] < 3  # 200 tokens would take 4 s
+
+
+def test_a_response_cancelled_while_its_session_is_being_stopped_still_frees_its_slot():
+    """The poll sees the client gone and stops the session; while the stop waits for the session thread, the HTTP
+    server cancels the response as well (its own disconnect listener): the slot is returned all the same, once
+    (a session left active for good after such a race kept a chain slot taken: the overload test saw one)."""
+    orchestrator = FakeOrchestrator()
+    engine = FakeEngine("stuck")  # the thread ignores the abort: the stop waits release_wait_s
+    metrics = SwarmMetrics(orchestrator)
+    runner = CompletionRunner(orchestrator, engine, metrics, poll_s=0.05, release_wait_s=0.3)
+
+    async def gone():
+        return True
+
+    async def scenario():
+        async def consume():
+            async for _ in runner.run("alice", [1, 2, 3], SamplingParams(8, 0.0), gone):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.2)  # the poll (every 0.05 s) found the client gone: the stop is waiting
+        assert not task.done() and orchestrator.granted == ["r0"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.6)  # a stop in the background waits release_wait_s, then returns the slot
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.release.set()
+        engine.executor.shutdown(wait=True)
+    assert orchestrator.aborted == ["r0"] and not orchestrator.finished
+    assert metrics.registry.get_sample_value("chainswarm_sessions_aborted_total", {"reason": "client_gone"}) == 1

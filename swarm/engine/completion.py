@@ -413,16 +413,16 @@ class CompletionRunner:
                     continue
                 if time.monotonic() - checked >= self.poll_s:
                     checked = time.monotonic()
-                    if await is_disconnected():
+                    if await is_disconnected():  # (settled only once stopped: a response cancelled while the
+                        await self._stop(task, control, grant, "client_gone")  # stop waits is released below)
                         settled = True
-                        await self._stop(task, control, grant, "client_gone")
                         raise _Stopped("client_gone")
                 limit = self.stall_limit(grant.chain_id, len(input_ids) if count == 0 else 1)
                 if time.monotonic() - control.last_progress > limit:
-                    settled = True
                     logger.warning("session %s on chain %s made no progress for %.1f s: aborting",
                                    grant.request_id, grant.chain_id, limit)
                     await self._stop(task, control, grant, "stalled")
+                    settled = True
                     raise _Stopped("stalled")
             settled = True
             result = task.result()
@@ -454,9 +454,11 @@ class CompletionRunner:
     async def _stop(self, task: asyncio.Future, control: SessionControl, grant, reason: str, *,
                     release: bool = False) -> None:
         """Abort a running session and give its servers ``release_wait_s`` to be released; then its slot can be
-        returned (here with ``release``) whatever the session thread is doing."""
+        returned (here with ``release``) whatever the session thread is doing. A session is counted aborted once,
+        under its first reason (a stop cancelled midway is stopped again, releasing)."""
+        if control.aborted is None:
+            self.metrics.aborted.labels(reason).inc()
         control.abort(reason)
-        self.metrics.aborted.labels(reason).inc()
         await asyncio.wait({task}, timeout=self.release_wait_s)
         if task.done():
             with contextlib.suppress(BaseException):
