@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from swarm.api.errors import ApiError
+from swarm.api.errors import ApiError, validation_message
 from swarm.api.openai_routes import add_openai_routes
 from swarm.engine.completion import Finished
 from swarm.engine.sampling import StopMatcher, TokenChooser
@@ -109,10 +109,9 @@ def make_app(model_dir, max_length: int = 2048, model_name: str = "smollm2") -> 
                             headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                 for e in exc.errors()]
-        return JSONResponse({"error": {"type": "invalid_request", "message": "; ".join(parts)}}, status_code=422)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message = validation_message(exc.errors(), request.headers.get("content-type"))
+        return JSONResponse({"error": {"type": "invalid_request", "message": message}}, status_code=422)
 
     add_openai_routes(app, runner=LocalRunner(engine), engine=engine, model_name=model_name,
                       max_length=max_length, client_of=lambda authorization, fallback: fallback or "local")

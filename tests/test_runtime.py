@@ -214,6 +214,26 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         assert response.status_code == 401 and "unknown API key" in response.json()["error"]["message"]
     response = HTTP.post(f"{swarm.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert response.status_code == 401
+    # who asks is checked before what is asked: a caller without a known key learns nothing from the body's
+    # errors, nor whether a lease exists
+    with client(swarm.url, key="wrong") as http:
+        strangers = [http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                     http.post("/v1/chat/completions", json={"messages": []}),
+                     http.post("/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"}),
+                     http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}),
+                     http.delete("/v1/leases/no-such-lease"),
+                     HTTP.post(f"{swarm.url}/v1/leases", json={"input_tokens": -1})]
+        for response in strangers:
+            assert response.status_code == 401, (response.request.url, response.text)
+            assert "API key" in response.json()["error"]["message"]
+    with client(swarm.url) as http:  # a key's client gets the body's errors, and what to send when it is no object
+        form = http.post("/v1/completions", content=b"prompt=hi",
+                         headers={"content-type": "application/x-www-form-urlencoded"})
+        array = http.post("/v1/completions", json=["hi"])
+        assert form.status_code == array.status_code == 422
+        assert form.json()["error"]["message"] == ("the request body must be a JSON object sent as 'Content-Type: "
+                                                   "application/json' (it came as 'application/x-www-form-urlencoded')")
+        assert array.json()["error"]["message"] == "the request body must be a JSON object"
     with client(swarm.url) as http:  # still serving
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).status_code == 200
         assert http.get("/metrics").status_code == 200 and "chainswarm_chain_capacity" in http.get("/metrics").text

@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from swarm.api import web_pages
 from swarm.api.auth import MAX_CLIENT_ID, ClientAuth, match_api_key
-from swarm.api.errors import ApiError
+from swarm.api.errors import ApiError, validation_message
 from swarm.api.metrics import SwarmMetrics
 from swarm.api.openai_routes import add_openai_routes
 from swarm.api.serving_leases import LeaseHandlers, add_lease_routes
@@ -133,16 +133,14 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        parts = []
-        for err in exc.errors():
-            if err.get("type") == "json_invalid":  # loc: ("body", character offset)
-                reason = (err.get("ctx") or {}).get("error", "malformed")
-                parts.append(f"the request body is not valid JSON ({reason} at character {err['loc'][-1]})")
-                continue
-            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{where or 'body'}: {err.get('msg')}")
-        return JSONResponse({"error": {"type": "invalid_request", "message": "; ".join(parts)}}, status_code=422)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        if auth.keys and request.method in ("POST", "DELETE"):  # every such route serves a key's client: who
+            try:  # asks is checked before what is asked, so an unknown caller learns nothing of the API from it
+                auth.client_of(request.headers.get("authorization"), None)
+            except ApiError as refused:
+                return await _api_error(request, refused)
+        message = validation_message(exc.errors(), request.headers.get("content-type"))
+        return JSONResponse({"error": {"type": "invalid_request", "message": message}}, status_code=422)
 
     add_openai_routes(app, runner=runner, engine=engine, model_name=model_name,
                       max_length=orchestrator.config.expect.max_length, client_of=auth.client_of)

@@ -17,6 +17,26 @@ class ApiError(Exception):
         self.status, self.kind, self.message, self.retry_after_s = status, kind, message, retry_after_s
 
 
+def validation_message(errors: list[dict], content_type: str | None) -> str:
+    """One sentence per error of a request FastAPI could not validate (``RequestValidationError.errors()``): the
+    field and what is wrong with it; a body that is not JSON says where it breaks, and one that is not a JSON object
+    says so (and which ``Content-Type`` to send, when that was the cause)."""
+    parts = []
+    for err in errors:
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "json_invalid":  # loc: ("body", character offset)
+            reason = (err.get("ctx") or {}).get("error", "malformed")
+            parts.append(f"the request body is not valid JSON ({reason} at character {loc[-1]})")
+        elif loc == ("body",) and err.get("type") in ("model_attributes_type", "dict_type"):
+            json_sent = (content_type or "").split(";")[0].strip().lower() == "application/json"
+            parts.append("the request body must be a JSON object" + (
+                "" if json_sent else f" sent as 'Content-Type: application/json' (it came as {content_type!r})"))
+        else:
+            where = ".".join(str(x) for x in loc if x != "body")
+            parts.append(f"{where or 'body'}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
 REFUSALS = (ValueError, NoChainsError, QueueFull, QueueTimeout, CompletionFailed)
 """What admitting or running a request may raise instead of serving it."""
 

@@ -29,8 +29,8 @@ class OpenAIServingChat(OpenAIServing):
     # The route's operation (summary "Chat Completions"; its docstring would become the OpenAPI description).
     async def chat_completions(self, body: ChatCompletionRequest, request: Request,
                                authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
+        client = self.client_of(authorization, x_client_id or body.user)  # who asks, before what is asked
         self.validate(body)
-        client = self.client_of(authorization, x_client_id or body.user)
         plan, input_ids = await self.prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         stop, meta, items = self.begin(body, client, [input_ids], body.max_completion_tokens or body.max_tokens,

@@ -23,6 +23,7 @@ class OpenAIServingCompletion(OpenAIServing):
     # The route's operation (summary "Completions"; its docstring would become the OpenAPI description).
     async def completions(self, body: CompletionRequest, request: Request, response: Response,
                           authorization: str | None = Header(None), x_client_id: str | None = Header(None)):
+        client = self.client_of(authorization, x_client_id or body.user)  # who asks, before what is asked
         prompts = body.prompts()
         self.check(body, UNSUPPORTED_COMPLETION_FIELDS, max((len(p) for p in prompts if isinstance(p, str)), default=0))
         if body.max_tokens == 0 and not body.echo:
@@ -31,7 +32,6 @@ class OpenAIServingCompletion(OpenAIServing):
         if sum(len(p) for p in prompts if isinstance(p, str)) > MAX_PROMPT_CHARS:  # tokenized on the event loop
             raise ApiError(400, "invalid_request", f"a batch's prompts have more than {MAX_PROMPT_CHARS:,} characters "
                            "together (send fewer at a time)")
-        client = self.client_of(authorization, x_client_id or body.user)
         if body.echo and body.logprobs is not None and (body.dual_execution or client in self.dual_clients):
             raise ApiError(400, "invalid_request", "echo with logprobs cannot run with dual execution: a prompt's "
                            "scores are not re-executed")

@@ -34,11 +34,12 @@ class LeaseHandlers:
         )
 
     def owned_lease(self, lease_id: str, authorization: str | None, x_client_id: str | None):
+        client = self.auth.client_of(authorization, None) if self.auth.keys else None  # 401 before any lookup
         try:
             record = self.orchestrator.lease(lease_id)
         except UnknownLeaseError:
             raise ApiError(404, "not_found", f"unknown lease {lease_id!r} (released or expired)") from None
-        if self.auth.keys and self.auth.client_of(authorization, None) != record.client_id:
+        if self.auth.keys and client != record.client_id:
             raise ApiError(404, "not_found", f"unknown lease {lease_id!r} (released or expired)")
         return record
 

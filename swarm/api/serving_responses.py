@@ -101,13 +101,13 @@ class OpenAIServingResponses(OpenAIServingChat):
     # The route's operation (summary "Responses").
     async def responses(self, body: ResponsesRequest, request: Request, authorization: str | None = Header(None),
                         x_client_id: str | None = Header(None)):
+        client = self.client_of(authorization, x_client_id or body.user)
         used = [name for name in UNSUPPORTED_RESPONSE_FIELDS if getattr(body, name) is not None]
         if used:
             raise ApiError(400, "unsupported_parameter", f"not supported by Chainswarm: {', '.join(used)} (the "
                            "swarm keeps no conversation state: send the whole conversation in input)")
         chat = chat_request(body)
         self.validate(chat)
-        client = self.client_of(authorization, x_client_id or body.user)
         plan, input_ids = await self.prompt(chat)
         stop, meta, items = self.begin(chat, client, [input_ids], chat.max_tokens, None, request, plan.grammar)
         if not body.stream:
