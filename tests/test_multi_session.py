@@ -6,6 +6,7 @@ continuous batching of ChainGenerator: sessions admitted and retired between ste
 that ends its sequence, a route whose server is gone. Token equality is tested on the real model
 (tests/test_batching_swarm.py, tests/test_real_model_swarm.py), not on random weights.
 """
+import threading
 import time
 
 import pytest
@@ -356,6 +357,50 @@ def test_a_route_through_a_server_that_is_not_there_fails_every_sequence_in_boun
         with pytest.raises(RuntimeError, match="closed"):
             generator.submit([1], 1)
     assert time.monotonic() - started < 30
+
+
+class _SilentBatch:
+    """A route whose servers stopped answering (or whose libp2p daemon a Ctrl-C ended): a step waits until
+    :meth:`cancel`, as :class:`swarm.engine.multi_client.ChainBatch`'s does until its step timeout."""
+
+    def __init__(self):
+        self.recorders, self.open_sessions, self.on_freed = {}, set(), None
+        self.stepping, self.cancelled, self.closed = threading.Event(), threading.Event(), False
+
+    pending_closes = False
+
+    def step(self, *args, **kwargs):
+        self.stepping.set()
+        if not self.cancelled.wait(120):
+            raise TimeoutError("no answer")
+        raise RuntimeError("the chain batch was closed during its step")
+
+    def cancel(self):
+        self.cancelled.set()
+
+    def close_sessions(self, sids):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_closing_a_generator_ends_the_step_in_flight_at_once(swarm, model):
+    """A shutdown (Ctrl-C) while a step waits for a server that no longer answers: close() cancels that step instead
+    of waiting out its step timeout (the orchestrator's exit took that long, or hung behind the generator's lock)."""
+    from swarm.engine.batching import ChainGenerator, SequenceFailed
+
+    silent = _SilentBatch()
+    generator = ChainGenerator(model, swarm.route, max_sessions=4, step_timeout=120.0)
+    generator._open_batch = lambda: silent  # (before anything is submitted: no batch is open yet)
+    future = generator.submit([1, 2, 3], 4)
+    assert silent.stepping.wait(30)
+    started = time.monotonic()
+    generator.close()
+    assert time.monotonic() - started < 10 and silent.cancelled.is_set() and silent.closed
+    with pytest.raises(SequenceFailed) as failure:
+        future.result(timeout=10)
+    assert failure.value.peer_id is None  # no server is blamed for a close
 
 
 def test_a_server_that_answers_with_an_error_is_alive_one_that_vanished_is_not():

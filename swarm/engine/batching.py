@@ -180,17 +180,25 @@ class ChainGenerator:
             if batch is not None:
                 batch.abort(peer_id)
 
+    def _has_work(self) -> bool:
+        return bool(self._closed or self._waiting or self._running)
+
     def _drive(self) -> None:
         while True:
             with self._cv:
-                if not self._closed and not self._waiting and not self._running:
-                    # idle: the finished sessions' KV is freed now (a server can drain), the streams after a
-                    # while (before the servers' own step timeout ends them)
-                    self._flush()
-                    if not self._cv.wait_for(lambda: self._closed or self._waiting or self._running,
-                                             timeout=self.idle_close_s):
-                        self._close_batch()
-                        self._cv.wait_for(lambda: self._closed or self._waiting or self._running)
+                idle = not self._has_work()
+            if idle:
+                # idle: the finished sessions' KV is freed now (a server can drain), the streams after a while
+                # (before the servers' own step timeout ends them); both are network round trips, made outside
+                # the lock, so that submit() and close() never wait behind them
+                self._flush()
+                with self._cv:
+                    timed_out = not self._cv.wait_for(self._has_work, timeout=self.idle_close_s)
+                if timed_out:
+                    self._close_batch()
+                    with self._cv:
+                        self._cv.wait_for(self._has_work)
+            with self._cv:
                 if self._closed:
                     break
                 self._drop_cancelled()
@@ -350,6 +358,9 @@ class ChainGenerator:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        batch = self.batch
+        if batch is not None:  # a step in flight (the last sequences', or a flush of closes) ends now, not at
+            batch.cancel()  # its timeout: a server that stopped answering cannot hold a shutdown for step_timeout
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=60)
         self._close_batch()

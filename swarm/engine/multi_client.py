@@ -123,6 +123,7 @@ class ChainBatch:
         self._closed = False
         self._inflight = None  # the running step's future (on hivemind's loop)
         self._failed_peer: Optional[str] = None
+        self._cancelled = False  # the caller closed it during a step (cancel)
         # sid -> a recorder (swarm.engine.recording) of the spans a spot check will re-execute
         self.recorders: dict = {}
 
@@ -135,7 +136,7 @@ class ChainBatch:
         the chain, each session first forgetting ``rollbacks[sid]`` of its last positions on every server (the
         drafts its previous step rejected). Returns (outputs of the last block by session, failed sessions -> the
         server and its reason)."""
-        if self._closed:
+        if self._closed or self._cancelled:
             raise RuntimeError("the chain batch is closed")
         if self._failed_peer is not None:
             raise ChainBatchError(self._failed_peer, "the server is known to have failed")
@@ -155,6 +156,8 @@ class ChainBatch:
         try:
             return self._inflight.result()
         except concurrent.futures.CancelledError:
+            if self._failed_peer is None and self._cancelled:
+                raise RuntimeError("the chain batch was closed during its step") from None
             raise ChainBatchError(self._failed_peer or "?", "the server is known to have failed") from None
         finally:
             self._inflight = None
@@ -162,6 +165,14 @@ class ChainBatch:
     def abort(self, peer_id: str) -> None:
         """``peer_id`` failed: stop waiting for the running step (it raises :class:`ChainBatchError`), refuse more."""
         self._failed_peer = peer_id
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.cancel()
+
+    def cancel(self) -> None:
+        """The caller is closing (from any thread): stop waiting for the running step (it raises ``RuntimeError``,
+        which names no server: none failed), refuse more. The streams close with :meth:`close`."""
+        self._cancelled = True
         inflight = self._inflight
         if inflight is not None:
             inflight.cancel()
