@@ -42,7 +42,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from petals.server.handler import TransformerConnectionHandler as _PetalsHandler
 
-from server import failpoints, runtime
+from server import announcer, failpoints, runtime
 from server.kv_pool import PAGE_TOKENS, PagedKvPool, flat_handles
 from swarm.engine.multi_wire import checked_rollback
 from swarm.model.petals_sessions import ROLLBACK_META_KEY
@@ -258,6 +258,7 @@ def install(handler_class: type = ChainswarmHandler, backend_class: Optional[typ
     server_module.MemoryCache = PagedKvPool  # every block's KV pool: paged, grown as sessions grow
     server_module.ReachabilityProtocol = NoReachabilityProbe  # no second libp2p daemon per server
     runtime.install()  # a container that shuts down waits for the step in hand before it frees the weights
+    announcer.install()  # and its OFFLINE announcement cannot hang it when the DHT process is already gone
     if backend_class is not None:
         server_module.TransformerBackend = backend_class
     return _push_counter

@@ -106,6 +106,7 @@ def children_die_with_me(poll_s: float = 1.0) -> None:
     orchestrator would share its port with the orphan). The orphan's p2pd exits with it.
     """
     def watch_parent() -> None:
+        leave_stop_signals_to_parent()
         parent = os.getppid()
 
         def watchdog() -> None:
@@ -116,6 +117,25 @@ def children_die_with_me(poll_s: float = 1.0) -> None:
         threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
 
     os.register_at_fork(after_in_child=watch_parent)
+
+
+def leave_stop_signals_to_parent() -> None:
+    """In a forked child (a DHT, a connection handler): ignore SIGINT and take SIGTERM's default, instead of
+    the parent's handlers that the fork copied.
+
+    A terminal's Ctrl-C and systemd's stop reach every process of the group (the unit) at once. With the parent's
+    handlers a forked child did what the parent does: under the orchestrator's event loop a SIGTERM woke
+    nothing (the handler only writes to the parent's wakeup fd), so the DHT process outlived its
+    ``terminate()`` and the orchestrator waited for it at exit for good; a server's DHT process raised
+    ``SystemExit`` mid-loop and answered nothing after it. Now Ctrl-C is the parent's alone (it stops its
+    children in order), and a SIGTERM ends a child at once, as ``terminate()`` expects. Children exec'd from
+    here (p2pd) keep SIGINT ignored."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread of the main interpreter: nothing of the parent's to undo here
+        pass
 
 
 def stop_process_group(process, timeout: float = 10.0, *,

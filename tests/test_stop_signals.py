@@ -1,0 +1,113 @@
+"""The commands stop the way people stop them: Ctrl-C in a terminal and systemd's stop reach every process of
+the group at once (the DHT process, connection handlers and libp2p daemons too), not only the command's own.
+
+Before 2026-12-01 both hung for good: `chainswarm server` waited without a bound for its DHT process, already
+gone, to announce its blocks offline, and `chainswarm orchestrator` waited at exit for its DHT process, which the
+event loop's handler, copied by the fork, kept from ending on ``terminate()``.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import HTTP, wait_for
+
+pytestmark = pytest.mark.swarm
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_BOUND_S = 30.0  # both stop in about a second here (the orchestrator's DHT grace period: 3 s)
+
+
+def _start(args, log):
+    """A command in a session of its own (its pid is its group id), SIGINT as a terminal leaves it (not ignored)."""
+    return subprocess.Popen([sys.executable, "-m", "swarm.cli", *args], cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"},
+                            stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _group(pgid):
+    """The live (not zombie) processes of a process group."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
+def _stop_group(proc, sig, what, log):
+    os.killpg(proc.pid, sig)
+    started = time.monotonic()
+    try:
+        code = proc.wait(STOP_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every thread's stack into its log
+        proc.wait(10)
+        raise AssertionError(f"{what} still running {STOP_BOUND_S:.0f} s after {sig.name} to its process group; "
+                             f"its log ends:\n{log.read_text(errors='replace')[-6000:]}") from None
+    wait_for(lambda: not _group(proc.pid), 10, what=f"every process of {what}'s group gone")
+    return code, time.monotonic() - started
+
+
+def _get(proc, node_file, path):
+    """GET ``path`` of a `chainswarm orchestrator` once its state file names its HTTP port (None before)."""
+    if proc.poll() is not None:
+        raise AssertionError(f"the orchestrator exited with code {proc.returncode}")
+    port = node_file.exists() and json.loads(node_file.read_text()).get("http_port")
+    try:
+        return port and HTTP.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+    except httpx.TransportError:
+        return None
+
+
+def _status(proc, node_file):
+    response = _get(proc, node_file, "/v1/swarm")
+    return response and response.json()
+
+
+def _ready(proc, node_file):
+    response = _get(proc, node_file, "/ready")
+    return response and response.status_code == 200 and json.loads(node_file.read_text())["http_port"]
+
+
+def test_a_server_stops_on_systemds_sigterm_and_the_orchestrator_on_ctrl_c(tiny_model, tmp_path):
+    node_file = tmp_path / "state" / "node.json"
+    started = []
+    with open(tmp_path / "orchestrator.log", "wb") as orch_log, open(tmp_path / "server.log", "wb") as server_log:
+        try:
+            orch = _start(["orchestrator", "--model", tiny_model, "--state-dir", str(tmp_path / "state"),
+                           "--http", "127.0.0.1:0", "--host", "127.0.0.1"], orch_log)
+            started.append(orch)
+            maddrs = wait_for(lambda: _status(orch, node_file), 120, what="the orchestrator up")["initial_peers"]
+            server = _start(["server", "--model", tiny_model, "--initial-peers", *maddrs, "--memory-gb", "0.1",
+                             "--device", "cpu", "--torch-dtype", "float32", "--host", "127.0.0.1",
+                             "--num-handlers", "1", "--cache-dir", str(tmp_path / "profiles")], server_log)
+            started.append(server)
+            port = wait_for(lambda: _ready(orch, node_file), 120, what="a chain served by the CLI server")
+            response = HTTP.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                 json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+            assert response.status_code == 200, response.text
+
+            code, took = _stop_group(orch, signal.SIGINT, "chainswarm orchestrator", Path(orch_log.name))
+            assert code == 0, code
+            code, took = _stop_group(server, signal.SIGTERM, "chainswarm server", Path(server_log.name))
+            assert code == 0, code
+        finally:
+            for proc in started:
+                if _group(proc.pid):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    for name in ("orchestrator.log", "server.log"):
+        text = (tmp_path / name).read_text(errors="replace")
+        assert "Traceback" not in text, text[-3000:]
