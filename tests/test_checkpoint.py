@@ -93,6 +93,10 @@ def test_a_family_checkpoint_has_its_features_and_loads_strictly(tmp_path, caplo
     assert type(config).__name__.lower() == f"distributed{family}config"
     assert not [r for r in records if "LLaMA" in str(r.msg)]  # a Qwen or a Gemma is not under Meta's terms
     assert ("Gemma Terms of Use" if family == "gemma3" else "this checkpoint's license") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="swarm.model.families"):  # an orchestrator reads it three times
+        petals.AutoDistributedConfig.from_pretrained(str(path))
+    assert "Make sure you follow" not in caplog.text  # once a checkpoint is enough
     again = make_random_model(tmp_path / "b", spec)
     assert (path / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
 

@@ -53,6 +53,9 @@ TERMS = {"llama": f"{LICENSE}; Meta's Llama 1/2/3.x weights are under Meta's lic
          "gemma3": "the Gemma Terms of Use (https://ai.google.dev/gemma/terms)"}
 
 
+_TERMS_LOGGED: set[tuple[str, str]] = set()  # (family, checkpoint) whose terms this process has logged
+
+
 def _not_petals_llama_terms(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(_PETALS_TERMS)
 
@@ -92,7 +95,8 @@ class ChainswarmConfig(DistributedLlamaConfig):
     def from_pretrained(cls, model_name_or_path, *args, **kwargs):
         result = super().from_pretrained(model_name_or_path, *args, **kwargs)
         family = FAMILIES[cls.model_type].name if cls.model_type in FAMILIES else None
-        if family is not None:
+        if family is not None and (family, str(model_name_or_path)) not in _TERMS_LOGGED:  # once a checkpoint (an
+            _TERMS_LOGGED.add((family, str(model_name_or_path)))  # orchestrator reads its config three times)
             logger.info("Make sure you follow the terms of %s", TERMS.get(family, LICENSE))
         return result
 
