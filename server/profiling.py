@@ -418,18 +418,20 @@ class RttMonitor(threading.Thread):
     orchestrator is known (a server has no RTT and cannot be planned until it finds one, so it looks more
     often then); the orchestrator is pinged when it first appears, when its peer changes and every ``period``
     s. A failed ping keeps the last value (a lost packet must not make the server look unplannable);
-    ``rtt_s`` returns to None only after the record has been missing ``forget_after`` times in a row.
+    ``rtt_s`` returns to None only after the record has been missing ``forget_after`` times in a row. No orchestrator
+    for ``warn_after`` s (another checkpoint's DHT prefix, say) is logged, again every ``warn_every`` s.
     """
 
     def __init__(self, dht, dht_prefix: str, *, period: float = 30.0, check_period: float = 2.0,
                  search_period: float = 0.5, forget_after: int = 3, on_change=None, orchestrator_key=lambda: None,
-                 **ping_options):
+                 warn_after: float = 30.0, warn_every: float = 300.0, **ping_options):
         super().__init__(name="orchestrator-rtt", daemon=True)
         self.orchestrator_key = orchestrator_key  # () -> the key the orchestrator record must be signed by
         self.dht, self.dht_prefix = dht, dht_prefix
         self.period, self.check_period, self.forget_after = period, check_period, forget_after
         self.search_period = min(search_period, check_period)
         self.on_change, self.ping_options = on_change, ping_options
+        self.warn_after, self.warn_every = warn_after, warn_every
         self.rtt_s: Optional[float] = None
         self.orchestrator_peer: Optional[str] = None
         self.stop_event = threading.Event()
@@ -439,8 +441,15 @@ class RttMonitor(threading.Thread):
         if changed and self.on_change is not None:
             self.on_change(rtt)
 
+    def _warn_missing(self, missing_s: float) -> None:
+        pinned = " signed by the pinned orchestrator key" if self.orchestrator_key() is not None else ""
+        logger.warning("no orchestrator%s found under DHT prefix %r for %.0f s, still waiting: an orchestrator plans "
+                       "only servers of its own checkpoint (the prefix is the model folder's name) reachable through "
+                       "--initial-peers", pinned, self.dht_prefix, missing_s)
+
     def run(self) -> None:
         misses, measured_at = 0, -math.inf
+        missing_since, next_warning = time.monotonic(), self.warn_after  # (s missing at the next warning)
         while not self.stop_event.is_set():
             info = _orchestrator(self.dht, self.dht_prefix, self.orchestrator_key())
             if info is None:
@@ -448,8 +457,12 @@ class RttMonitor(threading.Thread):
                 if misses >= self.forget_after and self.rtt_s is not None:
                     self.orchestrator_peer = None
                     self._set(None)
+                missing_s = time.monotonic() - missing_since
+                if self.orchestrator_peer is None and missing_s >= next_warning:
+                    self._warn_missing(missing_s)
+                    next_warning = missing_s + self.warn_every
             else:
-                misses = 0
+                misses, missing_since, next_warning = 0, time.monotonic(), self.warn_after
                 if info.peer_id != self.orchestrator_peer or time.monotonic() - measured_at >= self.period:
                     rtt = _rtt_to(self.dht, info.peer_id, **self.ping_options)
                     if rtt is not None:

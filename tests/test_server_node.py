@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 
 import pytest
@@ -135,6 +136,32 @@ def test_rtt_monitor_looks_often_until_it_finds_the_orchestrator_then_every_chec
     assert searching[-1] - searching[0] < 1.0  # quick looks while nothing was there
     assert 2 <= len(found_it) <= 4 and all(b - a >= 0.55 for a, b in zip(found_it, found_it[1:]))  # every 0.6 s
     assert pings == ["QmOrchestrator"] and changes == [0.004] and monitor.rtt_s == 0.004
+
+
+def test_a_server_that_finds_no_orchestrator_says_so_and_under_which_prefix(monkeypatch, caplog):
+    """A volunteer who starts a server with another checkpoint than the orchestrator's (another DHT prefix) is told,
+    after ``warn_after`` s and again every ``warn_every`` s, instead of waiting unplanned in silence."""
+    found = {"info": None}
+    monkeypatch.setattr(profiling, "_orchestrator", lambda _dht, _prefix, _key: found["info"])
+    monkeypatch.setattr(profiling, "_rtt_to", lambda _dht, peer, **_: 0.004)
+
+    def run(seconds, **options):
+        monitor = profiling.RttMonitor(None, "gemma-3-270m-float32-cs", check_period=0.05, search_period=0.05,
+                                       **options)
+        with caplog.at_level(logging.WARNING, logger=profiling.__name__):
+            monitor.start()
+            time.sleep(seconds)
+            monitor.stop()
+            monitor.join(5)
+        warnings = [r.getMessage() for r in caplog.records if "no orchestrator" in r.getMessage()]
+        caplog.clear()
+        return warnings
+
+    warnings = run(1.2, warn_after=0.3, warn_every=0.5)
+    assert 2 <= len(warnings) <= 3 and "'gemma-3-270m-float32-cs'" in warnings[0]  # at 0.3 s, 0.8 s (and 1.3 s)
+    assert "model folder's name" in warnings[0] and "--initial-peers" in warnings[0]
+    found["info"] = OrchestratorInfo("QmOrchestrator", "http://127.0.0.1:1", "plan-1")
+    assert run(0.8, warn_after=0.3) == []  # an orchestrator found: nothing to say
 
 
 def test_prefix_reports_are_sent_when_they_change_and_renewed_otherwise(monkeypatch):
