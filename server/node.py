@@ -215,6 +215,9 @@ class ChainswarmServer(Server):
                                                   name="launcher-report", daemon=True))
         profile = self.profile()
         logger.info("node %s (peer %s) profile: %s", self.node_id, self.peer_id, profile)
+        too_small = profile.memory_shortfall()
+        if too_small:  # the planner can give it nothing: say so where it runs
+            logger.warning("node %s: %s", self.node_id, too_small)
         self._publish(profile)
         self._report(("profiled", self.node_id, self.peer_id, profile.to_dict()))
         for thread in self._threads:

@@ -37,6 +37,14 @@ def test_profile_schema_accepts_a_curve_and_refuses_malformed_ones():
     assert records.ServerProfile.from_dict(dict(good, prefix_epoch="3f2a9c01d4e5")).prefix_epoch == "3f2a9c01d4e5"
 
 
+def test_a_profile_says_when_its_memory_cannot_hold_one_block():
+    fits = records.ServerProfile.from_dict(profile("n1", 3).to_dict())
+    assert fits.memory_bytes >= fits.block_bytes and fits.memory_shortfall() is None
+    small = records.ServerProfile.from_dict(dict(fits.to_dict(), memory_bytes=3 * 2**20, block_bytes=14 * 2**20))
+    assert small.memory_shortfall() == ("--memory-gb 0.00293 cannot hold one block of this model (0.0137 GB of "
+                                        "weights, and its KV cache): no plan will use this server")
+
+
 def test_measured_declared_and_sequential_curves(tiny_model, tmp_path):
     from swarm.model.compat import petals  # noqa: F401
     from petals.utils.auto_config import AutoDistributedConfig

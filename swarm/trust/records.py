@@ -111,6 +111,13 @@ class ServerProfile:
             return None
         return BatchCurve.from_step_times(self.batch_step_s, self.max_batch)
 
+    def memory_shortfall(self) -> str | None:
+        """Why no plan can use this server: its memory budget cannot hold one block's weights (None when it can)."""
+        if self.memory_bytes >= self.block_bytes:
+            return None
+        return (f"--memory-gb {self.memory_bytes / 2**30:.3g} cannot hold one block of this model "
+                f"({self.block_bytes / 2**30:.3g} GB of weights, and its KV cache): no plan will use this server")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
