@@ -111,3 +111,28 @@ def test_a_server_stops_on_systemds_sigterm_and_the_orchestrator_on_ctrl_c(tiny_
     for name in ("orchestrator.log", "server.log"):
         text = (tmp_path / name).read_text(errors="replace")
         assert "Traceback" not in text, text[-3000:]
+        assert "use of closed network connection" not in text, text[-3000:]  # the daemons' shutdown, not an error
+
+
+def test_the_daemons_shutdown_line_is_dropped_and_its_other_messages_pass():
+    """libp2p's daemon logs "accept …: use of closed network connection" at ERROR whenever its listener closes,
+    i.e. on every stop; hivemind relays it. The commands drop that line (and only that one)."""
+    import logging
+
+    from swarm.runtime.dht import quiet_p2pd_shutdown
+
+    logger = logging.getLogger("hivemind.p2p.p2p_daemon")
+    seen = []
+    collect = logging.Handler()
+    collect.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(collect)
+    filters = list(logger.filters)
+    try:
+        quiet_p2pd_shutdown()
+        logger.error("error accepting connection: accept unix /tmp/hivemind-p2pd-x.sock: use of closed network "
+                     "connection", extra={"caller": "p2pd"})
+        logger.error("failed to dial: no addresses", extra={"caller": "p2pd"})
+    finally:
+        logger.removeHandler(collect)
+        logger.filters[:] = filters
+    assert seen == ["failed to dial: no addresses"]

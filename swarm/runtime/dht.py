@@ -67,3 +67,20 @@ def p2p_start_failure(exc: BaseException, initial_peers=(), option: str = "--por
         return StartupError(f"cannot listen on {where.group(1) if where else 'its address'}: the address is "
                             f"already in use (choose another {option})")
     return StartupError(f"the libp2p daemon did not start: {text}")
+
+
+_P2PD_SHUTDOWN_NOISE = "use of closed network connection"
+
+
+def _not_p2pd_shutdown_noise(record) -> bool:
+    """False for the line libp2p's daemon logs at ERROR as its listener closes on every normal shutdown."""
+    return _P2PD_SHUTDOWN_NOISE not in record.getMessage()
+
+
+def quiet_p2pd_shutdown() -> None:
+    """Drop the daemon's "accept …: use of closed network connection" ERROR line (relayed by hivemind's logger) in
+    this process and the ones it forks from now on: every stop of a command printed it, and an operator reads an
+    ERROR as something to act on. Other daemon messages pass."""
+    import logging
+
+    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_not_p2pd_shutdown_noise)
