@@ -18,6 +18,7 @@ def bootstrap_dht_main(host: str, port: int, launcher_pid: int, report, dht_pref
     from swarm.runtime.process import become_group_leader, share_tensors_by_descriptor
 
     become_group_leader(launcher_pid)
+    quiet_p2pd_shutdown()
     import hivemind
 
     share_tensors_by_descriptor()  # a DHT peer passes no tensors: no torch_shm_manager for it
