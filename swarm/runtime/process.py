@@ -128,8 +128,8 @@ def leave_stop_signals_to_parent() -> None:
     nothing (the handler only writes to the parent's wakeup fd), so the DHT process outlived its
     ``terminate()`` and the orchestrator waited for it at exit for good; a server's DHT process raised
     ``SystemExit`` mid-loop and answered nothing after it. Now Ctrl-C is the parent's alone (it stops its
-    children in order), and a SIGTERM ends a child at once, as ``terminate()`` expects. Children exec'd from
-    here (p2pd) keep SIGINT ignored."""
+    children in order), and a SIGTERM ends a child at once, as ``terminate()`` expects. (A libp2p daemon exec'd
+    from such a child still ends on Ctrl-C: Go installs its own SIGINT handler over an inherited SIG_IGN.)"""
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
