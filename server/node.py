@@ -38,7 +38,7 @@ from swarm.model.compat import petals  # noqa: F401  (the shim must precede peta
 from petals.data_structures import ServerState
 from petals.server.server import Server
 
-from server import emulation, failpoints, layout, profiling, tickets as server_tickets, trust
+from server import emulation, failpoints, layout, profiling, rtt, tickets as server_tickets, trust
 from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
 from server.assignments import AssignmentInbox
 from swarm.trust import records
@@ -203,7 +203,7 @@ class ChainswarmServer(Server):
         self.timings: dict[str, float] = {"petals_init_s": self.petals_init_s, "profiling_s": self.profiling_s,
                                           "compute_measured_s": self.compute.measured_s}
 
-        self._rtt = profiling.RttMonitor(self.dht, self.dht_prefix, period=rtt_period,
+        self._rtt = rtt.RttMonitor(self.dht, self.dht_prefix, period=rtt_period,
                                          on_change=lambda _rtt: self._wake.set(),
                                          orchestrator_key=lambda: self.trust.key(self.dht, self.dht_prefix))
         self._threads = [

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import wait_for
-from server import profiling
+from server import profiling, rtt
 from server.batching import DEFAULT_MAX_BATCH
 from swarm.trust import records
 from swarm.trust.records import Assignment, OrchestratorInfo
@@ -118,10 +118,10 @@ def test_rtt_monitor_looks_often_until_it_finds_the_orchestrator_then_every_chec
             found["at"] = time.monotonic()
         return info if found["at"] is not None else None
 
-    monkeypatch.setattr(profiling, "_orchestrator", read)
-    monkeypatch.setattr(profiling, "_rtt_to", lambda _dht, peer, **_: pings.append(peer) or 0.004)
+    monkeypatch.setattr(rtt, "_orchestrator", read)
+    monkeypatch.setattr(rtt, "_rtt_to", lambda _dht, peer, **_: pings.append(peer) or 0.004)
     changes = []
-    monitor = profiling.RttMonitor(None, "p", period=30.0, check_period=0.6, search_period=0.05,
+    monitor = rtt.RttMonitor(None, "p", period=30.0, check_period=0.6, search_period=0.05,
                                    on_change=changes.append)
     monitor.start()
     try:
@@ -142,13 +142,13 @@ def test_a_server_that_finds_no_orchestrator_says_so_and_under_which_prefix(monk
     """A volunteer who starts a server with another checkpoint than the orchestrator's (another DHT prefix) is told,
     after ``warn_after`` s and again every ``warn_every`` s, instead of waiting unplanned in silence."""
     found = {"info": None}
-    monkeypatch.setattr(profiling, "_orchestrator", lambda _dht, _prefix, _key: found["info"])
-    monkeypatch.setattr(profiling, "_rtt_to", lambda _dht, peer, **_: 0.004)
+    monkeypatch.setattr(rtt, "_orchestrator", lambda _dht, _prefix, _key: found["info"])
+    monkeypatch.setattr(rtt, "_rtt_to", lambda _dht, peer, **_: 0.004)
 
     def run(seconds, **options):
-        monitor = profiling.RttMonitor(None, "gemma-3-270m-float32-cs", check_period=0.05, search_period=0.05,
+        monitor = rtt.RttMonitor(None, "gemma-3-270m-float32-cs", check_period=0.05, search_period=0.05,
                                        **options)
-        with caplog.at_level(logging.WARNING, logger=profiling.__name__):
+        with caplog.at_level(logging.WARNING, logger=rtt.__name__):
             monitor.start()
             time.sleep(seconds)
             monitor.stop()
