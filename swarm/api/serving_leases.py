@@ -39,7 +39,7 @@ class LeaseHandlers:
             record = self.orchestrator.lease(lease_id)
         except UnknownLeaseError:
             raise ApiError(404, "not_found", f"unknown lease {lease_id!r} (released or expired)") from None
-        if self.auth.keys and client != record.client_id:
+        if client is not None and client != record.client_id:
             raise ApiError(404, "not_found", f"unknown lease {lease_id!r} (released or expired)")
         return record
 

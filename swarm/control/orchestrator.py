@@ -380,17 +380,17 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
             return self.occupancy.release(request_id)
         loop = self._loop
 
-        def check(_=None) -> None:  # on the loop
-            if all(f.done() for f in pending) and self.occupancy.release(key):
+        def free() -> None:  # on the loop; once (release is False for a key already released)
+            if self.occupancy.release(key):
                 self._refit()
 
         def resolved(_) -> None:  # on any thread
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(check)
+                loop.call_soon_threadsafe(lambda: all(f.done() for f in pending) and free())
 
         for future in pending:
             future.add_done_callback(resolved)
-        loop.call_later(KV_FREED_WAIT_S, lambda: self.occupancy.release(key) and self._refit())
+        loop.call_later(KV_FREED_WAIT_S, free)
         return True
 
     # -- prefix reuse (swarm.control.prefix_view) ----------------------------------------------------------------

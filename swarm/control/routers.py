@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import Counter
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from planner.fairness import ChainSpec, make_scheduler
@@ -202,9 +203,7 @@ class JffcRouter(Router):
     def status(self):
         queue = {str(c): n for c, n in self.scheduler.queue_lengths().items() if n}
         deficit = getattr(self.scheduler, "deficit", None)  # DLPM-family policies keep deficit counters
-        running: dict[str, int] = {}
-        for r in self.scheduler.running():
-            running[str(r.client_id)] = running.get(str(r.client_id), 0) + 1
+        running = Counter(str(r.client_id) for r in self.scheduler.running())
 
         def entry(c) -> dict[str, Any]:
             doc = {"service": self.scheduler.service(c), "waiting": queue.get(str(c), 0),
