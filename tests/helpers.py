@@ -48,6 +48,18 @@ def describe_swarm(status: dict) -> str:
             f"running by client {running}, events {status.get('events', [])[-8:]}")
 
 
+def wait_idle(url: str, headers: dict, timeout: float, what: str) -> None:
+    """Wait until the orchestrator at ``url`` has no active session on any chain and nothing queued (``headers``: an
+    admin key's, for the queue); a timeout says what was left (:func:`describe_swarm`)."""
+    last: dict = {}
+
+    def idle():
+        status = last["status"] = HTTP.get(f"{url}/v1/swarm", headers=headers, timeout=30).json()
+        return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
+
+    wait_for(idle, timeout, what=what, explain=lambda: describe_swarm(last.get("status", {})))
+
+
 def server_info(p2p, peer_id: str, uid: str = "", timeout: float = 10.0) -> dict:
     """A server's petals ``rpc_info`` (with Chainswarm's counters), asked over ``p2p`` within ``timeout``."""
     import asyncio

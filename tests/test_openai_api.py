@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from client import SwarmClient
-from helpers import HTTP, describe_swarm, http_client, wait_for
+from helpers import HTTP, http_client, wait_for, wait_idle
 from real_model import greedy_reference
 from server.local_swarm import LocalSwarm
 
@@ -346,14 +346,8 @@ def test_unsupported_and_unknown_fields(client, local, swarm):
 
 
 def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(swarm, local):
-    last: dict = {}
-
-    def idle():
-        status = last["status"] = HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
-        return all(c["active"] == 0 for c in status["chains"]) and not status["queue"]
-
     # the module's earlier tests left nothing running (a slot they kept would be this test's failure below)
-    wait_for(idle, 30, what="an idle swarm before the overload", explain=lambda: describe_swarm(last.get("status", {})))
+    wait_idle(swarm.url, ADMIN, 30, "an idle swarm before the overload")
     capacity = sum(c["capacity"] for c in swarm.status["chains"])
     count = 4 * capacity  # all at once: past the chains and the client's queue bound (6) whatever the capacity
     assert count > capacity + 6
@@ -380,4 +374,4 @@ def test_overload_ends_in_answers_or_429s_with_retry_after_and_nothing_is_lost(s
     assert all(r.json()["choices"][0]["text"] == expected for r in answered)
     assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["message"] for r in refused)
 
-    wait_for(idle, 30, what="an idle swarm after the overload", explain=lambda: describe_swarm(last.get("status", {})))
+    wait_idle(swarm.url, ADMIN, 30, "an idle swarm after the overload")

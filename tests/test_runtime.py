@@ -14,7 +14,7 @@ import torch
 from planner.model import ModelSpec, Placement, Server
 from planner.plan import plan as run_planner, plan_for_placement
 from server.local_swarm import LocalSwarm
-from helpers import HTTP, http_client, wait_for
+from helpers import HTTP, http_client, wait_for, wait_idle
 
 pytestmark = pytest.mark.swarm
 
@@ -241,19 +241,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
 
 
 def idle_swarm(swarm, timeout: float, what: str) -> None:
-    """Wait until no chain has an active session and nothing is queued (the error says what is left)."""
-    def status():
-        return HTTP.get(f"{swarm.url}/v1/swarm", headers=ADMIN, timeout=30).json()
-
-    def idle():
-        now = status()
-        return all(c["active"] == 0 for c in now["chains"]) and not now["queue"]
-
-    def busy() -> str:
-        now = status()
-        return f"active {[c['active'] for c in now['chains']]}, queue {now['queue']}"
-
-    wait_for(idle, timeout, what=what, explain=busy)
+    wait_idle(swarm.url, ADMIN, timeout, what)
 
 
 def test_a_client_that_disconnects_mid_generation_frees_its_slot(swarm):
