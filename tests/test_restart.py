@@ -79,8 +79,14 @@ def test_sigkilled_orchestrator_restarts_from_its_state_dir_without_loss(tiny_mo
         assert flood["service"] > 0 and flood["deficit"] != 0.0
         # the snapshot (at most ~1 s old) holds exactly these counters
         snapshot = state_dir / "fairness.json"  # written atomically, first within ~1 s of the first request
-        wait_for(lambda: snapshot.exists() and dict(json.loads(snapshot.read_text())["scheduler"]["service"])
-                 .get("flood") == flood["service"], 10, what="fairness snapshot")
+
+        def saved() -> dict:
+            return dict(json.loads(snapshot.read_text())["scheduler"]["service"]) if snapshot.exists() else {}
+
+        wait_for(lambda: saved().get("flood") == flood["service"], 10, what="fairness snapshot",
+                 explain=lambda: f"saved {saved()}, read {flood['service']} then, now "
+                                 f"{admin_status(url)['clients']['flood']['service']}; flood threads still running: "
+                                 f"{sum(t.is_alive() for t in threads)}")
         history = {p.name: len(p.info.get("history", [])) for p in nodes}
         # the servers' DHT addresses, which a restarted orchestrator dials at once
         peer_ids = {s["peer_id"] for s in before["servers"]}
