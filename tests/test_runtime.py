@@ -194,6 +194,10 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
             (http.get("/v1/no-such-endpoint"), 404),
             (http.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * (33 * 2**20), b'"}']),
                        headers={"content-type": "application/json"}), 413),  # chunked: no content-length
+            # a field of several forms: the errors of the form sent, at the place in the request they are
+            (http.post("/v1/completions", json={"prompt": [464, "a"], "max_tokens": 1}), 422),
+            (http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "https://example.org/cat.png"}}]}]}), 422),
         ]
         for response, status in bad:
             assert response.status_code == status, response.text
@@ -207,6 +211,10 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
                                              "message": "the request body is larger than 32 MiB"}
         assert bad[9][0].json()["error"]["type"] == "not_found"
         assert bad[10][0].json()["error"] == bad[8][0].json()["error"]
+        assert bad[11][0].json()["error"]["message"] == ("prompt[1]: Input should be a valid integer, unable to parse "
+                                                         "string as an integer")
+        assert bad[12][0].json()["error"]["message"] == ("messages[0].content[0]: Input should be a text part: the "
+                                                         "served model reads text only")
     # the batch's first prompt was granted a slot as its second was refused: the slot came back
     idle_swarm(swarm, 20, "the slot of the refused batch's other prompt to come back")
     with client(swarm.url, key="wrong") as http:

@@ -278,8 +278,8 @@ def deep(levels: int) -> dict:
     ({"tools": [WEATHER, WEATHER]}, 400, "unique"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "nope"),
     ({"tool_choice": "required"}, 400, "needs tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 422, "tools.0.function.name"),
-    ({"tools": [{"type": "retrieval"}]}, 422, "tools.0"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 422, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, 422, "tools[0]"),
     ({"functions": [{"name": "f"}]}, 400, "functions"),
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
 ])

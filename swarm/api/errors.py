@@ -5,6 +5,7 @@ when to come back (a full queue: 429; a queue timeout: 503).
 """
 from __future__ import annotations
 
+from swarm.api.schemas import BRANCH
 from swarm.engine.completion import CompletionFailed
 from swarm.control.orchestrator import NoChainsError, QueueFull, QueueTimeout
 
@@ -15,6 +16,18 @@ class ApiError(Exception):
     def __init__(self, status: int, kind: str, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.kind, self.message, self.retry_after_s = status, kind, message, retry_after_s
+
+
+def field_path(loc: tuple) -> str:
+    """A validation error's field as the request spells it: ``messages[0].content[1].type``, without the ``body``
+    FastAPI puts first or the branch tags of union fields (:func:`swarm.api.schemas.one_of`)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body" and not str(part).startswith(BRANCH):
+            path += f".{part}" if path else str(part)
+    return path
 
 
 def validation_message(errors: list[dict], content_type: str | None) -> str:
@@ -32,8 +45,7 @@ def validation_message(errors: list[dict], content_type: str | None) -> str:
             parts.append("the request body must be a JSON object" + (
                 "" if json_sent else f" sent as 'Content-Type: application/json' (it came as {content_type!r})"))
         else:
-            where = ".".join(str(x) for x in loc if x != "body")
-            parts.append(f"{where or 'body'}: {err.get('msg')}")
+            parts.append(f"{field_path(loc) or 'body'}: {err.get('msg')}")
     return "; ".join(parts)
 
 

@@ -5,9 +5,9 @@ HTTP 422 and a message naming the field.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 
 class _Strict(BaseModel):
@@ -35,6 +35,69 @@ MAX_TOOL_CALLS = 64  # tool calls of one assistant message in ``messages``
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
+# A union field's branches carry tags that start with this; `swarm.api.errors.validation_message` leaves them out
+# of the field's path ("prompt[1]", not "prompt.~token ids.1").
+BRANCH = "~"
+
+
+def _json_kind(value: Any) -> str | None:
+    """The JSON kind of a value (string, boolean, number, list, object), ``None`` for null."""
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, (dict, BaseModel)):
+        return "object"
+    return None
+
+
+def one_of(expected: str, kind: Callable[[Any], str | None] = _json_kind, **branches: Any) -> Any:
+    """A union field validated against the one branch named by ``kind`` of the value (a pydantic ``Discriminator``):
+    a bad value gets that branch's errors, e.g. "prompt[1]: Input should be a valid integer", instead of one error
+    per branch ("prompt.constrained-str: Input should be a valid string; prompt.list[constrained-str]…"). A value of
+    no branch's kind gets "Input should be ``expected``"."""
+    members = tuple(Annotated[branch, Tag(BRANCH + name)] for name, branch in branches.items())
+
+    def branch_of(value: Any) -> str | None:
+        name = kind(value)
+        return BRANCH + name if name in branches else None
+
+    return Annotated[Union[members], Discriminator(branch_of, custom_error_type="invalid_kind",
+                                                   custom_error_message=f"Input should be {expected}")]
+
+
+def _prompt_kind(value: Any) -> str | None:
+    """Which of a completion prompt's four forms a value has, from its first item."""
+    if not isinstance(value, list):
+        return "text" if isinstance(value, str) else None
+    first = value[0] if value else None
+    if isinstance(first, str):
+        return "texts"
+    if isinstance(first, list):
+        return "token id lists"
+    return "token ids" if isinstance(first, int) and not isinstance(first, bool) else None
+
+
+def _item_kind(value: Any) -> str | None:
+    """A Responses input item's ``type`` (a message when it has none)."""
+    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+def _part_kind(value: Any) -> str | None:
+    """A content part's ``type``."""
+    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+TEXT_ONLY = "a text part: the served model reads text only"
+
+
+JsonSchema = one_of("a JSON schema: an object or a boolean", object=dict[str, Any], boolean=bool)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="send a last chunk with the usage of the whole request")
 
@@ -48,7 +111,7 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=8, description="choices to generate: n sessions through the fair queue")
     stream: bool = Field(False, description="stream tokens as server-sent events")
     stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = Field(None, description=f"up to {MAX_STOP} stop strings, never "
+    stop: Optional[one_of("a string or a list of strings", string=str, list=list[str])] = Field(None, description=f"up to {MAX_STOP} stop strings, never "
                                                   "part of the returned text")
     seed: Optional[int] = Field(None, description="same seed and prompt -> same text")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -104,13 +167,16 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """OpenAI-compatible ``POST /v1/completions``."""
 
-    prompt: Union[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)],
-                  Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]],
-                            Field(min_length=1, max_length=MAX_PROMPTS)],
-                  Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_IDS)],
-                  Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1,
-                                                                                     max_length=MAX_PROMPT_IDS)]],
-                            Field(min_length=1, max_length=MAX_PROMPTS)]] = Field(
+    prompt: one_of(
+        "a text, a list of texts, a list of token ids or a list of token id lists, none of them empty",
+        _prompt_kind,
+        text=Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)],
+        texts=Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]],
+                        Field(min_length=1, max_length=MAX_PROMPTS)],
+        **{"token ids": Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_IDS)],
+           "token id lists": Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]],
+                                                      Field(min_length=1, max_length=MAX_PROMPT_IDS)]],
+                                       Field(min_length=1, max_length=MAX_PROMPTS)]}) = Field(
         description=f"the prompt: a text, token ids, or a batch of up to {MAX_PROMPTS} of either (the choices "
                     "come in prompt order, n per prompt: choice p·n + i is prompt p's i-th, streamed too)")
     max_tokens: Optional[int] = Field(16, ge=0, description="tokens to generate (prompt + max_tokens <= max "
@@ -136,7 +202,7 @@ class JsonSchemaFormat(_Strict):
 
     name: str = Field(pattern=TOOL_NAME, description="the schema's name")
     description: Optional[str] = Field(None, max_length=MAX_SCHEMA_CHARS)
-    schema_: Optional[Union[dict[str, Any], bool]] = Field(None, alias="schema", description="a JSON schema "
+    schema_: Optional[JsonSchema] = Field(None, alias="schema", description="a JSON schema "
                                                            "(draft 2020-12); absent: any JSON object")
     strict: Optional[bool] = Field(None, description="accepted; the output always follows the schema")
 
@@ -149,7 +215,7 @@ class ResponseFormat(_Strict):
 class FunctionDefinition(_Strict):
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = Field(None, max_length=MAX_SCHEMA_CHARS)
-    parameters: Optional[Union[dict[str, Any], bool]] = Field(None, description="a JSON schema of the arguments "
+    parameters: Optional[JsonSchema] = Field(None, description="a JSON schema of the arguments "
                                                               "object; absent: no arguments")
     strict: Optional[bool] = Field(None, description="accepted; the arguments always follow the schema")
 
@@ -192,8 +258,9 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Optional[Union[str, list[TextPart]]] = Field(None, description="text, or text parts; null only in "
-                                                          "an assistant message with tool_calls")
+    content: Optional[one_of("a text or a list of text parts", string=str,
+                             list=list[one_of(TEXT_ONLY, _part_kind, text=TextPart)])] = Field(
+        None, description="text, or text parts; null only in an assistant message with tool_calls")
     name: Optional[str] = Field(None, max_length=64)
     tool_calls: Optional[list[ToolCall]] = Field(None, max_length=MAX_TOOL_CALLS, description="assistant: the "
                                                  "calls it made")
@@ -222,7 +289,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[ToolDefinition]] = Field(None, max_length=MAX_TOOLS, description="functions the model "
                                                   "may call")
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = Field(
+    tool_choice: Optional[one_of("none, auto, required or a named function", string=Literal["none", "auto", "required"],
+                                 object=NamedToolChoice)] = Field(
         None, description="none, auto (the default with tools), required, or a named function")
     parallel_tool_calls: Optional[bool] = Field(None, description="more than one call per answer (default true)")
     functions: Optional[Any] = None
@@ -256,7 +324,8 @@ class InputMessage(BaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[InputText]]
+    content: one_of("a text or a list of text parts", string=str, list=list[one_of(
+        TEXT_ONLY, _part_kind, input_text=InputText, output_text=InputText)])
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -283,7 +352,7 @@ class FunctionTool(_Strict):
     type: Literal["function"]
     name: str = Field(pattern=TOOL_NAME)
     description: Optional[str] = Field(None, max_length=MAX_SCHEMA_CHARS)
-    parameters: Optional[Union[dict[str, Any], bool]] = None
+    parameters: Optional[JsonSchema] = None
     strict: Optional[bool] = Field(None, description="accepted; the arguments always follow the schema")
 
 
@@ -296,7 +365,7 @@ class TextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: Optional[str] = Field(None, pattern=TOOL_NAME)
     description: Optional[str] = Field(None, max_length=MAX_SCHEMA_CHARS)
-    schema_: Optional[Union[dict[str, Any], bool]] = Field(None, alias="schema")
+    schema_: Optional[JsonSchema] = Field(None, alias="schema")
     strict: Optional[bool] = None
 
 
@@ -309,8 +378,9 @@ class ResponsesRequest(_Strict):
     its whole conversation in ``input``)."""
 
     model: Optional[str] = Field(None, description="the served model's id (GET /v1/models); optional")
-    input: Union[str, list[Annotated[Union[InputMessage, InputFunctionCall, InputFunctionCallOutput],
-                                     Field(union_mode="left_to_right")]]] = Field(
+    input: one_of("a text or a list of items", string=str, list=list[one_of(
+        "an item of type message, function_call or function_call_output", _item_kind, message=InputMessage,
+        function_call=InputFunctionCall, function_call_output=InputFunctionCallOutput)]) = Field(
         description="a user message, or the conversation's items: messages, function calls and their outputs")
     instructions: Optional[str] = Field(None, max_length=MAX_PROMPT_CHARS, description="a system message first")
     max_output_tokens: Optional[int] = Field(None, ge=1, description="null = up to the session length")
@@ -318,7 +388,8 @@ class ResponsesRequest(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = Field(False, description="stream the response's events as server-sent events")
     tools: Optional[list[FunctionTool]] = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], FunctionToolChoice]] = None
+    tool_choice: Optional[one_of("none, auto, required or a function", string=Literal["none", "auto", "required"],
+                                 object=FunctionToolChoice)] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = Field(None, description="text.format: text, json_object or json_schema")
     user: Optional[str] = Field(None, max_length=256, description="client id when the orchestrator has no API keys")
