@@ -1,10 +1,12 @@
 """The state directory (swarm.state.store) and what the orchestrator keeps in it (swarm.state.persistence)."""
+import asyncio
 import json
 import os
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -158,6 +160,46 @@ def test_plan_and_fairness_counters_survive_a_restart(tmp_path):
         other.config.num_blocks = 8
         with pytest.raises(StateError, match="plan.json holds a plan for 4 blocks"):
             persistence.Persistence(StateDir(tmp_path), other).restore()
+
+    run(scenario())
+
+
+def test_a_dht_that_does_not_answer_delays_no_snapshot_of_the_counters(tmp_path, caplog):
+    """The saver asks the DHT process which servers it is connected to (their addresses, which a restarted
+    orchestrator dials); a DHT that does not answer holds up neither the fairness snapshots, nor the stop."""
+    async def scenario():
+        orch, dht = make(quantum=500.0)
+        hung = threading.Event()
+        dht.run_coroutine = lambda *_: hung.wait(30)  # the peer list never comes (until the test ends)
+        keeper = persistence.Persistence(StateDir(tmp_path), orch, min_interval_s=0.05)
+        keeper._peers_call = persistence.BoundedCall("reading the DHT's connected peers", 0.3)
+        keeper.restore()
+        publish(dht, *(profile(n, m) for n, m in SERVERS))
+        await orch.start()
+        serve_assignments(dht)
+        await orch.refresh()
+        saver = asyncio.ensure_future(keeper.run(peers_every=2))
+        try:
+            await asyncio.sleep(0.5)  # the peer list asked for and waited for past its bound
+            grant = await orch.acquire("flood", 200, 16)
+            orch.tokens(grant.request_id, 16)
+            orch.finish(grant.request_id, 16)
+            service = orch.status()["clients"]["flood"]["service"]
+            snapshot = tmp_path / "fairness.json"
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and not (
+                    snapshot.exists() and dict(json.loads(snapshot.read_text())["scheduler"]["service"])
+                    .get("flood") == service):
+                await asyncio.sleep(0.05)
+            assert dict(json.loads(snapshot.read_text())["scheduler"]["service"]).get("flood") == service
+        finally:
+            t0 = time.monotonic()
+            saver.cancel()
+            await asyncio.gather(saver, return_exceptions=True)
+            assert time.monotonic() - t0 < 1.0
+            hung.set()
+            await orch.stop()
+        assert any("the servers' addresses were not saved" in r.getMessage() for r in caplog.records)
 
     run(scenario())
 

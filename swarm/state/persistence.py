@@ -28,6 +28,7 @@ from typing import Any
 
 from planner.model import Placement
 from planner.plan import parse_swarm, plan_for_placement
+from swarm.runtime.bounded import BoundedCall, CallTimeout
 from swarm.trust import records
 from swarm.state.store import StateDir, StateError
 
@@ -65,12 +66,15 @@ def bound_tcp_port(maddrs) -> int | None:
 class Persistence:
     """Saves and restores one orchestrator's plan and fairness counters."""
 
+    PEERS_CALL_S = 15.0  # the longest a save of the servers' addresses waits for the DHT process's peer list
+
     def __init__(self, store: StateDir, orchestrator, *, min_interval_s: float = 1.0):
         self.store = store
         self.orchestrator = orchestrator
         self.min_interval_s = min_interval_s
         self._saved: dict[str, dict] = {}  # file name -> the document saved last
         self._saved_at = 0.0
+        self._peers_call = BoundedCall("reading the DHT's connected peers", self.PEERS_CALL_S)
 
     @property
     def scheduler(self):
@@ -123,32 +127,43 @@ class Persistence:
         return self.write(self.changes(force=force))
 
     async def record_peers(self) -> None:
-        """Save the multiaddrs of the servers' DHT peers this orchestrator is connected to."""
+        """Save the multiaddrs of the servers' DHT peers this orchestrator is connected to (asked of its DHT
+        process within ``PEERS_CALL_S``: :class:`~swarm.runtime.bounded.CallTimeout` when it does not answer)."""
         servers = {p.peer_id for p in self.orchestrator.view.profiles.values()}
-        connected = await asyncio.to_thread(self.orchestrator.dht.run_coroutine, _connected_peers)
+        connected = await self._peers_call(self.orchestrator.dht.run_coroutine, _connected_peers)
         peers = [f"{addr}/p2p/{peer}" for peer, addrs in connected if peer in servers for addr in addrs]
         if peers:
-            self.store.record_peers(peers)
+            await asyncio.to_thread(self.store.record_peers, peers)
 
     async def run(self, peers_every: int = 10) -> None:
-        """Save every ``min_interval_s`` while the orchestrator runs (the servers' addresses every
-        ``peers_every`` rounds); a last save when cancelled."""
-        rounds = 0
+        """Save every ``min_interval_s`` while the orchestrator runs, and the servers' addresses every
+        ``peers_every`` of those periods beside it (a slow DHT process delays only them, never a snapshot of the
+        counters); a last save when cancelled."""
+        peers = asyncio.ensure_future(self._record_peers_every(self.min_interval_s * peers_every))
         try:
             while True:
                 await asyncio.sleep(self.min_interval_s)
                 try:
                     await asyncio.to_thread(self.write, self.changes())  # fsync off the event loop
-                    if rounds % peers_every == 0:
-                        await self.record_peers()
-                    rounds += 1
                 except OSError as exc:  # a full disk must not stop the control plane; say so every time
                     logger.error("cannot save the orchestrator state to %s: %s", self.store.path, exc)
         finally:
+            peers.cancel()
             try:
                 self.save(force=True)
             except OSError as exc:
                 logger.error("cannot save the orchestrator state to %s: %s", self.store.path, exc)
+
+    async def _record_peers_every(self, period_s: float) -> None:
+        await asyncio.sleep(self.min_interval_s)
+        while True:
+            try:
+                await self.record_peers()
+            except CallTimeout as exc:  # asked again next period (the call still running answers it)
+                logger.warning("the servers' addresses were not saved: %s", exc)
+            except OSError as exc:
+                logger.error("cannot save the servers' addresses to %s: %s", self.store.path, exc)
+            await asyncio.sleep(period_s)
 
     # -- restore -------------------------------------------------------------------------------------
     def restore(self) -> dict[str, Any]:
