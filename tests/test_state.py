@@ -172,7 +172,7 @@ def test_a_dht_that_does_not_answer_delays_no_snapshot_of_the_counters(tmp_path,
         hung = threading.Event()
         dht.run_coroutine = lambda *_: hung.wait(30)  # the peer list never comes (until the test ends)
         keeper = persistence.Persistence(StateDir(tmp_path), orch, min_interval_s=0.05)
-        keeper._peers_call = persistence.BoundedCall("reading the DHT's connected peers", 0.3)
+        keeper._peers_call = persistence.BoundedCall("reading the DHT's connected peers", 0.3)  # DHT_CALL_S: 15
         keeper.restore()
         publish(dht, *(profile(n, m) for n, m in SERVERS))
         await orch.start()
@@ -200,6 +200,35 @@ def test_a_dht_that_does_not_answer_delays_no_snapshot_of_the_counters(tmp_path,
             hung.set()
             await orch.stop()
         assert any("the servers' addresses were not saved" in r.getMessage() for r in caplog.records)
+
+    run(scenario())
+
+
+def test_a_restart_waits_for_its_servers_at_most_its_bound_when_the_dht_does_not_answer(tmp_path):
+    """After a restart the orchestrator waits (bounded) for the restored plan's servers to publish again; a DHT
+    read that never returns ends that wait at its bound instead of holding the restart for good."""
+    async def scenario():
+        orch, dht = make(quantum=500.0)
+        keeper = persistence.Persistence(StateDir(tmp_path), orch)
+        keeper.restore()
+        publish(dht, *(profile(n, m) for n, m in SERVERS))
+        await orch.start()
+        serve_assignments(dht)
+        await orch.refresh()
+        assert keeper.save(force=True)
+        await orch.stop()
+
+        again, dht2 = make(quantum=500.0)
+        hung = threading.Event()
+        dht2.get = lambda *_, **__: hung.wait(30)  # the records never come (until the test ends)
+        restarted = persistence.Persistence(StateDir(tmp_path), again)
+        restarted.DHT_CALL_S = 0.3
+        assert restarted.restore()["plan_id"] is not None
+        t0 = time.monotonic()
+        missing = await restarted.await_servers(timeout_s=1.0)
+        waited = time.monotonic() - t0
+        hung.set()
+        assert missing == {n for n, _ in SERVERS} and waited < 1.0 + 0.3 + 1.0, waited
 
     run(scenario())
 

@@ -66,7 +66,7 @@ def bound_tcp_port(maddrs) -> int | None:
 class Persistence:
     """Saves and restores one orchestrator's plan and fairness counters."""
 
-    PEERS_CALL_S = 15.0  # the longest a save of the servers' addresses waits for the DHT process's peer list
+    DHT_CALL_S = 15.0  # the longest one DHT call of the saver or of a restart's wait for the servers is waited for
 
     def __init__(self, store: StateDir, orchestrator, *, min_interval_s: float = 1.0):
         self.store = store
@@ -74,7 +74,7 @@ class Persistence:
         self.min_interval_s = min_interval_s
         self._saved: dict[str, dict] = {}  # file name -> the document saved last
         self._saved_at = 0.0
-        self._peers_call = BoundedCall("reading the DHT's connected peers", self.PEERS_CALL_S)
+        self._peers_call = BoundedCall("reading the DHT's connected peers", self.DHT_CALL_S)
 
     @property
     def scheduler(self):
@@ -128,7 +128,7 @@ class Persistence:
 
     async def record_peers(self) -> None:
         """Save the multiaddrs of the servers' DHT peers this orchestrator is connected to (asked of its DHT
-        process within ``PEERS_CALL_S``: :class:`~swarm.runtime.bounded.CallTimeout` when it does not answer)."""
+        process within ``DHT_CALL_S``: :class:`~swarm.runtime.bounded.CallTimeout` when it does not answer)."""
         servers = {p.peer_id for p in self.orchestrator.view.profiles.values()}
         connected = await self._peers_call(self.orchestrator.dht.run_coroutine, _connected_peers)
         peers = [f"{addr}/p2p/{peer}" for peer, addrs in connected if peer in servers for addr in addrs]
@@ -244,13 +244,18 @@ class Persistence:
         prefix = orch.config.dht_prefix
         info = records.OrchestratorInfo(orch.dht.peer_id.to_base58(), orch.http_url, orch.view.plan_id)
         deadline = time.monotonic() + timeout_s
-        while True:
-            def look() -> dict:
-                records.publish_orchestrator(orch.dht, prefix, info, orch.config.assignment_ttl_s,
-                                             orch.identity.public)
-                return records.fetch_profiles(orch.dht, prefix, orch.pins)
+        call = BoundedCall("reading the restored plan's server records", self.DHT_CALL_S)
 
-            profiles = await asyncio.to_thread(look)
+        def look() -> dict:
+            records.publish_orchestrator(orch.dht, prefix, info, orch.config.assignment_ttl_s, orch.identity.public)
+            return records.fetch_profiles(orch.dht, prefix, orch.pins)
+
+        while True:
+            try:
+                profiles = await call(look)
+            except CallTimeout as exc:  # asked again (the same call) until the deadline; a hung DHT ends the wait
+                logger.warning("%s", exc)
+                profiles = {}
             missing = {node for node in planned if node not in profiles or profiles[node].rtt_s is None}
             if not missing or time.monotonic() >= deadline:
                 return missing
