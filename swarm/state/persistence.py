@@ -49,9 +49,16 @@ def prepare(options, store: StateDir):
     return dataclasses.replace(options, **changes)
 
 
+PEER_LIST_S = 5.0  # the longest the DHT process waits for its libp2p daemon's peer list
+
+
 async def _connected_peers(dht, node) -> list[tuple[str, list[str]]]:
-    """(peer id, multiaddrs) of every peer the DHT's libp2p daemon is connected to (runs in the DHT process)."""
-    return [(info.peer_id.to_base58(), [str(a) for a in info.addrs]) for info in await node.p2p.list_peers()]
+    """(peer id, multiaddrs) of every peer the DHT's libp2p daemon is connected to (runs in the DHT process), or
+    ``TimeoutError`` after ``PEER_LIST_S``: hivemind asks the daemon on a control connection of its own and waits
+    for its answer without a bound, and in about one run in six of ``tests/test_restart.py`` one never came (the
+    daemon answers the next connection)."""
+    peers = await asyncio.wait_for(node.p2p.list_peers(), PEER_LIST_S)
+    return [(info.peer_id.to_base58(), [str(a) for a in info.addrs]) for info in peers]
 
 
 def bound_tcp_port(maddrs) -> int | None:
@@ -155,15 +162,16 @@ class Persistence:
                 logger.error("cannot save the orchestrator state to %s: %s", self.store.path, exc)
 
     async def _record_peers_every(self, period_s: float) -> None:
+        """:meth:`record_peers` every ``period_s``; after a failure, again in ``min_interval_s``."""
         await asyncio.sleep(self.min_interval_s)
         while True:
             try:
                 await self.record_peers()
-            except CallTimeout as exc:  # asked again next period (the call still running answers it)
-                logger.warning("the servers' addresses were not saved: %s", exc)
-            except OSError as exc:
-                logger.error("cannot save the servers' addresses to %s: %s", self.store.path, exc)
-            await asyncio.sleep(period_s)
+                wait_s = period_s
+            except Exception as exc:  # the DHT did not answer (a call still running answers the next round)
+                logger.warning("the servers' addresses were not saved: %s", exc or repr(exc))
+                wait_s = self.min_interval_s
+            await asyncio.sleep(wait_s)
 
     # -- restore -------------------------------------------------------------------------------------
     def restore(self) -> dict[str, Any]:
