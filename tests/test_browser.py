@@ -167,6 +167,18 @@ def test_block_map_draws_every_server_over_its_planned_span_and_names_stay_text(
         assert js(page, f"return document.getElementById('{note}').textContent") == "operator detail needs the admin key"
     assert js(page, "return document.querySelectorAll('#events li, #clients tbody tr').length") == 0
     assert js(page, "return document.getElementById('state').textContent") == "healthy"
+    # with token admission (the default; this swarm admits by slots) a chain runs as many sessions as its KV
+    # budget holds, more than its planned capacity when they are short: its bar and the servers' column are KV tokens
+    by_tokens = {**status, "chains": [{**chain, "active": 6, "kv_tokens": 480, "kv_tokens_held": 120}]}
+    js(page, "const p = window.chainswarmPage; p.renderChains(arguments[0]); p.renderBlocks(arguments[0]);", by_tokens)
+    assert js(page, "return document.querySelector('#chains .occupancy').textContent") == \
+        "6 sessions · 120 / 480 KV tokens"
+    assert js(page, "return document.querySelector('#chains .bar span').style.width") == "25%"
+    assert f"planned: {chain['capacity']} sessions" in js(page, "return document.querySelector('#chains .bar').title")
+    heads = js(page, "return [...document.querySelectorAll('#block-map .head')].map(h => h.textContent)")
+    assert heads[-1] == "KV tokens used / total"
+    assert js(page, "return [...document.querySelectorAll('#block-map .num')].map(c => c.textContent)")[-1] == \
+        "120 / 480"
 
 
 ANSWER_WATCH = """

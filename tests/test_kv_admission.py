@@ -110,6 +110,10 @@ def test_the_plan_keeps_a_chain_that_holds_a_max_length_session_when_memory_allo
         assert not any(e["event"] == "plan_short_sessions" for e in orch.events)
         grant = await orch.acquire("c", 24, TOKENS.max_length - 24, timeout=1.0)
         assert orch.session_tokens(grant.request_id) == TOKENS.max_length
+        # the status (and the dashboard) give each chain's KV budget and what its sessions hold of it
+        chain = next(c for c in orch.status()["chains"] if c["id"] == grant.chain_id)
+        assert chain["kv_tokens"] == chain["capacity"] * TOKENS.slot_tokens
+        assert chain["kv_tokens_held"] == TOKENS.max_length and chain["active"] == 1
         orch.finish(grant.request_id, 16)
         await orch.stop()
 

@@ -155,6 +155,11 @@ class CentralQueueScheduler(DispatchRounds):
     def active_sessions(self) -> dict[Hashable, int]:
         return {cid: c.active for cid, c in self._chains.items()}
 
+    def kv_tokens(self) -> dict[Hashable, tuple[int, int]]:
+        """(held, budget) KV tokens per block of every chain with a KV budget (token admission)."""
+        return {cid: (c.held_tokens, c.spec.kv_tokens) for cid, c in self._chains.items()
+                if c.spec.kv_tokens is not None}
+
     def _chain(self, chain_id: Hashable, action: str) -> ChainState:
         try:
             return self._chains[chain_id]

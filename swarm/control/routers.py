@@ -102,6 +102,10 @@ class Router:
         """Running sessions per chain of the view."""
         return {}
 
+    def kv_tokens(self) -> dict[str, tuple[int, int]]:
+        """(held, budget) KV tokens per block of each chain that admits by tokens."""
+        return {}
+
     def status(self) -> dict[str, Any]:
         """The router's part of the orchestrator's status: ``queue`` and ``clients`` at least."""
         raise NotImplementedError
@@ -196,6 +200,9 @@ class JffcRouter(Router):
 
     def active_sessions(self):
         return self.scheduler.active_sessions()
+
+    def kv_tokens(self):
+        return self.scheduler.kv_tokens()
 
     def client_service(self):
         return {str(c): self.scheduler.service(c) for c in self.scheduler.clients()}

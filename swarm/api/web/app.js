@@ -134,11 +134,14 @@ class Dashboard {
     const verified = checks ? `; spot checks: ${checks.counts.passed} passed, ${checks.counts.strikes} strikes, `
       + `${Object.keys(checks.banned).length} banned (overhead ${(100 * checks.overhead).toFixed(1)}%)` : "";
     $("blocks-caption").textContent = `${blocks} blocks; each bar is the server's planned span${verified}`;
-    const slots = new Map(); // node -> [used, total] sessions over the chains it is on
+    // node -> [used, total] over the chains it is on: sessions, or with token admission KV tokens per block
+    const byTokens = doc.chains.some((chain) => chain.kv_tokens != null);
+    const slots = new Map();
     for (const chain of doc.chains) {
       for (const node of new Set(chain.servers)) {
         const [used, total] = slots.get(node) || [0, 0];
-        slots.set(node, [used + chain.active, total + chain.capacity]);
+        slots.set(node, byTokens ? [used + (chain.kv_tokens_held || 0), total + (chain.kv_tokens || 0)]
+          : [used + chain.active, total + chain.capacity]);
       }
     }
     const current = new Set(doc.servers.map((s) => s.node_id));
@@ -157,7 +160,8 @@ class Dashboard {
       || a.server.node_id.localeCompare(b.server.node_id));
     const cells = [el("div", {class: "head"}, "server"), el("div", {class: "head"}, `blocks 0 … ${blocks}`),
       el("div", {class: "head"}, "state"), el("div", {class: "head num"}, "step time"),
-      el("div", {class: "head num"}, "RTT"), el("div", {class: "head num"}, "slots used / total")];
+      el("div", {class: "head num"}, "RTT"),
+      el("div", {class: "head num"}, byTokens ? "KV tokens used / total" : "slots used / total")];
     for (const {server, start, end, state} of rows) {
       const track = el("div", {class: "track", "data-node": server.node_id});
       track.style.setProperty("--b", `${100 / blocks}%`);
@@ -190,13 +194,20 @@ class Dashboard {
     const chains = [...doc.chains].sort((a, b) => a.service_time - b.service_time);
     const rows = chains.map((chain, i) => {
       const route = chain.servers.map((node, k) => `${node} ${span(...chain.spans[k])}`).join(" → ");
+      // token admission: a chain holds as many sessions as its KV budget has room for, so its bar is that budget
+      const byTokens = chain.kv_tokens != null;
+      const [used, total] = byTokens ? [chain.kv_tokens_held, chain.kv_tokens] : [chain.active, chain.capacity];
       const fill = el("span");
-      fill.style.width = `${chain.capacity ? Math.min(100, (100 * chain.active) / chain.capacity) : 0}%`;
+      fill.style.width = `${total ? Math.min(100, (100 * used) / total) : 0}%`;
+      const occupancy = byTokens
+        ? `${chain.active} session${chain.active === 1 ? "" : "s"} · ${used} / ${total} KV tokens`
+        : `${used} / ${total} sessions`;
+      const title = byTokens ? `${used} of ${total} KV tokens per block held (planned: ${chain.capacity} sessions ` +
+        "of the expected length)" : `${used} active of ${total}`;
       return el("div", {class: "chain", "data-chain": chain.id},
         el("div", {}, `#${i + 1}`, chain.ready ? null : el("small", {}, " not ready")),
         el("div", {class: "route"}, route),
-        el("div", {}, el("div", {class: "bar", title: `${chain.active} active of ${chain.capacity}`}, fill),
-          el("small", {class: "occupancy"}, `${chain.active} / ${chain.capacity} sessions`)),
+        el("div", {}, el("div", {class: "bar", title}, fill), el("small", {class: "occupancy"}, occupancy)),
         el("div", {class: "num"}, `${fixed(chain.service_time, 2)} s service`));
     });
     $("chains").replaceChildren(...(rows.length ? rows : [el("p", {class: "note"}, "no chains")]));
