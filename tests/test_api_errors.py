@@ -63,6 +63,11 @@ def test_responses_items_are_checked_by_their_type():
     assert message(ResponsesRequest, {"input": [*HI, {"type": "function_call", "call_id": "c"}]}) == \
         "input[1].name: Field required; input[1].arguments: Field required"
     assert message(ResponsesRequest, {"input": 4}) == "input: Input should be a text or a list of items"
+    # a "type" that is no string (any JSON value may come) is no known type either, not a server error
+    assert message(ResponsesRequest, {"input": [{"type": ["message"]}]}) == \
+        "input[0]: Input should be an item of type message, function_call or function_call_output"
+    assert message(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": {"text": 1}}]}]}) == \
+        "messages[0].content[0]: Input should be a text part: the served model reads text only"
     parsed = ResponsesRequest.model_validate({"input": [
         {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},

@@ -63,8 +63,8 @@ def one_of(expected: str, kind: Callable[[Any], str | None] = _json_kind, **bran
     members = tuple(Annotated[branch, Tag(BRANCH + name)] for name, branch in branches.items())
 
     def branch_of(value: Any) -> str | None:
-        name = kind(value)
-        return BRANCH + name if name in branches else None
+        name = kind(value)  # from the request: a "type" may be any JSON value
+        return BRANCH + name if isinstance(name, str) and name in branches else None
 
     return Annotated[Union[members], Discriminator(branch_of, custom_error_type="invalid_kind",
                                                    custom_error_message=f"Input should be {expected}")]
@@ -111,8 +111,8 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=8, description="choices to generate: n sessions through the fair queue")
     stream: bool = Field(False, description="stream tokens as server-sent events")
     stream_options: Optional[StreamOptions] = None
-    stop: Optional[one_of("a string or a list of strings", string=str, list=list[str])] = Field(None, description=f"up to {MAX_STOP} stop strings, never "
-                                                  "part of the returned text")
+    stop: Optional[one_of("a string or a list of strings", string=str, list=list[str])] = Field(
+        None, description=f"up to {MAX_STOP} stop strings, never part of the returned text")
     seed: Optional[int] = Field(None, description="same seed and prompt -> same text")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
