@@ -32,6 +32,9 @@ def test_unknown_subcommand_exits_2():
     (["--batch-lanes", "0"], "--batch-lanes must be between 1 and 16"),
     (["--failure-grace", "-5"], "--failure-grace must be between 0 and 86400 seconds"),
     (["--expect-servers", "-1"], "--expect-servers must be between 0 and 100000"),
+    (["--http", "127.0.0.1:99999"], "--http must name a port between 0 and 65535, got 99999"),
+    (["--dht-port", "-5"], "--dht-port must name a port between 0 and 65535, got -5"),  # was bound as 65531
+    (["--max-length", "0"], "--max-length) must be at least 2 tokens, got 0"),  # was read as "the default"
 ])
 def test_orchestrator_rejects_bad_input(tiny_model, args, message):
     argv = ["orchestrator", "--model", tiny_model, *args] if args[0] != "--model" else ["orchestrator", *args]

@@ -55,8 +55,11 @@ class Expectations:
     kv_admission: str = OrchestratorOptions.kv_admission  # "tokens": sessions reserve their own need; "slots"
 
     def __post_init__(self) -> None:
-        if self.max_length < 2 or self.input_tokens < 1 or self.output_tokens < 1:
-            raise ValueError("max_length must be >= 2 and expected lengths >= 1")
+        if self.max_length < 2:
+            raise ValueError(f"the session length (--max-length) must be at least 2 tokens, got {self.max_length}")
+        if self.input_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("the expected lengths (--expected-input-tokens, --expected-output-tokens) must be at "
+                             f"least 1 token, got {self.input_tokens:g} and {self.output_tokens:g}")
         if self.input_tokens + self.output_tokens > self.max_length:
             raise ValueError("expected input + output tokens exceed max_length")
         if self.arrival_rate <= 0:
@@ -93,9 +96,12 @@ def expectations(options: OrchestratorOptions, model_config) -> Expectations:
     """What an orchestrator with these options plans for on this model (a transformers config): the session
     length defaults to the model's context, at most 2,048 tokens; the mean request lengths follow the Azure code
     trace (2,048 input / 28 output tokens), clipped to the session length."""
-    max_length = options.max_length or min(getattr(model_config, "max_position_embeddings", 2048), 2048)
-    output_tokens = options.expected_output_tokens or min(28.0, max(1.0, max_length / 8))
-    input_tokens = options.expected_input_tokens or min(2048.0, max(1.0, max_length / 2))
+    def given(value, default):  # a 0 given is refused by Expectations, not read as "the default"
+        return default if value is None else value
+
+    max_length = given(options.max_length, min(getattr(model_config, "max_position_embeddings", 2048), 2048))
+    output_tokens = given(options.expected_output_tokens, min(28.0, max(1.0, max_length / 8)))
+    input_tokens = given(options.expected_input_tokens, min(2048.0, max(1.0, max_length / 2)))
     return Expectations(
         max_length=max_length, input_tokens=input_tokens, output_tokens=output_tokens,
         arrival_rate=options.expected_rate, target_load=options.target_load, placement=options.placement,
