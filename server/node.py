@@ -204,8 +204,8 @@ class ChainswarmServer(Server):
                                           "compute_measured_s": self.compute.measured_s}
 
         self._rtt = rtt.RttMonitor(self.dht, self.dht_prefix, period=rtt_period,
-                                         on_change=lambda _rtt: self._wake.set(),
-                                         orchestrator_key=lambda: self.trust.key(self.dht, self.dht_prefix))
+                                   on_change=lambda _rtt: self._wake.set(),
+                                   orchestrator_key=lambda: self.trust.key(self.dht, self.dht_prefix))
         self._threads = [
             threading.Thread(target=self._heartbeat_loop, name="profile-heartbeat", daemon=True),
             self._rtt,

@@ -17,6 +17,7 @@ from typing import Optional
 
 logger = logging.getLogger(__name__)
 
+
 def measure_rtt(dht, peer_id: str, *, pings: int = 3, timeout: float = 2.0) -> Optional[float]:
     """Median round-trip time (s) of ``pings`` DHT pings to ``peer_id`` (base58) over the swarm, or None
     when the peer does not answer."""

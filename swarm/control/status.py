@@ -17,6 +17,11 @@ def swarm_status(orch: Any, detail: bool = True) -> dict[str, Any]:
     view = orch.view
     active = orch.router.active_sessions()
     kv = orch.router.kv_tokens()  # token admission: (held, budget) KV tokens per block
+
+    def kv_of(chain_id) -> dict[str, int | None]:  # None for both where the chain admits by slots
+        held, budget = kv.get(chain_id, (None, None))
+        return {"kv_tokens": budget, "kv_tokens_held": held}
+
     free = orch.router.free_slots()  # c'_k - active: less than c_k - active while servers hold KV no chain counts
     kv_used = orch.occupancy.per_server()
     status = {
@@ -42,8 +47,7 @@ def swarm_status(orch: Any, detail: bool = True) -> dict[str, Any]:
         "chains": [
             {"id": c.chain_id, "servers": list(c.servers), "spans": [list(s) for s in c.spans],
              "route": [list(r) for r in c.route], "capacity": c.capacity, "active": active.get(c.chain_id, 0),
-             "free": free.get(c.chain_id, 0), "kv_tokens": kv.get(c.chain_id, (None, None))[1],
-             "kv_tokens_held": kv.get(c.chain_id, (None, None))[0],
+             "free": free.get(c.chain_id, 0), **kv_of(c.chain_id),
              "ready": c.ready, "service_time": c.service_time, "cached_prefix_tokens": orch.chain_cached_tokens(c)}
             for c in view.chains
         ],
