@@ -77,3 +77,18 @@ def test_a_server_block_runs_without_bitsandbytes(tmp_path):
         "assert importlib.util.find_spec('bitsandbytes') is None\n"
         "print('ok')"
     )
+
+
+def test_only_servers_load_bitsandbytes_and_it_prints_nothing():
+    """The orchestrator's stack never imports bitsandbytes (0.45 CPU-s of every orchestrator's start); petals'
+    server code does, for every block, and the shim has it imported first with its CPU-host notice swallowed."""
+    result = _run(
+        "import sys\n"
+        "import swarm.service, swarm.engine.petals_client\n"
+        "assert 'bitsandbytes' not in sys.modules and 'scipy.stats' not in sys.modules\n"
+        "import petals.utils.peft\n"
+        "assert 'bitsandbytes' in sys.modules\n"
+        "print('ok')"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok", result.stdout
