@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "server and the orchestrator alike")
     parser.add_argument("--quant-type", choices=["none", "int8", "nf4"],
                         help="weight quantisation (default: petals' choice, nf4 on GPU, none on CPU)")
-    parser.add_argument("--tensor-parallel-devices", nargs="+", metavar="DEVICE",
-                        help="split each block across these devices (petals tensor parallelism)")
+    # petals' flag, refused with its reason (server_kwargs) rather than as an unknown argument
+    parser.add_argument("--tensor-parallel-devices", nargs="+", metavar="DEVICE", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any)")
     parser.add_argument("--announce-host", help="address other peers reach this server at (NAT, proxy)")
@@ -107,9 +107,16 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     if args.node_id is not None and (not args.node_id.strip() or len(args.node_id) > 128):
         raise _BadInput("--node-id must be a non-empty name of at most 128 characters")
     device = args.device
-    if device is not None and device.split(":")[0] not in ("cpu", "cuda", "mps"):
-        raise _BadInput(f"--device {device}: expected cpu, cuda[:N] or mps")
+    if device is not None:
+        _check_device(device)
     on_cpu = device == "cpu" or (device is None and not _cuda_available())
+    if args.quant_type not in (None, "none") and (on_cpu or (device or "").startswith("mps")):
+        raise _BadInput(f"--quant-type {args.quant_type} quantizes on CUDA devices only (bitsandbytes); on "
+                        f"{device or 'this host'} the blocks would stay unquantized while the planner counted them "
+                        "at the quantized size")
+    if args.tensor_parallel_devices:
+        raise _BadInput("--tensor-parallel-devices is not supported: Chainswarm's block code runs each block on one "
+                        "device; run one server per GPU instead (--device cuda:N)")
     ip = "ip6" if ":" in args.host else "ip4"
     emulated = None
     if getattr(args, "emulate_compute", None):
@@ -157,9 +164,29 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     if args.identity_key:
         kwargs["identity_key"] = args.identity_key
     kwargs["open_sessions"] = bool(args.open)
-    if args.tensor_parallel_devices:
-        kwargs["tensor_parallel_devices"] = list(args.tensor_parallel_devices)
     return kwargs
+
+
+def _check_device(device: str) -> None:
+    """``--device`` names a device this host has: cpu, cuda, cuda:N below the device count, or mps."""
+    kind, colon, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (colon and (kind != "cuda" or not index.isdigit())):
+        raise _BadInput(f"--device {device}: expected cpu, cuda[:N] or mps")
+    if kind == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if _cuda_available() else 0
+        if count == 0:
+            why = "no CUDA device is visible" if torch.backends.cuda.is_built() else \
+                f"this torch ({torch.__version__}) is built without CUDA"
+            raise _BadInput(f"--device {device}: {why} (--device cpu serves on the CPU)")
+        if index and int(index) >= count:
+            raise _BadInput(f"--device {device}: this host has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    if kind == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise _BadInput(f"--device {device}: no Apple MPS device here (--device cpu serves on the CPU)")
 
 
 def _cuda_available() -> bool:

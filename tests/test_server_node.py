@@ -217,6 +217,27 @@ def test_server_cli_help_and_bad_input(tiny_model, capsys):
     err = capsys.readouterr().err
     assert err.count("chainswarm server: error:") == 7 and all(len(l) < 200 for l in err.splitlines())
     assert "--emulate-compute: expected PREFILL_MS,DECODE_MS" in err
+    # what this host does not have, and what Chainswarm's block code does not do: one line each, before any start
+    # (--device cuda was a traceback from torch after the node joined; --quant-type int8 on the CPU served float32
+    # blocks that the profile counted at a quarter of their size; tensor parallelism failed every load)
+    import torch
+
+    for argv, needle in [(["--device", "cpu:1"], "expected cpu, cuda[:N] or mps"),
+                         (["--device", f"cuda:{torch.cuda.device_count()}"], "--device cuda:"),
+                         (["--device", "cpu", "--quant-type", "int8"], "--quant-type int8 quantizes on CUDA devices"),
+                         (["--tensor-parallel-devices", "cpu", "cpu"], "--tensor-parallel-devices is not supported")]:
+        assert main(["server", "--model", tiny_model, "--initial-peers", peer, *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("chainswarm server: error: ") and needle in err and "\n" not in err, err
+    assert "--tensor-parallel-devices" not in main_help(capsys)
+
+
+def main_help(capsys) -> str:
+    from swarm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["server", "--help"])
+    return capsys.readouterr().out
 
 
 # -- a live swarm of two nodes -------------------------------------------------------------------------------
