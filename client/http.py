@@ -33,11 +33,18 @@ class Score:
 
 
 class SwarmError(RuntimeError):
-    """The orchestrator refused or failed a request; ``status`` is the HTTP status, ``kind`` its error type."""
+    """The orchestrator refused or failed a request: ``status`` is the HTTP status, ``code`` which error it is
+    (``context_length_exceeded``, ``rate_limited`` …) and ``param`` the request field at fault, if one is."""
 
-    def __init__(self, status: int, kind: str, message: str):
-        super().__init__(f"{status} {kind}: {message}")
-        self.status, self.kind, self.message = status, kind, message
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+    @classmethod
+    def of(cls, status: int, error: dict) -> "SwarmError":
+        """From an error object ``{"message", "type", "param", "code"}``."""
+        return cls(status, error.get("code") or error.get("type") or "error", error.get("message", ""),
+                   error.get("param"))
 
 
 @dataclass
@@ -66,11 +73,10 @@ def _raise_for(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
     try:
-        error = response.json().get("error", {})
-        kind, message = error.get("type", "error"), error.get("message", response.text)
-    except (ValueError, AttributeError):
-        kind, message = "error", response.text
-    raise SwarmError(response.status_code, kind, message)
+        error = dict(response.json()["error"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        error = {"message": response.text}
+    raise SwarmError.of(response.status_code, error)
 
 
 class SwarmClient:
@@ -201,7 +207,7 @@ class SwarmClient:
                     return
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise SwarmError(503, chunk["error"].get("type", "error"), chunk["error"].get("message", ""))
+                    raise SwarmError.of(503, chunk["error"])
                 text = text_of(chunk["choices"][0]) if chunk.get("choices") else None
                 if text:
                     yield text

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from swarm.api.errors import ApiError, validation_message
+from swarm.api.errors import ApiError, validation_error
 from swarm.api.openai_routes import add_openai_routes
 from swarm.engine.completion import Finished
 from swarm.engine.sampling import StopMatcher, TokenChooser
@@ -105,13 +105,13 @@ def make_app(model_dir, max_length: int = 2048, model_name: str = "smollm2") -> 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
         headers = {} if exc.retry_after_s is None else {"Retry-After": str(math.ceil(exc.retry_after_s))}
-        return JSONResponse({"error": {"type": exc.kind, "message": exc.message}}, status_code=exc.status,
+        return JSONResponse(exc.body(), status_code=exc.status,
                             headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        message = validation_message(exc.errors(), request.headers.get("content-type"))
-        return JSONResponse({"error": {"type": "invalid_request", "message": message}}, status_code=422)
+        error = validation_error(exc.errors(), request.headers.get("content-type"))
+        return JSONResponse(error.body(), status_code=error.status)
 
     add_openai_routes(app, runner=LocalRunner(engine), engine=engine, model_name=model_name,
                       max_length=max_length, client_of=lambda authorization, fallback: fallback or "local")

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from client import SwarmClient
+from client import SwarmClient, SwarmError
 from helpers import HTTP, http_client, wait_for, wait_idle
 from real_model import greedy_reference
 from server.local_swarm import LocalSwarm
@@ -334,9 +334,22 @@ def test_n_choices_are_separate_sessions(client, local, swarm):
 
 
 def test_unsupported_and_unknown_fields(client, local, swarm):
-    with pytest.raises(openai.BadRequestError, match="functions"):  # the deprecated form of tools
+    with pytest.raises(openai.BadRequestError, match="functions") as refused:  # the deprecated form of tools
         client.chat.completions.create(model=local.name, messages=QUESTION,
                                        extra_body={"functions": [{"name": "f", "parameters": {}}]})
+    assert (refused.value.code, refused.value.param, refused.value.type) == (
+        "unsupported_parameter", "functions", "invalid_request_error")
+    # what applications check to shorten a conversation, as they do with OpenAI's
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model=local.name, messages=QUESTION, max_tokens=MAX_LENGTH)
+    assert (too_long.value.code, too_long.value.type) == ("context_length_exceeded", "invalid_request_error")
+    with pytest.raises(SwarmError) as too_long_here:  # the client library reads the same code
+        with SwarmClient(swarm.url, api_key="sk-test") as c:
+            c.generate("Hello", MAX_LENGTH)
+    assert (too_long_here.value.status, too_long_here.value.code) == (400, "context_length_exceeded")
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=1)
+    assert (unknown.value.code, unknown.value.param) == ("model_not_found", "model")
     response = HTTP.post(f"{swarm.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-test"},
                          json={"messages": QUESTION, "colour": "red"}, timeout=30)
     assert response.status_code == 422 and "colour" in response.json()["error"]["message"]

@@ -207,9 +207,16 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         assert bad[0][0].json()["error"]["message"].startswith("the request body is not valid JSON (")
         assert "only with echo" in bad[2][0].json()["error"]["message"]
         assert "exceeds" in bad[7][0].json()["error"]["message"]  # the batch refused whole, nothing streamed
-        assert bad[8][0].json()["error"] == {"type": "request_too_large",
-                                             "message": "the request body is larger than 32 MiB"}
-        assert bad[9][0].json()["error"]["type"] == "not_found"
+        assert bad[8][0].json()["error"] == {"type": "invalid_request_error", "code": "request_too_large",
+                                             "message": "the request body is larger than 32 MiB", "param": None}
+        assert bad[9][0].json()["error"]["code"] == "not_found"
+        # OpenAI's error object: applications branch on its code and param (a prompt too long for the context
+        # is context_length_exceeded, as OpenAI's, whether the prompt or max_tokens made it so)
+        for i in (3, 7):
+            assert {k: bad[i][0].json()["error"][k] for k in ("type", "code")} == {
+                "type": "invalid_request_error", "code": "context_length_exceeded"}, bad[i][0].text
+        assert (bad[1][0].json()["error"]["param"], bad[11][0].json()["error"]["param"]) == ("colour", "prompt[1]")
+        assert bad[0][0].json()["error"]["param"] is None  # not JSON: no field to name
         assert bad[10][0].json()["error"] == bad[8][0].json()["error"]
         assert bad[11][0].json()["error"]["message"] == ("prompt[1]: Input should be a valid integer, unable to parse "
                                                          "string as an integer")

@@ -13,7 +13,7 @@
   a chat page (:mod:`swarm.api.web_pages`);
   ``GET /docs`` — the OpenAPI UI. Every response carries ``X-Request-Id``.
 
-Errors are JSON ``{"error": {"type", "message"}}`` with a 4xx status for bad input (400 too long or an
+Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` (:mod:`swarm.api.errors`) with a 4xx status for bad input (400 too long or an
 unsupported OpenAI field, 401 bad key, 404 unknown lease or model, 422 malformed/unknown fields), 429 with
 ``Retry-After`` when the queue is at its bound, and 503 (with ``Retry-After`` after a queue timeout) when the
 swarm cannot serve.
@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from swarm.api import web_pages
 from swarm.api.auth import MAX_CLIENT_ID, ClientAuth, match_api_key
-from swarm.api.errors import ApiError, validation_message
+from swarm.api.errors import ApiError, error_body, validation_error
 from swarm.api.metrics import SwarmMetrics
 from swarm.api.openai_routes import add_openai_routes
 from swarm.api.serving_leases import LeaseHandlers, add_lease_routes
@@ -65,7 +65,7 @@ class RequestIdMiddleware:
         headers = dict(scope.get("headers") or ())
         sent = headers.get(b"x-request-id", b"")[:128]
         request_id = sent.decode("latin-1") if sent else uuid.uuid4().hex
-        too_large = JSONResponse({"error": {"type": "request_too_large", "message": TOO_LARGE}}, status_code=413,
+        too_large = JSONResponse(error_body(413, "request_too_large", TOO_LARGE), status_code=413,
                                  headers={"x-request-id": request_id})
         length = headers.get(b"content-length", b"")
         chunked = not length and b"chunked" in headers.get(b"transfer-encoding", b"")
@@ -120,7 +120,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
         headers = {} if exc.retry_after_s is None else {"Retry-After": str(math.ceil(exc.retry_after_s))}
-        return JSONResponse({"error": {"type": exc.kind, "message": exc.message}}, status_code=exc.status,
+        return JSONResponse(exc.body(), status_code=exc.status,
                             headers=headers)
 
     app.add_middleware(RequestIdMiddleware)
@@ -129,7 +129,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
     async def _http_error(_: Request, exc: StarletteHTTPException):  # unknown paths and methods
         kind = HTTP_ERROR_KINDS.get(exc.status_code, "invalid_request")
         message = TOO_LARGE if exc.status_code == 413 else str(exc.detail)
-        return JSONResponse({"error": {"type": kind, "message": message}}, status_code=exc.status_code,
+        return JSONResponse(error_body(exc.status_code, kind, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
@@ -139,8 +139,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
                 auth.client_of(request.headers.get("authorization"), None)
             except ApiError as refused:
                 return await _api_error(request, refused)
-        message = validation_message(exc.errors(), request.headers.get("content-type"))
-        return JSONResponse({"error": {"type": "invalid_request", "message": message}}, status_code=422)
+        return await _api_error(request, validation_error(exc.errors(), request.headers.get("content-type")))
 
     add_openai_routes(app, runner=runner, engine=engine, model_name=model_name,
                       max_length=orchestrator.config.expect.max_length, client_of=auth.client_of)

@@ -1,21 +1,39 @@
 """The errors the HTTP API answers with, and how the orchestrator's refusals map onto them.
 
-Every error is JSON ``{"error": {"type", "message"}}``; ``Retry-After`` is sent when the orchestrator can say
-when to come back (a full queue: 429; a queue timeout: 503).
+Every error is OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``: ``type`` is OpenAI's
+class of the status (``invalid_request_error``, ``authentication_error``, …), ``code`` says which error it is
+(``context_length_exceeded``, ``unsupported_parameter``, ``model_not_found``, ``rate_limited`` …; what
+applications branch on, as they do on OpenAI's) and ``param`` names the request field at fault, where one is.
+``Retry-After`` is sent when the orchestrator can say when to come back (a full queue: 429; a queue timeout: 503).
 """
 from __future__ import annotations
 
 from swarm.api.schemas import BRANCH
 from swarm.engine.completion import CompletionFailed
 from swarm.control.orchestrator import NoChainsError, QueueFull, QueueTimeout
+from swarm.control.reservations import ContextLengthExceeded
+
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+"""OpenAI's error ``type`` by HTTP status; other 4xx are ``invalid_request_error``, 5xx ``server_error``."""
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    """The JSON of an error response (and of a stream's error event)."""
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class ApiError(Exception):
-    """An error answered as ``{"error": {"type", "message"}}`` (with ``Retry-After`` when it is known)."""
+    """An error answered as OpenAI's error object (:func:`error_body`), with ``Retry-After`` when it is known."""
 
-    def __init__(self, status: int, kind: str, message: str, retry_after_s: float | None = None):
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None,
+                 param: str | None = None):
         super().__init__(message)
-        self.status, self.kind, self.message, self.retry_after_s = status, kind, message, retry_after_s
+        self.status, self.code, self.message, self.retry_after_s = status, code, message, retry_after_s
+        self.param = param
+
+    def body(self) -> dict:
+        return error_body(self.status, self.code, self.message, self.param)
 
 
 def field_path(loc: tuple) -> str:
@@ -28,6 +46,14 @@ def field_path(loc: tuple) -> str:
         elif part != "body" and not str(part).startswith(BRANCH):
             path += f".{part}" if path else str(part)
     return path
+
+
+def validation_error(errors: list[dict], content_type: str | None) -> ApiError:
+    """The 422 of a request FastAPI could not validate: :func:`validation_message`, and the first error's field
+    as ``param``."""
+    loc = tuple(errors[0].get("loc", ())) if errors else ()
+    param = None if errors and errors[0].get("type") == "json_invalid" else field_path(loc) or None
+    return ApiError(422, "invalid_request", validation_message(errors, content_type), param=param)
 
 
 def validation_message(errors: list[dict], content_type: str | None) -> str:
@@ -55,7 +81,9 @@ REFUSALS = (ValueError, NoChainsError, QueueFull, QueueTimeout, CompletionFailed
 
 def refusal(exc: Exception) -> ApiError:
     """The HTTP answer to one of :data:`REFUSALS`."""
-    if isinstance(exc, ValueError):  # too long for the swarm's sessions
+    if isinstance(exc, ContextLengthExceeded):
+        return ApiError(400, "context_length_exceeded", str(exc))
+    if isinstance(exc, ValueError):
         return ApiError(400, "invalid_request", str(exc))
     if isinstance(exc, QueueFull):
         return ApiError(429, "rate_limited", str(exc), exc.retry_after_s)

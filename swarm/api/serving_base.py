@@ -98,13 +98,15 @@ class OpenAIServing:
             raise ApiError(503, "unavailable", "this orchestrator does not proxy completions (no engine)")
         used = [name for name in unsupported if getattr(body, name) is not None]
         if used:
-            raise ApiError(400, "unsupported_parameter", f"not supported by Chainswarm: {', '.join(used)}")
+            raise ApiError(400, "unsupported_parameter", f"not supported by Chainswarm: {', '.join(used)}",
+                           param=used[0])
         if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, "model_not_found", f"this swarm serves {self.model_name!r}, not {body.model!r}")
+            raise ApiError(404, "model_not_found", f"this swarm serves {self.model_name!r}, not {body.model!r}",
+                           param="model")
         if self._char_limit is None:
             self._char_limit = prompt_char_limit(self.engine.tokenizer, self.max_length)
         if chars > self._char_limit:  # tokenizing it (on the event loop) would be work for nothing
-            raise ApiError(400, "invalid_request", f"the prompt ({chars} characters) is longer than "
+            raise ApiError(400, "context_length_exceeded", f"the prompt ({chars} characters) is longer than "
                            f"{self.max_length} tokens can be, the swarm's maximum session length")
 
     def sampling(self, body, input_ids: list[int], max_tokens: int | None,
@@ -113,12 +115,12 @@ class OpenAIServing:
         grows = max_tokens is None  # to the end of the session length, reserved as it grows
         if max_tokens is None:
             if room < 1:
-                raise ApiError(400, "invalid_request", f"the prompt ({len(input_ids)} tokens) leaves no room in "
+                raise ApiError(400, "context_length_exceeded", f"the prompt ({len(input_ids)} tokens) leaves no room in "
                                 f"the swarm's maximum session length of {self.max_length} tokens")
             max_tokens = room
         if body.min_tokens > max_tokens:
             raise ApiError(400, "invalid_request", f"min_tokens ({body.min_tokens}) is more than max_tokens "
-                           f"({max_tokens})")
+                           f"({max_tokens})", param="min_tokens")
         eos = getattr(self.engine, "eos_token_id", None)
         return [SamplingParams(max_tokens, body.temperature, body.top_p,
                                None if body.seed is None else body.seed + i, body.presence_penalty,
@@ -268,7 +270,7 @@ class OpenAIServing:
                 return
             except REFUSALS as exc:
                 err = refusal(exc)
-                yield sse({"error": {"type": err.kind, "message": err.message}})
+                yield sse(err.body())
                 return
         for event in stream_end(meta, usage(prompt_tokens, done), include_usage):
             yield event

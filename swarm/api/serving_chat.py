@@ -65,6 +65,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check(body, UNSUPPORTED_CHAT_FIELDS, sum(len(m.text()) for m in body.messages)
                    + sum(len(c.function.arguments) for m in body.messages for c in m.tool_calls or ()))
         self.check_messages(body)
+        if body.top_logprobs and not body.logprobs:  # asked for, and it would have been answered without them
+            raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
 
     async def prompt(self, body: ChatCompletionRequest) -> tuple[OutputPlan, list[int]]:
         """The answer's compiled output plan and the prompt's token ids (the conversation rendered)."""
@@ -77,16 +79,21 @@ class OpenAIServingChat(OpenAIServing):
         name their call, calls only from the assistant."""
         for i, m in enumerate(body.messages):
             if m.role == "tool" and not m.tool_call_id:
-                raise ApiError(400, "invalid_request", f"messages[{i}]: a tool message needs its tool_call_id")
+                raise ApiError(400, "invalid_request", f"messages[{i}]: a tool message needs its tool_call_id",
+                               param=f"messages[{i}]")
             if m.tool_calls and m.role != "assistant":
-                raise ApiError(400, "invalid_request", f"messages[{i}]: only assistant messages have tool_calls")
+                raise ApiError(400, "invalid_request", f"messages[{i}]: only assistant messages have tool_calls",
+                               param=f"messages[{i}]")
             if m.tool_call_id is not None and m.role != "tool":
-                raise ApiError(400, "invalid_request", f"messages[{i}]: only tool messages have a tool_call_id")
+                raise ApiError(400, "invalid_request", f"messages[{i}]: only tool messages have a tool_call_id",
+                               param=f"messages[{i}]")
             for name in ("audio", "function_call"):
                 if getattr(m, name) is not None:
-                    raise ApiError(400, "unsupported_parameter", f"messages[{i}].{name}: not supported by Chainswarm")
+                    raise ApiError(400, "unsupported_parameter", f"messages[{i}].{name}: not supported by Chainswarm",
+                                   param=f"messages[{i}].{name}")
             if m.content is None and not (m.role == "assistant" and (m.tool_calls or m.refusal)):
-                raise ApiError(400, "invalid_request", f"messages[{i}]: content is required")
+                raise ApiError(400, "invalid_request", f"messages[{i}]: content is required",
+                               param=f"messages[{i}]")
 
     def render(self, body: ChatCompletionRequest, plan: OutputPlan | None = None) -> str:
         """The prompt: the conversation through the model's chat template (400 when there is none or it

@@ -134,7 +134,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """max_tokens 0: every choice is its prompt (scored by ``scored``'s runs, if logprobs were asked)."""
         for echo in echoes:
             if len(echo.input_ids) > self.max_length:
-                raise ApiError(400, "invalid_request", f"the prompt ({len(echo.input_ids)} tokens) exceeds the "
+                raise ApiError(400, "context_length_exceeded", f"the prompt ({len(echo.input_ids)} tokens) exceeds the "
                                f"swarm's maximum session length of {self.max_length} tokens")
         meta = self.response_meta()
         choices = [{"index": p * body.n + i, "text": echo.text, "finish_reason": "length",

@@ -23,5 +23,6 @@ class OpenAIServingModels:
 
     async def get_model(self, model_id: str) -> dict[str, Any]:
         if model_id != self.model_name:
-            raise ApiError(404, "model_not_found", f"this swarm serves {self.model_name!r}, not {model_id!r}")
+            raise ApiError(404, "model_not_found", f"this swarm serves {self.model_name!r}, not {model_id!r}",
+                           param="model")
         return self.model_card()

@@ -105,7 +105,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         used = [name for name in UNSUPPORTED_RESPONSE_FIELDS if getattr(body, name) is not None]
         if used:
             raise ApiError(400, "unsupported_parameter", f"not supported by Chainswarm: {', '.join(used)} (the "
-                           "swarm keeps no conversation state: send the whole conversation in input)")
+                           "swarm keeps no conversation state: send the whole conversation in input)", param=used[0])
         chat = chat_request(body)
         self.validate(chat)
         plan, input_ids = await self.prompt(chat)
@@ -202,7 +202,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 return
             except REFUSALS as exc:
                 err = refusal(exc)
-                yield event("error", code=err.kind, message=err.message, param=None)
+                yield event("error", code=err.code, message=err.message, param=err.param)
 
 
 class _OutputWriter:

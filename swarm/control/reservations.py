@@ -11,6 +11,11 @@ from __future__ import annotations
 from typing import Iterable
 
 
+class ContextLengthExceeded(ValueError):
+    """A request longer than any session of the swarm may be, or than any chain of the plan can hold: the client
+    must shorten it (the API's 400 with OpenAI's code ``context_length_exceeded``)."""
+
+
 class Reservations:
     def __init__(self, expect):
         self.expect = expect  # swarm.control.planning.Expectations
@@ -29,17 +34,17 @@ class Reservations:
         return min(self.expect.max_length, max(budgets))
 
     def check(self, input_tokens: int, max_new_tokens: int, reserve: int, chains: Iterable) -> None:
-        """Refuse (``ValueError``, the 400's text) a request no session may be or no chain of the plan can
+        """Refuse (:class:`ContextLengthExceeded`, the 400's text) a request no session may be or no chain of the plan can
         ever hold: past ``max_length``, or a first reservation larger than every chain's KV budget."""
         expect = self.expect
         prompt = f"prompt ({input_tokens} token{'' if input_tokens == 1 else 's'})"
         if input_tokens + max_new_tokens > expect.max_length:
-            raise ValueError(f"{prompt} + max_tokens ({max_new_tokens}) exceeds the "
+            raise ContextLengthExceeded(f"{prompt} + max_tokens ({max_new_tokens}) exceeds the "
                              f"swarm's maximum session length of {expect.max_length} tokens")
         need = expect.kv_need(input_tokens, reserve)
         largest = self.longest(chains)  # max_length with slots, which every need equals: never refused here
         if largest is not None and need > largest:
-            raise ValueError(f"{prompt} + max_tokens ({max_new_tokens}) needs {need} KV "
+            raise ContextLengthExceeded(f"{prompt} + max_tokens ({max_new_tokens}) needs {need} KV "
                              f"tokens per block, more than any chain of the current plan holds ({largest})")
 
     def open(self, request_id: str, input_tokens: int, reserve: int, max_new_tokens: int) -> None:
