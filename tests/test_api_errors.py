@@ -31,6 +31,12 @@ def message(schema, body: dict) -> str:
     ({"prompt": [[1], [2, "x"]]}, "prompt[1][1]: Input should be a valid integer, unable to parse string as an integer"),
     ({"prompt": ["hi"] * 65}, "prompt: List should have at most 64 items after validation, not 65"),
     ({"prompt": "hi", "stop": 5}, "stop: Input should be a string or a list of strings"),
+    # a seed past 64 bits failed the session on the swarm three times (a 503), a negative logit_bias key biased a
+    # token counted from the vocabulary's end
+    ({"prompt": "hi", "seed": 2**64}, "seed: Input should be less than 9223372036854775808"),
+    ({"prompt": "hi", "seed": -(2**63) - 1}, "seed: Input should be greater than or equal to -9223372036854775808"),
+    ({"prompt": "hi", "logit_bias": {"-1": 5}},
+     "logit_bias: Value error, logit_bias maps token ids (as strings of digits) to biases in [-100, 100]"),
 ])
 def test_a_prompt_of_the_wrong_form_gets_the_errors_of_its_own_form(body, expected):
     assert message(CompletionRequest, body) == expected
@@ -80,3 +86,21 @@ def test_field_paths_read_as_the_request_spells_them():
     assert field_path(("body", "messages", 0, "content", 1, "type")) == "messages[0].content[1].type"
     assert field_path(("body", "prompt", "~token id lists", 2, 0)) == "prompt[2][0]"
     assert field_path(("body",)) == ""
+
+
+def test_every_error_is_openais_error_object():
+    """``{"error": {"message", "type", "param", "code"}}``: OpenAI's class of the status as ``type``, which error it is
+    as ``code`` (what applications branch on), the field at fault as ``param``."""
+    from swarm.api.errors import error_body, validation_error
+
+    assert error_body(429, "rate_limited", "wait") == {
+        "error": {"message": "wait", "type": "rate_limit_error", "param": None, "code": "rate_limited"}}
+    assert {status: error_body(status, "x", "")["error"]["type"] for status in (400, 401, 403, 404, 413, 422, 503)} == {
+        400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+        404: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error", 503: "server_error"}
+    refused = validation_error([{"loc": ("body", "messages", 0, "content"), "msg": "Field required",
+                                 "type": "missing"}], "application/json")
+    assert (refused.status, refused.code, refused.param) == (422, "invalid_request", "messages[0].content")
+    not_json = validation_error([{"loc": ("body", 7), "type": "json_invalid", "ctx": {"error": "Expecting value"}}],
+                                "application/json")
+    assert not_json.param is None and not_json.body()["error"]["message"].startswith("the request body is not valid")

@@ -283,6 +283,7 @@ def deep(levels: int) -> dict:
     ({"functions": [{"name": "f"}]}, 400, "functions"),
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
     ({"top_logprobs": 3}, 400, "top_logprobs needs logprobs: true"),  # was answered without any logprobs
+    ({"logit_bias": {"49152": 5}}, 400, "logit_bias: token id 49152 is not in the model's vocabulary of 49152"),
 ])
 def test_invalid_schemas_and_tools_get_clear_errors(api, extra, status, needle):
     response = HTTP.post(f"{api}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra}, timeout=60)

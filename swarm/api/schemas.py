@@ -113,7 +113,8 @@ class _Sampling(_Strict):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[one_of("a string or a list of strings", string=str, list=list[str])] = Field(
         None, description=f"up to {MAX_STOP} stop strings, never part of the returned text")
-    seed: Optional[int] = Field(None, description="same seed and prompt -> same text")
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**63, description="same seed and prompt -> same text "
+                                "(a 64-bit integer)")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id -> bias in [-100, 100]")
@@ -153,8 +154,8 @@ class _Sampling(_Strict):
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for key, bias in value.items():
-            if len(key) > 12 or not key.lstrip("-").isdigit() or not -100 <= bias <= 100:
-                raise ValueError("logit_bias maps token ids (as strings) to biases in [-100, 100]")
+            if len(key) > 12 or not key.isdigit() or not -100 <= bias <= 100:  # "-1" biased the last token
+                raise ValueError("logit_bias maps token ids (as strings of digits) to biases in [-100, 100]")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:

@@ -103,6 +103,11 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, "model_not_found", f"this swarm serves {self.model_name!r}, not {body.model!r}",
                            param="model")
+        vocabulary = len(self.engine.tokenizer)
+        outside = next((k for k in getattr(body, "logit_bias", None) or () if int(k) >= vocabulary), None)
+        if outside is not None:  # was accepted and biased nothing
+            raise ApiError(400, "invalid_request", f"logit_bias: token id {outside} is not in the model's vocabulary "
+                           f"of {vocabulary}", param="logit_bias")
         if self._char_limit is None:
             self._char_limit = prompt_char_limit(self.engine.tokenizer, self.max_length)
         if chars > self._char_limit:  # tokenizing it (on the event loop) would be work for nothing

@@ -46,7 +46,8 @@ class OpenAIServingCompletion(OpenAIServing):
         vocabulary = len(self.engine.tokenizer)
         bad = next((t for t in prompt if not 0 <= t < vocabulary), None)
         if bad is not None:
-            raise ApiError(400, "invalid_request", f"token id {bad} is not in the model's vocabulary of {vocabulary}")
+            raise ApiError(400, "invalid_request", f"token id {bad} is not in the model's vocabulary of {vocabulary}",
+                           param="prompt")
         return list(prompt), self.engine.decode(list(prompt))
 
     async def complete(self, body: CompletionRequest, client: str, inputs: list[tuple[list[int], str]], plan,
