@@ -83,11 +83,14 @@ def test_only_servers_load_bitsandbytes_and_it_prints_nothing():
     """The orchestrator's stack never imports bitsandbytes (0.45 CPU-s of every orchestrator's start); petals'
     server code does, for every block, and the shim has it imported first with its CPU-host notice swallowed."""
     result = _run(
-        "import sys\n"
+        "import sys, warnings\n"
         "import swarm.service, swarm.engine.petals_client\n"
         "assert 'bitsandbytes' not in sys.modules and 'scipy.stats' not in sys.modules\n"
-        "import petals.utils.peft\n"
+        "with warnings.catch_warnings(record=True) as seen:  # as pytest records them\n"
+        "    warnings.simplefilter('always')\n"
+        "    import petals.utils.peft\n"
         "assert 'bitsandbytes' in sys.modules\n"
+        "assert not [w for w in seen if 'bitsandbytes' in str(w.filename)], [str(w.message) for w in seen]\n"
         "print('ok')"
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -75,12 +75,15 @@ def _default_network_rps(config, *, timeout: float = 60, default_speed: float = 
 
 
 def _import_bitsandbytes_quietly() -> bool:
-    """bitsandbytes 0.41.1 prints a missing-symbol line on CPU-only hosts at import; it is harmless there.
-    Returns whether bitsandbytes is installed."""
+    """bitsandbytes 0.41.1 prints a missing-symbol line and warns that it has no GPU support on CPU-only hosts at
+    import; both are harmless there. Returns whether bitsandbytes is installed."""
     import contextlib
     import io
+    import warnings
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         try:
             import bitsandbytes  # noqa: F401
         except ModuleNotFoundError:
