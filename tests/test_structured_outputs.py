@@ -336,3 +336,13 @@ def test_every_session_of_a_step_follows_its_grammar_on_the_real_vocabulary(toke
             for row, chooser in enumerate(choosers):
                 chooser(torch.tensor([[0]]), logits[row: row + 1])
                 assert chooser.generated[-1] == token
+
+
+def test_response_ids_have_openais_forms(api):
+    """cmpl-…, chatcmpl-… and resp_… (the Responses API's ids were resp-…)."""
+    ids = [HTTP.post(f"{api}/v1/{path}", json=body, timeout=60).json()["id"] for path, body in [
+        ("completions", {"prompt": "Hi", "max_tokens": 1}),
+        ("chat/completions", {"messages": ASK, "max_tokens": 1}),
+        ("responses", {"input": "Hi", "max_output_tokens": 1})]]
+    assert [i[:i.index(sep) + 1] for i, sep in zip(ids, "--_")] == ["cmpl-", "chatcmpl-", "resp_"], ids
+    assert all(len(i) > 20 for i in ids), ids

@@ -77,7 +77,7 @@ class OpenAIServing:
     :class:`~swarm.engine.generation.GenerationEngine` (None: this orchestrator does not proxy completions),
     ``client_of(authorization, fallback)`` names the client (API key or self-declared id)."""
 
-    id_prefix = "cmpl"  # the response ids' prefix
+    id_prefix = "cmpl-"  # the response ids' prefix (OpenAI's: cmpl-, chatcmpl-, resp_)
 
     def __init__(self, *, runner, engine, model_name: str, max_length: int,
                  client_of: Callable[[str | None, str | None], str]):
@@ -169,7 +169,7 @@ class OpenAIServing:
 
     def response_meta(self) -> dict:
         """A response's ``id``, ``created`` and ``model``."""
-        return {"id": f"{self.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+        return {"id": f"{self.id_prefix}{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.model_name}
 
     def begin(self, body, client: str, prompts: list[list[int]], max_tokens: int | None,

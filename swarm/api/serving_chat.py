@@ -24,7 +24,7 @@ class OpenAIServingChat(OpenAIServing):
     calls come back as ``message.tool_calls`` with ``finish_reason: "tool_calls"``, streamed as argument
     deltas."""
 
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
 
     # The route's operation (summary "Chat Completions"; its docstring would become the OpenAPI description).
     async def chat_completions(self, body: ChatCompletionRequest, request: Request,

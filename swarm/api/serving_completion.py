@@ -18,7 +18,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """Text completions: the prompt as it is, ``logprobs`` in the legacy ``tokens``/``token_logprobs``/
     ``top_logprobs``/``text_offset`` form, the prefix-cache outcome in ``x-chainswarm-prefix``."""
 
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
 
     # The route's operation (summary "Completions"; its docstring would become the OpenAPI description).
     async def completions(self, body: CompletionRequest, request: Request, response: Response,

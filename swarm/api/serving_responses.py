@@ -96,7 +96,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 class OpenAIServingResponses(OpenAIServingChat):
     """The Responses API (module doc): a chat completion underneath, OpenAI's ``response`` shape on the wire."""
 
-    id_prefix = "resp"
+    id_prefix = "resp_"
 
     # The route's operation (summary "Responses").
     async def responses(self, body: ResponsesRequest, request: Request, authorization: str | None = Header(None),
