@@ -136,3 +136,16 @@ def test_the_libp2p_daemons_own_start_failures_read_as_one_line():
         f"cannot reach any initial peer ({UNREACHABLE}): check them")
     assert p2p_start_failure(ValueError("x")) is None
     assert p2p_start_failure(P2PDaemonError("stream reset")) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["fig3", "--runs", "0"], "--runs must be at least 1"),
+    (["fig3", "--jobs", "-5"], "--jobs must be at least 100"),
+    (["fairness", "--policies", "nope"], "unknown policy 'nope'"),
+])
+def test_simulate_rejects_bad_input_in_one_line(tmp_path, args, message):
+    result = chainswarm("simulate", *args, "--out", str(tmp_path))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("chainswarm simulate") and ": error: " in lines[0] and message in lines[0], lines
+    assert not any(tmp_path.iterdir())  # nothing written

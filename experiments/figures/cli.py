@@ -49,13 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.runs is not None and args.runs < 1:
-        print("chainswarm simulate: --runs must be >= 1", file=sys.stderr)
+        print("chainswarm simulate: error: --runs must be at least 1", file=sys.stderr)
         return 2
     if getattr(args, "jobs", None) is not None and args.jobs < 100:
-        print("chainswarm simulate: --jobs must be >= 100", file=sys.stderr)
+        print("chainswarm simulate: error: --jobs must be at least 100", file=sys.stderr)
         return 2
     if args.workers is not None and args.workers < 1:
-        print("chainswarm simulate: --workers must be >= 1", file=sys.stderr)
+        print("chainswarm simulate: error: --workers must be at least 1", file=sys.stderr)
         return 2
     if args.target == "fairness":
         return _fairness(args)

@@ -83,11 +83,11 @@ def run_cli(args) -> int:
         runs = getattr(args, "runs", None)
         runs = (1 if quick else DEFAULT_RUNS) if runs is None else int(runs)
         if runs < 1:
-            raise UsageError("--runs must be >= 1")
+            raise UsageError("--runs must be at least 1")
         workers = getattr(args, "workers", None)
         workers = (1 if quick else 2) if workers is None else int(workers)
         if workers < 1:
-            raise UsageError("--workers must be >= 1")
+            raise UsageError("--workers must be at least 1")
     except (UsageError, ValueError) as e:
         print(f"chainswarm simulate fairness: error: {e}", file=sys.stderr)
         return 2
