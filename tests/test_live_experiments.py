@@ -88,8 +88,17 @@ def test_fairness_smoke_reports_the_section_9_metrics(tmp_path):
     assert (tmp_path / "live_fairness_quick.png").stat().st_size > 0
 
 
-def test_experiment_command_rejects_unknown_methods(tmp_path):
+def test_experiment_command_rejects_unknown_methods(tmp_path, capsys):
+    """Bad options are one line each, before any swarm starts (a negative --duration was an IndexError after one)."""
     assert main(["experiment", "table1", "--methods", "nope", "--out", str(tmp_path)]) == 2
+    assert main(["experiment", "fairness", "--policies", "fcfs,nope", "--out", str(tmp_path)]) == 2
+    assert main(["experiment", "fairness", "--duration", "-1", "--out", str(tmp_path)]) == 2
+    assert main(["experiment", "validation", "--out", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(": error: ")[0] for line in lines] == [
+        "chainswarm experiment table1", "chainswarm experiment fairness", "chainswarm experiment fairness",
+        "chainswarm experiment validation"], lines
+    assert "unknown policy 'nope'" in lines[1] and "--duration" in lines[2] and not any(tmp_path.iterdir())
 
 
 def test_fairness_prefix_reuse_smoke_serves_prompt_prefixes_from_cache(tmp_path):

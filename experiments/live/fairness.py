@@ -236,8 +236,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
     import tempfile
 
+    from swarm.control.options import POLICIES as KNOWN
+
+    unknown = [p for p in (args.policies or "").split(",") if p and p not in KNOWN]
+    problem = (f"unknown policy {unknown[0]!r}; expected some of {', '.join(KNOWN)}" if unknown else
+               "--duration must be a positive number of seconds" if args.duration is not None
+               and not 0 < args.duration < float("inf") else None)
+    if problem:  # before a swarm is started (a negative duration was an IndexError after one)
+        print(f"chainswarm experiment fairness: error: {problem}", file=sys.stderr)
+        return 2
     st = settings(args.quick, getattr(args, "prefix_reuse", False))
     if args.duration:
         st["duration_s"] = args.duration

@@ -266,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods.split(",") if m]
     configs = [c for c in args.configs.split(",") if c]
     if set(methods) - set(METHODS) or set(configs) - set(CONFIGS) or not methods or not configs:
-        print(f"methods from {METHODS}, configs from {CONFIGS}", file=sys.stderr)
+        print(f"chainswarm experiment table1: error: --methods from {', '.join(METHODS)}, --configs from "
+              f"{', '.join(CONFIGS)}", file=sys.stderr)
         return 2
     st = settings(args.quick)
     if args.servers:

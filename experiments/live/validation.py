@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     name = "live_validation" + ("_quick" if args.quick else "")
     source = args.source or out / ("live_table1_quick.json" if args.quick else "live_table1.json")
     if not source.is_file():
-        print(f"no Table 1 results at {source}: run `chainswarm experiment table1` first")
+        print(f"chainswarm experiment validation: error: no Table 1 results at {source}: run `chainswarm experiment "
+              "table1` first", file=sys.stderr)
         return 2
     table1 = json.loads(source.read_text())
     rows = predictions(table1)
