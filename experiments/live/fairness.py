@@ -241,11 +241,14 @@ def run(args: argparse.Namespace) -> int:
 
     from swarm.control.options import POLICIES as KNOWN
 
+    # refused before a swarm is started (a negative duration was an IndexError after one)
     unknown = [p for p in (args.policies or "").split(",") if p and p not in KNOWN]
-    problem = (f"unknown policy {unknown[0]!r}; expected some of {', '.join(KNOWN)}" if unknown else
-               "--duration must be a positive number of seconds" if args.duration is not None
-               and not 0 < args.duration < float("inf") else None)
-    if problem:  # before a swarm is started (a negative duration was an IndexError after one)
+    problem = None
+    if unknown:
+        problem = f"unknown policy {unknown[0]!r}; expected some of {', '.join(KNOWN)}"
+    elif args.duration is not None and not 0 < args.duration < float("inf"):
+        problem = "--duration must be a positive number of seconds"
+    if problem:
         print(f"chainswarm experiment fairness: error: {problem}", file=sys.stderr)
         return 2
     st = settings(args.quick, getattr(args, "prefix_reuse", False))

@@ -13,8 +13,8 @@
   a chat page (:mod:`swarm.api.web_pages`);
   ``GET /docs`` — the OpenAPI UI. Every response carries ``X-Request-Id``.
 
-Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` (:mod:`swarm.api.errors`) with a 4xx status for bad input (400 too long or an
-unsupported OpenAI field, 401 bad key, 404 unknown lease or model, 422 malformed/unknown fields), 429 with
+Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` (:mod:`swarm.api.errors`)
+with a 4xx status for bad input (400 too long or an unsupported OpenAI field, 401 bad key, 404 unknown lease or model, 422 malformed/unknown fields), 429 with
 ``Retry-After`` when the queue is at its bound, and 503 (with ``Retry-After`` after a queue timeout) when the
 swarm cannot serve.
 """

@@ -103,16 +103,22 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, "model_not_found", f"this swarm serves {self.model_name!r}, not {body.model!r}",
                            param="model")
-        vocabulary = len(self.engine.tokenizer)
-        outside = next((k for k in getattr(body, "logit_bias", None) or () if int(k) >= vocabulary), None)
-        if outside is not None:  # was accepted and biased nothing
-            raise ApiError(400, "invalid_request", f"logit_bias: token id {outside} is not in the model's vocabulary "
-                           f"of {vocabulary}", param="logit_bias")
+        if getattr(body, "logit_bias", None):  # keys past the vocabulary were accepted and biased nothing
+            self.check_vocabulary([int(k) for k in body.logit_bias], "logit_bias")
         if self._char_limit is None:
             self._char_limit = prompt_char_limit(self.engine.tokenizer, self.max_length)
         if chars > self._char_limit:  # tokenizing it (on the event loop) would be work for nothing
             raise ApiError(400, "context_length_exceeded", f"the prompt ({chars} characters) is longer than "
                            f"{self.max_length} tokens can be, the swarm's maximum session length")
+
+    def check_vocabulary(self, token_ids, param: str) -> None:
+        """400 for the first of ``token_ids`` (sent as ``param``) that is not in the model's vocabulary."""
+        vocabulary = len(self.engine.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < vocabulary), None)
+        if bad is not None:
+            where = "" if param == "prompt" else f"{param}: "
+            raise ApiError(400, "invalid_request", f"{where}token id {bad} is not in the model's vocabulary of "
+                           f"{vocabulary}", param=param)
 
     def sampling(self, body, input_ids: list[int], max_tokens: int | None,
                  logprobs: int | None, grammar=None) -> list[SamplingParams]:
@@ -120,8 +126,8 @@ class OpenAIServing:
         grows = max_tokens is None  # to the end of the session length, reserved as it grows
         if max_tokens is None:
             if room < 1:
-                raise ApiError(400, "context_length_exceeded", f"the prompt ({len(input_ids)} tokens) leaves no room in "
-                                f"the swarm's maximum session length of {self.max_length} tokens")
+                raise ApiError(400, "context_length_exceeded", f"the prompt ({len(input_ids)} tokens) leaves no "
+                               f"room in the swarm's maximum session length of {self.max_length} tokens")
             max_tokens = room
         if body.min_tokens > max_tokens:
             raise ApiError(400, "invalid_request", f"min_tokens ({body.min_tokens}) is more than max_tokens "

@@ -43,11 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """A prompt's token ids and text (a prompt given as token ids is checked against the vocabulary)."""
         if isinstance(prompt, str):
             return self.engine.encode(prompt), prompt
-        vocabulary = len(self.engine.tokenizer)
-        bad = next((t for t in prompt if not 0 <= t < vocabulary), None)
-        if bad is not None:
-            raise ApiError(400, "invalid_request", f"token id {bad} is not in the model's vocabulary of {vocabulary}",
-                           param="prompt")
+        self.check_vocabulary(prompt, "prompt")
         return list(prompt), self.engine.decode(list(prompt))
 
     async def complete(self, body: CompletionRequest, client: str, inputs: list[tuple[list[int], str]], plan,
@@ -135,8 +131,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """max_tokens 0: every choice is its prompt (scored by ``scored``'s runs, if logprobs were asked)."""
         for echo in echoes:
             if len(echo.input_ids) > self.max_length:
-                raise ApiError(400, "context_length_exceeded", f"the prompt ({len(echo.input_ids)} tokens) exceeds the "
-                               f"swarm's maximum session length of {self.max_length} tokens")
+                raise ApiError(400, "context_length_exceeded", f"the prompt ({len(echo.input_ids)} tokens) exceeds "
+                               f"the swarm's maximum session length of {self.max_length} tokens")
         meta = self.response_meta()
         choices = [{"index": p * body.n + i, "text": echo.text, "finish_reason": "length",
                     "logprobs": self.legacy_logprobs([], echo) if body.logprobs is not None else None}

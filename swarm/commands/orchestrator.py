@@ -62,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot read API keys: {exc}")
     options = orchestrator_options.from_arguments(args, http_host=host, http_port=int(port), api_keys=keys,
                                                   proxy=not args.no_proxy)
-    for flag, port in (("--http", options.http_port), ("--dht-port", options.dht_port)):
-        if not 0 <= port <= 65535:
-            return _fail(f"{flag} must name a port between 0 and 65535, got {port}")
+    for flag, number in (("--http", options.http_port), ("--dht-port", options.dht_port)):
+        if not 0 <= number <= 65535:
+            return _fail(f"{flag} must name a port between 0 and 65535, got {number}")
     if not 0 <= options.batch_sessions <= 1024:
         return _fail(f"--batch-sessions must be between 0 and 1024, got {options.batch_sessions}")
     if not 1 <= options.batch_lanes <= 16:

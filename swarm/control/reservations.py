@@ -34,18 +34,18 @@ class Reservations:
         return min(self.expect.max_length, max(budgets))
 
     def check(self, input_tokens: int, max_new_tokens: int, reserve: int, chains: Iterable) -> None:
-        """Refuse (:class:`ContextLengthExceeded`, the 400's text) a request no session may be or no chain of the plan can
-        ever hold: past ``max_length``, or a first reservation larger than every chain's KV budget."""
+        """Refuse (:class:`ContextLengthExceeded`, the 400's text) a request no session may be or no chain of the
+        plan can ever hold: past ``max_length``, or a first reservation larger than every chain's KV budget."""
         expect = self.expect
         prompt = f"prompt ({input_tokens} token{'' if input_tokens == 1 else 's'})"
         if input_tokens + max_new_tokens > expect.max_length:
             raise ContextLengthExceeded(f"{prompt} + max_tokens ({max_new_tokens}) exceeds the "
-                             f"swarm's maximum session length of {expect.max_length} tokens")
+                                        f"swarm's maximum session length of {expect.max_length} tokens")
         need = expect.kv_need(input_tokens, reserve)
         largest = self.longest(chains)  # max_length with slots, which every need equals: never refused here
         if largest is not None and need > largest:
             raise ContextLengthExceeded(f"{prompt} + max_tokens ({max_new_tokens}) needs {need} KV "
-                             f"tokens per block, more than any chain of the current plan holds ({largest})")
+                                        f"tokens per block, more than any chain of the current plan holds ({largest})")
 
     def open(self, request_id: str, input_tokens: int, reserve: int, max_new_tokens: int) -> None:
         """A request queued (or re-queued from where it stopped) with ``reserve`` output tokens covered."""

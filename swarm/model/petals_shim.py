@@ -74,9 +74,9 @@ def _default_network_rps(config, *, timeout: float = 60, default_speed: float = 
     return default_speed / (config.hidden_size * 16)
 
 
-def _import_bitsandbytes_quietly() -> bool:
+def _import_bitsandbytes_quietly() -> None:
     """bitsandbytes 0.41.1 prints a missing-symbol line and warns that it has no GPU support on CPU-only hosts at
-    import; both are harmless there. Returns whether bitsandbytes is installed."""
+    import; both are harmless there."""
     import contextlib
     import io
     import warnings
@@ -87,10 +87,9 @@ def _import_bitsandbytes_quietly() -> bool:
         try:
             import bitsandbytes  # noqa: F401
         except ModuleNotFoundError:
-            return False
+            pass  # one of its own imports is missing: petals' import of it right after says which
         except Exception as exc:  # a GPU host with a broken CUDA setup: quantisation will fail later, loudly
             logger.warning("bitsandbytes failed to import: %s", exc)
-    return True
 
 
 def _petals_peft_without_bitsandbytes():
