@@ -210,11 +210,11 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
 
     from server.node import run_node
-    from swarm.runtime.dht import p2p_start_failure, quiet_p2pd_shutdown
+    from swarm.runtime.dht import p2p_start_failure, quiet_p2p_noise
     from swarm.runtime.process import children_die_with_me
 
     children_die_with_me()  # a server that crashes leaves no DHT, handler or p2pd process behind
-    quiet_p2pd_shutdown()
+    quiet_p2p_noise()
 
     try:
         run_node(kwargs)

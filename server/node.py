@@ -482,12 +482,12 @@ def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
 
 def node_process_main(server_kwargs: dict, launcher_pid: int, report=None, push_counter=None) -> None:
     """Entry point of a node child process started by :meth:`server.local_swarm.LocalSwarm.add_node`."""
-    from swarm.runtime.dht import quiet_p2pd_shutdown
+    from swarm.runtime.dht import quiet_p2p_noise
     from swarm.runtime.process import become_group_leader, children_die_with_me
 
     become_group_leader(launcher_pid)
     children_die_with_me()  # a node that crashes leaves no DHT, handler or p2pd process behind
-    quiet_p2pd_shutdown()
+    quiet_p2p_noise()
     logging.basicConfig(level=os.environ.get("CHAINSWARM_LOGLEVEL", "WARNING"))
     try:
         run_node(server_kwargs, report=report, push_counter=push_counter)

@@ -171,11 +171,11 @@ def _bind(host: str, port: int):
 
 def run(options: OrchestratorOptions, report=None) -> None:
     """Blocking entry point with clean SIGTERM/SIGINT handling; the DHT's process dies with this one."""
-    from swarm.runtime.dht import quiet_p2pd_shutdown
+    from swarm.runtime.dht import quiet_p2p_noise
     from swarm.runtime.process import children_die_with_me, freeze_imported_heap
 
     children_die_with_me()
-    quiet_p2pd_shutdown()
+    quiet_p2p_noise()
     freeze_imported_heap()
     async def main() -> None:
         task = asyncio.current_task()

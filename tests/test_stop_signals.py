@@ -114,12 +114,13 @@ def test_a_server_stops_on_systemds_sigterm_and_the_orchestrator_on_ctrl_c(tiny_
         assert "use of closed network connection" not in text, text[-3000:]  # the daemons' shutdown, not an error
 
 
-def test_the_daemons_shutdown_line_is_dropped_and_its_other_messages_pass():
+def test_the_daemons_shutdown_line_and_a_peers_reset_are_dropped_and_other_messages_pass():
     """libp2p's daemon logs "accept …: use of closed network connection" at ERROR whenever its listener closes,
-    i.e. on every stop; hivemind relays it. The commands drop that line (and only that one)."""
+    i.e. on every stop; hivemind relays it. hivemind logs a traceback when a peer resets a stream it was sending
+    requests on (a CI run's server did, under load). The commands drop those two (and only those)."""
     import logging
 
-    from swarm.runtime.dht import quiet_p2pd_shutdown
+    from swarm.runtime.dht import quiet_p2p_noise
 
     logger = logging.getLogger("hivemind.p2p.p2p_daemon")
     seen = []
@@ -128,11 +129,17 @@ def test_the_daemons_shutdown_line_is_dropped_and_its_other_messages_pass():
     logger.addHandler(collect)
     filters = list(logger.filters)
     try:
-        quiet_p2pd_shutdown()
+        quiet_p2p_noise()
         logger.error("error accepting connection: accept unix /tmp/hivemind-p2pd-x.sock: use of closed network "
                      "connection", extra={"caller": "p2pd"})
         logger.error("failed to dial: no addresses", extra={"caller": "p2pd"})
+        for error in (ConnectionResetError(104, "Connection reset by peer"), BrokenPipeError(32, "Broken pipe"),
+                      ValueError("a malformed message")):
+            try:
+                raise error
+            except Exception:
+                logger.warning("Exception while receiving requests:", exc_info=True)  # as hivemind's _handle_stream
     finally:
         logger.removeHandler(collect)
         logger.filters[:] = filters
-    assert seen == ["failed to dial: no addresses"]
+    assert seen == ["failed to dial: no addresses", "Exception while receiving requests:"]

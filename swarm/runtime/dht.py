@@ -18,7 +18,7 @@ def bootstrap_dht_main(host: str, port: int, launcher_pid: int, report, dht_pref
     from swarm.runtime.process import become_group_leader, share_tensors_by_descriptor
 
     become_group_leader(launcher_pid)
-    quiet_p2pd_shutdown()
+    quiet_p2p_noise()
     import hivemind
 
     share_tensors_by_descriptor()  # a DHT peer passes no tensors: no torch_shm_manager for it
@@ -71,17 +71,23 @@ def p2p_start_failure(exc: BaseException, initial_peers=(), option: str = "--por
 
 
 _P2PD_SHUTDOWN_NOISE = "use of closed network connection"
+_PEER_GONE = (ConnectionResetError, BrokenPipeError)
 
 
-def _not_p2pd_shutdown_noise(record) -> bool:
-    """False for the line libp2p's daemon logs at ERROR as its listener closes on every normal shutdown."""
-    return _P2PD_SHUTDOWN_NOISE not in record.getMessage()
+def _not_p2p_noise(record) -> bool:
+    """False for two lines that are no fault of this process: the ERROR libp2p's daemon logs as its listener
+    closes on every normal shutdown, and hivemind's WARNING with a traceback when a peer resets a stream it was
+    sending requests on (hivemind returns quietly when the peer closes the stream cleanly; a reset is the same
+    event: the peer cancelled or died, and a live peer retries on its side)."""
+    if _P2PD_SHUTDOWN_NOISE in record.getMessage():
+        return False
+    return not (record.exc_info and isinstance(record.exc_info[1], _PEER_GONE)
+                and record.getMessage().startswith("Exception while receiving requests"))
 
 
-def quiet_p2pd_shutdown() -> None:
-    """Drop the daemon's "accept …: use of closed network connection" ERROR line (relayed by hivemind's logger) in
-    this process and the ones it forks from now on: every stop of a command printed it, and an operator reads an
-    ERROR as something to act on. Other daemon messages pass."""
+def quiet_p2p_noise() -> None:
+    """Drop those two lines (see :func:`_not_p2p_noise`), relayed by hivemind's logger, in this process and the ones
+    it forks from now on: an operator reads an ERROR or a traceback as something to act on. Other messages pass."""
     import logging
 
-    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_not_p2pd_shutdown_noise)
+    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_not_p2p_noise)
