@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 logger = logging.getLogger("chainswarm.server")
@@ -211,8 +212,9 @@ def run(args: argparse.Namespace) -> int:
 
     from server.node import run_node
     from swarm.runtime.dht import p2p_start_failure, quiet_p2p_noise
-    from swarm.runtime.process import children_die_with_me
+    from swarm.runtime.process import children_die_with_me, remove_stale_sockets
 
+    started = time.time()
     children_die_with_me()  # a server that crashes leaves no DHT, handler or p2pd process behind
     quiet_p2p_noise()
 
@@ -231,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         _reap_children()
+        # a connection handler ends on SIGTERM at once (leave_stop_signals_to_parent) and hivemind never shuts its
+        # P2P replica down: each stop left the handlers' socket files in /tmp (unbound ones only are removed)
+        remove_stale_sockets(started)
     return 0
 
 

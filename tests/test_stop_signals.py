@@ -3,7 +3,8 @@ the group at once (the DHT process, connection handlers and libp2p daemons too),
 
 Before 2026-12-01 both hung for good: `chainswarm server` waited without a bound for its DHT process, already
 gone, to announce its blocks offline, and `chainswarm orchestrator` waited at exit for its DHT process, which the
-event loop's handler, copied by the fork, kept from ending on ``terminate()``.
+event loop's handler, copied by the fork, kept from ending on ``terminate()``. Until the same day each stop of a
+server left its connection handlers' socket files in ``/tmp``.
 """
 import json
 import os
@@ -44,6 +45,19 @@ def _group(pgid):
         except (ProcessLookupError, PermissionError):
             continue
     return out
+
+
+def _hivemind_sockets(pgid):
+    """The unix socket files hivemind's peers (libp2p daemons, P2P clients) of a process group listen on."""
+    import psutil
+
+    paths = set()
+    for pid in _group(pgid):
+        try:
+            paths |= {c.laddr for c in psutil.Process(pid).net_connections("unix") if "hivemind-" in (c.laddr or "")}
+        except psutil.Error:
+            continue
+    return paths
 
 
 def _stop_group(proc, sig, what, log):
@@ -98,6 +112,8 @@ def test_a_server_stops_on_systemds_sigterm_and_the_orchestrator_on_ctrl_c(tiny_
             response = HTTP.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                                  json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
             assert response.status_code == 200, response.text
+            sockets = _hivemind_sockets(orch.pid) | _hivemind_sockets(server.pid)
+            assert any("p2pclient" in path for path in sockets), sockets  # the server's handlers listen on theirs
 
             code, took = _stop_group(orch, signal.SIGINT, "chainswarm orchestrator", Path(orch_log.name))
             assert code == 0, code
@@ -108,6 +124,8 @@ def test_a_server_stops_on_systemds_sigterm_and_the_orchestrator_on_ctrl_c(tiny_
                 if _group(proc.pid):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+    left = sorted(path for path in sockets if os.path.exists(path))
+    assert not left, f"hivemind socket files left in /tmp by the stopped commands: {left}"
     for name in ("orchestrator.log", "server.log"):
         text = (tmp_path / name).read_text(errors="replace")
         assert "Traceback" not in text, text[-3000:]
