@@ -342,11 +342,13 @@ def test_unsupported_and_unknown_fields(client, local, swarm):
     # what applications check to shorten a conversation, as they do with OpenAI's
     with pytest.raises(openai.BadRequestError) as too_long:
         client.chat.completions.create(model=local.name, messages=QUESTION, max_tokens=MAX_LENGTH)
-    assert (too_long.value.code, too_long.value.type) == ("context_length_exceeded", "invalid_request_error")
+    assert (too_long.value.code, too_long.value.param, too_long.value.type) == (
+        "context_length_exceeded", "messages", "invalid_request_error")
     with pytest.raises(SwarmError) as too_long_here:  # the client library reads the same code
         with SwarmClient(swarm.url, api_key="sk-test") as c:
             c.generate("Hello", MAX_LENGTH)
-    assert (too_long_here.value.status, too_long_here.value.code) == (400, "context_length_exceeded")
+    assert (too_long_here.value.status, too_long_here.value.code, too_long_here.value.param) == (
+        400, "context_length_exceeded", "prompt")
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=1)
     assert (unknown.value.code, unknown.value.param) == ("model_not_found", "model")

@@ -215,7 +215,8 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         for i in (3, 7):
             assert {k: bad[i][0].json()["error"][k] for k in ("type", "code")} == {
                 "type": "invalid_request_error", "code": "context_length_exceeded"}, bad[i][0].text
-        assert (bad[1][0].json()["error"]["param"], bad[11][0].json()["error"]["param"]) == ("colour", "prompt[1]")
+        assert [bad[i][0].json()["error"]["param"] for i in (1, 2, 3, 7, 11)] == [
+            "colour", "max_tokens", "prompt", "prompt", "prompt[1]"]
         assert bad[0][0].json()["error"]["param"] is None  # not JSON: no field to name
         assert bad[10][0].json()["error"] == bad[8][0].json()["error"]
         assert bad[11][0].json()["error"]["message"] == ("prompt[1]: Input should be a valid integer, unable to parse "

@@ -259,36 +259,39 @@ def deep(levels: int) -> dict:
     return schema
 
 
-@pytest.mark.parametrize("extra, status, needle", [
+@pytest.mark.parametrize("extra, status, needle, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
                                                                                           "if": {}}}}},
-     400, "response_format.json_schema.schema: unsupported or invalid schema"),
+     400, "response_format.json_schema.schema: unsupported or invalid schema", "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     400, "Invalid type: nope"),
+     400, "Invalid type: nope", "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": deep(MAX_SCHEMA_DEPTH)}}},
-     400, f"deeper than {MAX_SCHEMA_DEPTH}"),
+     400, f"deeper than {MAX_SCHEMA_DEPTH}", "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
                                          for i in range(MAX_SCHEMA_CHARS // 100)}}}}},
-     400, f"at most {MAX_SCHEMA_CHARS}"),
-    ({"response_format": {"type": "json_schema"}}, 400, "needs its json_schema"),
+     400, f"at most {MAX_SCHEMA_CHARS}", None),
+    ({"response_format": {"type": "json_schema"}}, 400, "needs its json_schema", "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                               "dependentSchemas": {}}}}]},
-     400, "tools[f].function.parameters"),
-    ({"tools": [WEATHER, WEATHER]}, 400, "unique"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "nope"),
-    ({"tool_choice": "required"}, 400, "needs tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 422, "tools[0].function.name"),
-    ({"tools": [{"type": "retrieval"}]}, 422, "tools[0]"),
-    ({"functions": [{"name": "f"}]}, 400, "functions"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
-    ({"top_logprobs": 3}, 400, "top_logprobs needs logprobs: true"),  # was answered without any logprobs
-    ({"logit_bias": {"49152": 5}}, 400, "logit_bias: token id 49152 is not in the model's vocabulary of 49152"),
+     400, "tools[f].function.parameters", "tools[f].function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, 400, "unique", "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "nope", "tool_choice"),
+    ({"tool_choice": "required"}, 400, "needs tools", "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 422, "tools[0].function.name", "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, 422, "tools[0]", "tools[0].type"),
+    ({"functions": [{"name": "f"}]}, 400, "functions", "functions"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id", "messages[0]"),
+    ({"top_logprobs": 3}, 400, "top_logprobs needs logprobs: true", "top_logprobs"),  # was answered without any logprobs
+    ({"logit_bias": {"49152": 5}}, 400, "logit_bias: token id 49152 is not in the model's vocabulary of 49152",
+     "logit_bias"),
 ])
-def test_invalid_schemas_and_tools_get_clear_errors(api, extra, status, needle):
+def test_invalid_schemas_and_tools_get_clear_errors(api, extra, status, needle, param):
+    """A clear message, and OpenAI's ``param``: the field at fault, which the SDKs surface as ``error.param``."""
     response = HTTP.post(f"{api}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra}, timeout=60)
     assert response.status_code == status, response.text
     assert needle in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == param, response.text
 
 
 def test_fallback_and_template_tool_rendering(tokenizer):

@@ -79,10 +79,11 @@ REFUSALS = (ValueError, NoChainsError, QueueFull, QueueTimeout, CompletionFailed
 """What admitting or running a request may raise instead of serving it."""
 
 
-def refusal(exc: Exception) -> ApiError:
-    """The HTTP answer to one of :data:`REFUSALS`."""
+def refusal(exc: Exception, prompt_param: str | None = None) -> ApiError:
+    """The HTTP answer to one of :data:`REFUSALS` (``prompt_param``: the request's field of the prompt, named as a
+    too-long context's ``param``, as OpenAI does)."""
     if isinstance(exc, ContextLengthExceeded):
-        return ApiError(400, "context_length_exceeded", str(exc))
+        return ApiError(400, "context_length_exceeded", str(exc), param=prompt_param)
     if isinstance(exc, ValueError):
         return ApiError(400, "invalid_request", str(exc))
     if isinstance(exc, QueueFull):

@@ -78,6 +78,7 @@ class OpenAIServing:
     ``client_of(authorization, fallback)`` names the client (API key or self-declared id)."""
 
     id_prefix = "cmpl-"  # the response ids' prefix (OpenAI's: cmpl-, chatcmpl-, resp_)
+    prompt_param = "prompt"  # the request's field of the prompt: a too-long context's error names it
 
     def __init__(self, *, runner, engine, model_name: str, max_length: int,
                  client_of: Callable[[str | None, str | None], str]):
@@ -109,7 +110,8 @@ class OpenAIServing:
             self._char_limit = prompt_char_limit(self.engine.tokenizer, self.max_length)
         if chars > self._char_limit:  # tokenizing it (on the event loop) would be work for nothing
             raise ApiError(400, "context_length_exceeded", f"the prompt ({chars} characters) is longer than "
-                           f"{self.max_length} tokens can be, the swarm's maximum session length")
+                           f"{self.max_length} tokens can be, the swarm's maximum session length",
+                           param=self.prompt_param)
 
     def check_vocabulary(self, token_ids, param: str) -> None:
         """400 for the first of ``token_ids`` (sent as ``param``) that is not in the model's vocabulary."""
@@ -127,7 +129,8 @@ class OpenAIServing:
         if max_tokens is None:
             if room < 1:
                 raise ApiError(400, "context_length_exceeded", f"the prompt ({len(input_ids)} tokens) leaves no "
-                               f"room in the swarm's maximum session length of {self.max_length} tokens")
+                               f"room in the swarm's maximum session length of {self.max_length} tokens",
+                               param=self.prompt_param)
             max_tokens = room
         if body.min_tokens > max_tokens:
             raise ApiError(400, "invalid_request", f"min_tokens ({body.min_tokens}) is more than max_tokens "
@@ -192,18 +195,16 @@ class OpenAIServing:
         dual = getattr(body, "dual_execution", False) or client in self.dual_clients
         return body.stop_strings(), meta, self.choices(client, runs, request, dual)
 
-    @staticmethod
-    async def first_or_refuse(items: AsyncIterator):
+    async def first_or_refuse(self, items: AsyncIterator):
         """Wait for the first token (or the whole answer) here, so that a refusal is still an HTTP status."""
         try:
             return await items.__anext__()
         except ClientGone:
             return None
         except REFUSALS as exc:
-            raise refusal(exc) from None
+            raise refusal(exc, self.prompt_param) from None
 
-    @staticmethod
-    async def collect(items: AsyncIterator, n: int) -> list[Finished] | None:
+    async def collect(self, items: AsyncIterator, n: int) -> list[Finished] | None:
         """Every choice's :class:`Finished` (None: the client left); a refusal becomes its HTTP error."""
         done: list[Finished | None] = [None] * n
         try:
@@ -214,7 +215,7 @@ class OpenAIServing:
         except ClientGone:
             return None
         except REFUSALS as exc:
-            raise refusal(exc) from None
+            raise refusal(exc, self.prompt_param) from None
         return done  # type: ignore[return-value]
 
     # -- text ------------------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ class OpenAIServing:
             except (ClientGone, StopAsyncIteration):
                 return
             except REFUSALS as exc:
-                err = refusal(exc)
+                err = refusal(exc, self.prompt_param)
                 yield sse(err.body())
                 return
         for event in stream_end(meta, usage(prompt_tokens, done), include_usage):

@@ -25,6 +25,7 @@ class OpenAIServingChat(OpenAIServing):
     deltas."""
 
     id_prefix = "chatcmpl-"
+    prompt_param = "messages"
 
     # The route's operation (summary "Chat Completions"; its docstring would become the OpenAPI description).
     async def chat_completions(self, body: ChatCompletionRequest, request: Request,

@@ -28,13 +28,13 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check(body, UNSUPPORTED_COMPLETION_FIELDS, max((len(p) for p in prompts if isinstance(p, str)), default=0))
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "invalid_request", "max_tokens 0 generates nothing: it is allowed only with echo "
-                           "(the prompt returned, with logprobs scored)")
+                           "(the prompt returned, with logprobs scored)", param="max_tokens")
         if sum(len(p) for p in prompts if isinstance(p, str)) > MAX_PROMPT_CHARS:  # tokenized on the event loop
             raise ApiError(400, "invalid_request", f"a batch's prompts have more than {MAX_PROMPT_CHARS:,} characters "
-                           "together (send fewer at a time)")
+                           "together (send fewer at a time)", param="prompt")
         if body.echo and body.logprobs is not None and (body.dual_execution or client in self.dual_clients):
             raise ApiError(400, "invalid_request", "echo with logprobs cannot run with dual execution: a prompt's "
-                           "scores are not re-executed")
+                           "scores are not re-executed", param="echo")
         inputs = [self.tokens_of(p) for p in prompts]
         plan = await compile_plan(plan_output(body), self.engine.tokenizer)  # response_format (vLLM's extension)
         return await self.complete(body, client, inputs, plan, request, response)
@@ -132,7 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for echo in echoes:
             if len(echo.input_ids) > self.max_length:
                 raise ApiError(400, "context_length_exceeded", f"the prompt ({len(echo.input_ids)} tokens) exceeds "
-                               f"the swarm's maximum session length of {self.max_length} tokens")
+                               f"the swarm's maximum session length of {self.max_length} tokens", param="prompt")
         meta = self.response_meta()
         choices = [{"index": p * body.n + i, "text": echo.text, "finish_reason": "length",
                     "logprobs": self.legacy_logprobs([], echo) if body.logprobs is not None else None}

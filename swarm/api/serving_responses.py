@@ -66,7 +66,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         else:
             messages.append({"role": item.role, "content": item.text()})
     if not messages:
-        raise ApiError(400, "invalid_request", "input: at least one item is needed")
+        raise ApiError(400, "invalid_request", "input: at least one item is needed", param="input")
     doc: dict = {"messages": [ChatMessage(**m) for m in messages], "model": body.model, "stream": body.stream,
                  "temperature": body.temperature, "top_p": body.top_p, "max_tokens": body.max_output_tokens,
                  "user": body.user, "parallel_tool_calls": body.parallel_tool_calls}
@@ -79,7 +79,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         if fmt.name is None:
-            raise ApiError(400, "invalid_request", "text.format of type json_schema needs its name")
+            raise ApiError(400, "invalid_request", "text.format of type json_schema needs its name",
+                           param="text.format.name")
         schema = {"name": fmt.name, "description": fmt.description, "schema": fmt.schema_, "strict": fmt.strict}
         doc["response_format"] = {"type": "json_schema",
                                   "json_schema": {k: v for k, v in schema.items() if v is not None}}
@@ -90,13 +91,15 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     except ValidationError as exc:  # e.g. more messages than a chat request may have
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        raise ApiError(400, "invalid_request", f"input: as a conversation, {where}: {first['msg']}") from None
+        raise ApiError(400, "invalid_request", f"input: as a conversation, {where}: {first['msg']}",
+                       param="input") from None
 
 
 class OpenAIServingResponses(OpenAIServingChat):
     """The Responses API (module doc): a chat completion underneath, OpenAI's ``response`` shape on the wire."""
 
     id_prefix = "resp_"
+    prompt_param = "input"
 
     # The route's operation (summary "Responses").
     async def responses(self, body: ResponsesRequest, request: Request, authorization: str | None = Header(None),
@@ -201,7 +204,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             except (ClientGone, StopAsyncIteration):
                 return
             except REFUSALS as exc:
-                err = refusal(exc)
+                err = refusal(exc, self.prompt_param)
                 yield event("error", code=err.code, message=err.message, param=err.param)
 
 

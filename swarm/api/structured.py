@@ -70,7 +70,7 @@ def depth(doc) -> int:
 def _check_schema(what: str, schema) -> None:
     if depth(schema) > MAX_SCHEMA_DEPTH:
         raise ApiError(400, "invalid_request", f"{what} nests deeper than {MAX_SCHEMA_DEPTH} JSON objects/arrays "
-                       "(the bound of structured outputs)")
+                       "(the bound of structured outputs)", param=what)
 
 
 def _lark_literal(text: str) -> str:
@@ -89,26 +89,27 @@ def plan_output(body) -> OutputPlan:
         answer, plan.json = inline_json({"type": "object"}), True
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None:
-            raise ApiError(400, "invalid_request", "response_format of type json_schema needs its json_schema")
+            raise ApiError(400, "invalid_request", "response_format of type json_schema needs its json_schema",
+                           param="response_format")
         schema = fmt.json_schema.schema_
         schema = {"type": "object"} if schema is None else schema
         _check_schema("response_format.json_schema.schema", schema)
         size += len(json.dumps(schema, separators=(",", ":")))
         answer, plan.json = _inline(schema, "response_format.json_schema.schema"), True
     if len(tools) > MAX_TOOLS:
-        raise ApiError(400, "invalid_request", f"at most {MAX_TOOLS} tools")
+        raise ApiError(400, "invalid_request", f"at most {MAX_TOOLS} tools", param="tools")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
-        raise ApiError(400, "invalid_request", "tools: function names must be unique")
+        raise ApiError(400, "invalid_request", "tools: function names must be unique", param="tools")
     if isinstance(choice, str) or choice is None:
         mode = choice or ("auto" if tools else None)
     else:
         mode = "named"
         if choice.function.name not in names:
             raise ApiError(400, "invalid_request", f"tool_choice names {choice.function.name!r}, which is not one "
-                           "of the tools")
+                           "of the tools", param="tool_choice")
     if mode in ("required", "named") and not tools:
-        raise ApiError(400, "invalid_request", f"tool_choice {mode!r} needs tools")
+        raise ApiError(400, "invalid_request", f"tool_choice {mode!r} needs tools", param="tool_choice")
     if not tools:
         mode = None
     for t in tools:
@@ -153,7 +154,7 @@ def _inline(schema, what: str) -> str:
     try:
         return inline_json(schema)
     except GrammarError as exc:
-        raise ApiError(400, "invalid_request", f"{what}: {exc}") from None
+        raise ApiError(400, "invalid_request", f"{what}: {exc}", param=what) from None
 
 
 def _grammar_lark(text: str, what: str) -> str:
@@ -189,18 +190,19 @@ async def compile_plan(plan: OutputPlan, tokenizer) -> OutputPlan:
     try:
         plan.grammar = await asyncio.to_thread(_compile, plan.grammar_source, tokenizer)
     except GrammarError as exc:
-        raise ApiError(400, "invalid_request", _explain(plan, str(exc))) from None
+        what, message = _explain(plan, str(exc))
+        raise ApiError(400, "invalid_request", message, param=what) from None
     return plan
 
 
-def _explain(plan: OutputPlan, error: str) -> str:
-    """llguidance's message, attributed to the request field whose schema it is about."""
+def _explain(plan: OutputPlan, error: str) -> tuple[str, str]:
+    """The request field whose schema llguidance's message is about, and the message attributed to it."""
     first = error.strip().splitlines()[0] if error.strip() else "invalid grammar"
     found = re.match(r"at (\d+)\(\d+\): (.*)", first)
     what = "tools" if plan.tool_choice else "response_format"
     if found:
         what, first = plan.owners.get(int(found.group(1)), what), found.group(2)
-    return f"{what}: unsupported or invalid schema: {first}"
+    return what, f"{what}: unsupported or invalid schema: {first}"
 
 
 __all__ = ["OutputPlan", "plan_output", "compile_plan", "depth"]
