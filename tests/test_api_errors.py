@@ -1,4 +1,4 @@
-"""The 422 messages of requests the API's schemas refuse (`swarm.api.errors.validation_message`, what the app answers
+"""The 400 messages of requests the API's schemas refuse (`swarm.api.errors.validation_message`, what the app answers
 with): one sentence per error, naming the field as the request spells it (`messages[0].content[1]`), and for a
 field of several forms (a prompt's text, texts, token ids or token id lists; text or parts; a schema or a boolean)
 only the errors of the form the value has, or, for a value of no form, what the forms are: pydantic alone gives one
@@ -100,7 +100,7 @@ def test_every_error_is_openais_error_object():
         404: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error", 503: "server_error"}
     refused = validation_error([{"loc": ("body", "messages", 0, "content"), "msg": "Field required",
                                  "type": "missing"}], "application/json")
-    assert (refused.status, refused.code, refused.param) == (422, "invalid_request", "messages[0].content")
+    assert (refused.status, refused.code, refused.param) == (400, "invalid_request", "messages[0].content")
     not_json = validation_error([{"loc": ("body", 7), "type": "json_invalid", "ctx": {"error": "Expecting value"}}],
                                 "application/json")
     assert not_json.param is None and not_json.body()["error"]["message"].startswith("the request body is not valid")

@@ -181,13 +181,13 @@ def test_public_status_shows_no_clients_and_reroutes_cannot_be_abused(swarm):
 def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
     with client(swarm.url) as http:
         bad = [
-            (http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 422),
-            (http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "colour": "red"}), 422),
+            (http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400),
+            (http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "colour": "red"}), 400),
             (http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}), 400),
             (http.post("/v1/completions", json={"prompt": "hi " * 400, "max_tokens": 8}), 400),
-            (http.post("/v1/completions", json={"max_tokens": 8}), 422),
+            (http.post("/v1/completions", json={"max_tokens": 8}), 400),
             (http.delete("/v1/leases/no-such-lease"), 404),
-            (http.post("/v1/completions", json={"prompt": ["hi"] * 65, "max_tokens": 1}), 422),  # batches of <= 64
+            (http.post("/v1/completions", json={"prompt": ["hi"] * 65, "max_tokens": 1}), 400),  # batches of <= 64
             (http.post("/v1/completions", json={"prompt": ["hi", "hi " * 400], "stream": True}), 400),  # one too long
             (http.post("/v1/completions", content=b'{"prompt": "' + b"x" * (33 * 2**20) + b'"}',
                        headers={"content-type": "application/json"}), 413),
@@ -195,9 +195,9 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
             (http.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * (33 * 2**20), b'"}']),
                        headers={"content-type": "application/json"}), 413),  # chunked: no content-length
             # a field of several forms: the errors of the form sent, at the place in the request they are
-            (http.post("/v1/completions", json={"prompt": [464, "a"], "max_tokens": 1}), 422),
+            (http.post("/v1/completions", json={"prompt": [464, "a"], "max_tokens": 1}), 400),
             (http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "https://example.org/cat.png"}}]}]}), 422),
+                {"type": "image_url", "image_url": {"url": "https://example.org/cat.png"}}]}]}), 400),
         ]
         for response, status in bad:
             assert response.status_code == status, response.text
@@ -246,7 +246,7 @@ def test_bad_input_gets_clear_4xx_and_disturbs_nothing(swarm):
         form = http.post("/v1/completions", content=b"prompt=hi",
                          headers={"content-type": "application/x-www-form-urlencoded"})
         array = http.post("/v1/completions", json=["hi"])
-        assert form.status_code == array.status_code == 422
+        assert form.status_code == array.status_code == 400
         assert form.json()["error"]["message"] == ("the request body must be a JSON object sent as 'Content-Type: "
                                                    "application/json' (it came as 'application/x-www-form-urlencoded')")
         assert array.json()["error"]["message"] == "the request body must be a JSON object"

@@ -249,7 +249,7 @@ def test_sampling_extensions_over_http(api):
     bad = HTTP.post(f"{api}/v1/chat/completions", json={**body, "min_tokens": 30}, timeout=30)
     assert bad.status_code == 400 and "min_tokens" in bad.json()["error"]["message"]
     typo = HTTP.post(f"{api}/v1/completions", json={"prompt": "a", "ignore_eoss": True}, timeout=30)
-    assert typo.status_code == 422 and "ignore_eoss" in typo.json()["error"]["message"]
+    assert typo.status_code == 400 and "ignore_eoss" in typo.json()["error"]["message"]
 
 
 def deep(levels: int) -> dict:
@@ -278,8 +278,8 @@ def deep(levels: int) -> dict:
     ({"tools": [WEATHER, WEATHER]}, 400, "unique", "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "nope", "tool_choice"),
     ({"tool_choice": "required"}, 400, "needs tools", "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 422, "tools[0].function.name", "tools[0].function.name"),
-    ({"tools": [{"type": "retrieval"}]}, 422, "tools[0]", "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400, "tools[0].function.name", "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, 400, "tools[0]", "tools[0].type"),
     ({"functions": [{"name": "f"}]}, 400, "functions", "functions"),
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id", "messages[0]"),
     ({"top_logprobs": 3}, 400, "top_logprobs needs logprobs: true", "top_logprobs"),  # was answered without any logprobs

@@ -14,7 +14,8 @@
   ``GET /docs`` — the OpenAPI UI. Every response carries ``X-Request-Id``.
 
 Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}`` (:mod:`swarm.api.errors`)
-with a 4xx status for bad input (400 too long or an unsupported OpenAI field, 401 bad key, 404 unknown lease or model, 422 malformed/unknown fields), 429 with
+with a 4xx status for bad input (400 malformed, unknown or unsupported fields and too long a prompt, as OpenAI's;
+401 bad key, 404 unknown lease or model), 429 with
 ``Retry-After`` when the queue is at its bound, and 503 (with ``Retry-After`` after a queue timeout) when the
 swarm cannot serve.
 """
@@ -105,6 +106,26 @@ def _replay(body: bytes, receive):
     return replay
 
 
+def _openapi_says_400(app: FastAPI) -> None:
+    """The OpenAPI schema without FastAPI's automatic 422 "Validation Error" responses: a request the schemas refuse
+    is a 400 with OpenAI's error object (:func:`~swarm.api.errors.validation_error`)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.get("responses", {}) if isinstance(operation, dict) else {}
+                    if responses.pop("422", None) is not None:
+                        responses.setdefault("400", {"description": "Bad Request"})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, initial_peers: list[str],
                model_name: str, api_keys: dict[str, str] | None = None,
                stall_timeout_s: float | None = None, route_wait_s: float = 120.0,
@@ -141,6 +162,7 @@ def create_app(orchestrator: Orchestrator, engine: GenerationEngine | None, *, i
                 return await _api_error(request, refused)
         return await _api_error(request, validation_error(exc.errors(), request.headers.get("content-type")))
 
+    _openapi_says_400(app)
     add_openai_routes(app, runner=runner, engine=engine, model_name=model_name,
                       max_length=orchestrator.config.expect.max_length, client_of=auth.client_of)
 

@@ -49,11 +49,12 @@ def field_path(loc: tuple) -> str:
 
 
 def validation_error(errors: list[dict], content_type: str | None) -> ApiError:
-    """The 422 of a request FastAPI could not validate: :func:`validation_message`, and the first error's field
-    as ``param``."""
+    """The 400 of a request FastAPI could not validate (OpenAI's status for any invalid request, and vLLM's; not
+    FastAPI's 422, which the openai SDK raises as ``UnprocessableEntityError``, an exception applications written
+    for OpenAI's API do not catch): :func:`validation_message`, and the first error's field as ``param``."""
     loc = tuple(errors[0].get("loc", ())) if errors else ()
     param = None if errors and errors[0].get("type") == "json_invalid" else field_path(loc) or None
-    return ApiError(422, "invalid_request", validation_message(errors, content_type), param=param)
+    return ApiError(400, "invalid_request", validation_message(errors, content_type), param=param)
 
 
 def validation_message(errors: list[dict], content_type: str | None) -> str:

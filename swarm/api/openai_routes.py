@@ -22,7 +22,7 @@ from swarm.api.serving_responses import OpenAIServingResponses
 
 __all__ = ["add_openai_routes", "prompt_char_limit"]  # prompt_char_limit: re-exported
 
-GENERATION_ERRORS = {400: {}, 401: {}, 404: {}, 422: {}, 429: {}, 503: {}}
+GENERATION_ERRORS = {400: {}, 401: {}, 404: {}, 429: {}, 503: {}}
 
 
 def add_openai_routes(app: FastAPI, *, runner, engine, model_name: str, max_length: int,

@@ -1,7 +1,7 @@
 """Wire schemas of the orchestrator's HTTP API (pydantic models; they also generate the OpenAPI schema).
 
 Requests reject unknown fields (a typo must not silently change behaviour) and out-of-range values with
-HTTP 422 and a message naming the field.
+HTTP 400 (OpenAI's status; :func:`swarm.api.errors.validation_error`) and a message naming the field.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ MAX_PROMPTS = 64  # prompts of one completions request (a batch, as evaluation h
 MAX_PROMPT_IDS = 131_072  # token ids of a prompt given as ids (the session length is checked when it is queued)
 
 # OpenAI request fields Chainswarm does not implement: accepted by the schema so that a request using one gets
-# a 400 that names it (a field OpenAI does not define at all is a 422, like any typo).
+# a 400 with code unsupported_parameter that names it (a field OpenAI does not define at all is a 400 with code
+# invalid_request, like any typo).
 UNSUPPORTED_COMPLETION_FIELDS = ("best_of", "suffix")
 UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "audio", "modalities", "prediction", "service_tier",
                            "store", "metadata", "reasoning_effort", "web_search_options")

@@ -87,7 +87,7 @@ class LeaseHandlers:
 def add_lease_routes(app: FastAPI, handlers: LeaseHandlers) -> None:
     """Bind the lease operations to their paths (route names are the operations' names)."""
     app.add_api_route("/v1/leases", handlers.create_lease, methods=["POST"], name="create_lease",
-                      response_model=LeaseResponse, responses={400: {}, 401: {}, 422: {}, 429: {}, 503: {}})
+                      response_model=LeaseResponse, responses={400: {}, 401: {}, 429: {}, 503: {}})
     app.add_api_route("/v1/leases/{lease_id}/reroute", handlers.reroute, methods=["POST"], name="reroute",
                       response_model=RerouteResponse, responses={403: {}, 404: {}, 503: {}})
     app.add_api_route("/v1/leases/{lease_id}/renew", handlers.renew, methods=["POST"], name="renew",
