@@ -240,14 +240,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _reap_children() -> None:
-    """Kill whatever petals left of this process's own children (a hung handler, a p2pd)."""
+    """Kill whatever petals left of this process's own children (a hung handler, a p2pd), and wait for them
+    (bounded) so that their sockets are unbound before the stale ones are removed."""
     try:
         import psutil
 
-        for child in psutil.Process().children(recursive=True):
+        children = psutil.Process().children(recursive=True)
+        for child in children:
             try:
                 child.kill()
             except psutil.Error:
                 pass
+        psutil.wait_procs(children, timeout=5)
     except Exception:
         pass
