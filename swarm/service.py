@@ -13,7 +13,7 @@ from pathlib import Path
 from swarm.control import planning
 from swarm.control.options import OrchestratorOptions
 from swarm.control.orchestrator import Orchestrator, OrchestratorConfig
-from swarm.runtime.dht import StartupError, p2p_start_failure
+from swarm.runtime.dht import StartupError, p2p_start_failure, stop_dht
 from swarm.trust.validation import swarm_validators
 
 __all__ = ["OrchestratorOptions", "build_config", "serve", "run", "orchestrator_process_main"]
@@ -132,7 +132,7 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
             orchestrator.checks.close()
         if engine is not None:
             await asyncio.to_thread(engine.close)
-        dht.shutdown()
+        stop_dht(dht)
 
 
 async def _restore(store, options: OrchestratorOptions, orchestrator: Orchestrator, maddrs: list[str],

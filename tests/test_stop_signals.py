@@ -130,6 +130,43 @@ def test_a_server_stops_on_systemds_sigterm_and_the_orchestrator_on_ctrl_c(tiny_
         text = (tmp_path / name).read_text(errors="replace")
         assert "Traceback" not in text, text[-3000:]
         assert "use of closed network connection" not in text, text[-3000:]  # the daemons' shutdown, not an error
+        assert "terminating it the hard way" not in text, text[-3000:]  # a DHT stopped without its grace period
+
+
+@pytest.mark.parametrize("daemon", ["running", "gone"])
+def test_a_dht_stops_at_once_whether_or_not_its_daemon_is_gone(daemon):
+    """A terminal's Ctrl-C reaches the libp2p daemon too, and it exits; hivemind's ``DHT.shutdown`` then waited
+    out its 3 s grace period for the daemon's answer and logged "DHT did not shut down within the grace period;
+    terminating it the hard way" on every Ctrl-C of `chainswarm orchestrator`. ``stop_dht`` ends such a DHT at
+    once, and shuts one with a running daemon down as hivemind does."""
+    import logging
+
+    import hivemind
+    import psutil
+
+    from swarm.runtime.dht import stop_dht
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    warnings = []
+    collect = logging.Handler(logging.WARNING)
+    collect.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("hivemind.dht.dht")
+    logger.addHandler(collect)
+    try:
+        (p2pd,) = psutil.Process(dht.pid).children()
+        if daemon == "gone":  # as after a Ctrl-C (SIGKILL here: a daemon still starting may miss a SIGINT)
+            p2pd.send_signal(signal.SIGKILL)
+            wait_for(lambda: not p2pd.is_running() or p2pd.status() == psutil.STATUS_ZOMBIE, 10, what="p2pd gone")
+        began = time.monotonic()
+        stop_dht(dht)
+        took = time.monotonic() - began
+        assert not dht.is_alive()
+        assert took < 2.5, took  # hivemind's grace period is 3 s
+        assert not warnings, warnings
+    finally:
+        logger.removeHandler(collect)
+        if dht.is_alive():
+            dht.kill()
 
 
 def test_the_daemons_shutdown_line_and_a_peers_reset_are_dropped_and_other_messages_pass():

@@ -37,8 +37,49 @@ def bootstrap_dht_main(host: str, port: int, launcher_pid: int, report, dht_pref
         while dht.is_alive():
             dht.join(1.0)
     finally:
-        dht.shutdown()
+        stop_dht(dht)
         os._exit(0)
+
+
+def stop_dht(dht) -> None:
+    """Stop a started ``hivemind.DHT``: hivemind's graceful shutdown, cut short the moment its libp2p daemon is gone.
+
+    A terminal's Ctrl-C reaches every process of the group: the daemon exits on it, and hivemind's shutdown then
+    waits for the daemon's answer to removing the DHT's handlers, which never comes (the control connection is
+    gone and nothing fails the pending call): every Ctrl-C of a command cost the 3 s grace period and a WARN
+    "DHT did not shut down within the grace period; terminating it the hard way". So the shutdown runs in a thread
+    while this one watches the daemon, before and during it (it may exit at any moment of it): once it is gone,
+    nothing of the DHT is left to close (the daemon removes its own socket) and the DHT's process is ended."""
+    import threading
+
+    import psutil
+
+    if not dht.is_alive():
+        return
+    try:
+        process = psutil.Process(dht.pid)
+        daemons = process.children()
+    except psutil.Error:
+        return
+    closing = threading.Thread(target=dht.shutdown, name="dht-shutdown", daemon=True)
+    closing.start()
+    while closing.is_alive():
+        closing.join(0.05)
+        if closing.is_alive() and not any(_running(d) for d in daemons) and _running(process):
+            process.terminate()  # SIGTERM: a forked child takes its default (process.leave_stop_signals_to_parent)
+            closing.join(5.0)
+            if closing.is_alive() and _running(process):
+                process.kill()
+            closing.join()
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class StartupError(RuntimeError):
