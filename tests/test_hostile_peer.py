@@ -314,8 +314,8 @@ def _push_into_a_live_session(swarm, tiny_model, p2p, baseline, reference_genera
     victim, v_start, v_end = route[1]
     uid = " ".join(f"{swarm.dht_prefix}.{i}" for i in range(v_start, v_end))
     info = lambda: server_info(p2p, victim, f"{swarm.dht_prefix}.{v_start}")[handler_keys.PUSH_INFO]  # noqa
-    honest = info()
-    assert honest["received"] > 0 and honest["refused"] == 0  # the honest completions' pushes were taken
+    honest = info()  # pushes the server took before (none when this test runs alone: the orchestrator's batched
+    assert honest["refused"] == 0  # path pushes nothing; this session's honest pushes are counted at the end)
     ticket = tickets.mint(swarm.orchestrator_identity, request_id="push", chain_id=chain["id"], route=route,
                           max_length=MAX_LENGTH)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
