@@ -50,6 +50,7 @@ def stop_dht(dht) -> None:
     "DHT did not shut down within the grace period; terminating it the hard way". So the shutdown runs in a thread
     while this one watches the daemon, before and during it (it may exit at any moment of it): once it is gone,
     nothing of the DHT is left to close (the daemon removes its own socket) and the DHT's process is ended."""
+    import contextlib
     import threading
 
     import psutil
@@ -63,14 +64,15 @@ def stop_dht(dht) -> None:
         return
     closing = threading.Thread(target=dht.shutdown, name="dht-shutdown", daemon=True)
     closing.start()
-    while closing.is_alive():
+    while closing.is_alive() and (any(_running(d) for d in daemons) or not _running(process)):
         closing.join(0.05)
-        if closing.is_alive() and not any(_running(d) for d in daemons) and _running(process):
+    if closing.is_alive():  # the daemon is gone and the DHT's process waits for its answer
+        with contextlib.suppress(psutil.Error):
             process.terminate()  # SIGTERM: a forked child takes its default (process.leave_stop_signals_to_parent)
             closing.join(5.0)
-            if closing.is_alive() and _running(process):
+            if closing.is_alive():
                 process.kill()
-            closing.join()
+        closing.join()
 
 
 def _running(process) -> bool:
