@@ -171,13 +171,13 @@ def _hivemind_socket_prefix() -> str:
         return "/tmp/hivemind-"
 
 
-def bound_unix_socket_paths() -> set[str]:
-    """The paths of every unix socket bound on this machine now (``/proc/net/unix``; empty where there is none)."""
+def bound_unix_socket_paths() -> set[str] | None:
+    """The paths of every unix socket bound on this machine now (``/proc/net/unix``), None where it cannot be read."""
     try:
         with open("/proc/net/unix") as f:
             return {parts[7] for parts in (line.split() for line in f.readlines()[1:]) if len(parts) >= 8}
     except OSError:
-        return set()
+        return None
 
 
 def remove_stale_sockets(since: float) -> int:
@@ -193,7 +193,7 @@ def remove_stale_sockets(since: float) -> int:
     # margin: file times come from a coarse clock)
     before = time.time() - 1.0
     bound = bound_unix_socket_paths()
-    if not bound:
+    if bound is None:  # not Linux: which files are still bound is unknown (an empty set is a machine with none)
         return 0
     removed = 0
     for path in glob.glob(glob.escape(_hivemind_socket_prefix()) + "*.sock"):
