@@ -138,7 +138,7 @@ def test_a_dht_stops_at_once_whether_or_not_its_daemon_is_gone(daemon):
     """A terminal's Ctrl-C reaches the libp2p daemon too, and it exits; hivemind's ``DHT.shutdown`` then waited
     out its 3 s grace period for the daemon's answer and logged "DHT did not shut down within the grace period;
     terminating it the hard way" on every Ctrl-C of `chainswarm orchestrator`. ``stop_dht`` ends such a DHT at
-    once, and shuts one with a running daemon down as hivemind does."""
+    once, and shuts one with a running daemon down as hivemind does; neither leaves a socket file behind."""
     import logging
 
     import hivemind
@@ -154,6 +154,10 @@ def test_a_dht_stops_at_once_whether_or_not_its_daemon_is_gone(daemon):
     logger.addHandler(collect)
     try:
         (p2pd,) = psutil.Process(dht.pid).children()
+        sockets = {c.laddr for process in (psutil.Process(dht.pid), p2pd) for c in process.net_connections("unix")
+                   if "hivemind-" in (c.laddr or "")}
+        assert any("p2pd" in path for path in sockets), sockets  # (a DHT alone has no client socket: no streams)
+        time.sleep(0.2)  # files of the last 0.1 s are left alone (swarm.runtime.process.remove_stale_sockets)
         if daemon == "gone":  # as after a Ctrl-C (SIGKILL here: a daemon still starting may miss a SIGINT)
             p2pd.send_signal(signal.SIGKILL)
             wait_for(lambda: not p2pd.is_running() or p2pd.status() == psutil.STATUS_ZOMBIE, 10, what="p2pd gone")
@@ -163,6 +167,8 @@ def test_a_dht_stops_at_once_whether_or_not_its_daemon_is_gone(daemon):
         assert not dht.is_alive()
         assert took < 2.5, took  # hivemind's grace period is 3 s
         assert not warnings, warnings
+        # the daemon's socket file: a SIGKILLed daemon cannot remove it, and stop_dht removes what its end left
+        assert not [path for path in sockets if os.path.exists(path)], sockets
     finally:
         logger.removeHandler(collect)
         if dht.is_alive():

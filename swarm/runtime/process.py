@@ -171,6 +171,9 @@ def _hivemind_socket_prefix() -> str:
         return "/tmp/hivemind-"
 
 
+_BIND_MARGIN_S = 0.1  # see remove_stale_sockets
+
+
 def bound_unix_socket_paths() -> set[str] | None:
     """The paths of every unix socket bound on this machine now (``/proc/net/unix``), None where it cannot be read."""
     try:
@@ -182,27 +185,36 @@ def bound_unix_socket_paths() -> set[str] | None:
 
 def remove_stale_sockets(since: float) -> int:
     """Unlink hivemind's unix sockets (each libp2p daemon's and its client's, in ``/tmp``) made by this user at or
-    after ``since`` (``time.time()``), and over a second ago, that no process has bound any more; return how many.
-    (Another swarm's peers may start meanwhile: a socket is bound the moment its file exists.)
+    after ``since`` (``time.time()``) that no process has bound any more; return how many.
 
     hivemind removes them when a peer shuts down cleanly, but a peer killed with its group (a stopped or killed
     swarm peer, a crash) leaves both behind: a day of test runs left 15,000 in ``/tmp``. Without
     ``/proc/net/unix`` (not Linux) nothing is removed.
+
+    Another swarm's peers may be starting meanwhile. A socket's file is made by its ``bind``, so the files are
+    listed *before* the bound sockets are read: a file in the list whose socket is live is in that read. Files of
+    the last ``_BIND_MARGIN_S`` are left alone all the same (the kernel makes the file a moment before it lists the
+    socket's path, and file times come from a coarse clock). Until 2026-12-01 the read came first and every file
+    under a second old was left, which kept the handler sockets of a server stopped within a second of its
+    handlers' start (a CI-like run of ``tests/test_stop_signals.py`` left one).
     """
-    # a file made after the snapshot of bound sockets below is not in it, yet may be bound: only older ones go (the
-    # margin: file times come from a coarse clock)
-    before = time.time() - 1.0
-    bound = bound_unix_socket_paths()
-    if bound is None:  # not Linux: which files are still bound is unknown (an empty set is a machine with none)
-        return 0
-    removed = 0
+    young = time.time() - _BIND_MARGIN_S
+    candidates = []
     for path in glob.glob(glob.escape(_hivemind_socket_prefix()) + "*.sock"):
         try:
             info = os.lstat(path)
         except FileNotFoundError:
             continue
-        if (stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid() and since <= info.st_ctime < before
-                and path not in bound):
+        if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid() and since <= info.st_ctime < young:
+            candidates.append(path)
+    if not candidates:
+        return 0
+    bound = bound_unix_socket_paths()
+    if bound is None:  # not Linux: which files are still bound is unknown (an empty set is a machine with none)
+        return 0
+    removed = 0
+    for path in candidates:
+        if path not in bound:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 removed += 1
