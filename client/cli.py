@@ -8,7 +8,7 @@ import sys
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every client command shares: where the orchestrator is and who the client is."""
-    parser.add_argument("--orchestrator", default=os.environ.get("CHAINSWARM_URL", "http://127.0.0.1:8000"),
+    parser.add_argument("--orchestrator", "--url", default=os.environ.get("CHAINSWARM_URL", "http://127.0.0.1:8000"),
                         help="orchestrator URL (default $CHAINSWARM_URL or http://127.0.0.1:8000)")
     parser.add_argument("--api-key", default=os.environ.get("CHAINSWARM_API_KEY"))
     parser.add_argument("--client-id", default=None, help="client name when the orchestrator uses no API keys")
@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the prompt as a user message through the model's chat template "
                         "(/v1/chat/completions) and print the assistant's answer")
     parser.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", "--max-tokens", type=int, default=32,
+                        help="at most this many tokens (the API's max_tokens; default 32)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None, help="sample reproducibly: same seed and prompt, same text")

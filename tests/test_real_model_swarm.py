@@ -186,8 +186,9 @@ def test_generate_cli_chats_through_the_models_template(swarm, prompts, referenc
     expected = reference(prompts[4], 32)
     base = [sys.executable, "-m", "swarm.cli", "generate", "What is the capital of France?", "--chat",
             "--orchestrator", swarm.url, "--max-new-tokens", "32", "--temperature", "0"]
-    for extra in ([], ["--stream"]):
-        run = subprocess.run(base + extra, capture_output=True, text=True, timeout=240)
+    aliases = {"--orchestrator": "--url", "--max-new-tokens": "--max-tokens"}  # the API's and other tools' names
+    for argv in (base, [aliases.get(arg, arg) for arg in base] + ["--stream"]):
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=240)
         assert run.returncode == 0, run.stderr
         assert run.stdout == expected + "\n" and "Paris" in run.stdout
 
