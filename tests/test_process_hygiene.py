@@ -5,6 +5,7 @@ The locks are class attributes made when hivemind is imported, so every process 
 LocalSwarm forkserver's peers) shares them. A failpoint run caught it: a joining server killed as it loaded its range
 left the orchestrator's DHT reads and writes hanging for minutes, and the next test's DHT never started.
 """
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -100,54 +101,55 @@ def test_a_killed_server_leaves_no_socket_behind_once_the_swarm_stops(tiny_model
     assert not [path for path in bound if os.path.exists(path)]
 
 
-def test_stale_sockets_are_removed_on_a_machine_where_none_is_bound(monkeypatch):
-    """An unbound hivemind socket file goes whether or not any other unix socket is bound on the machine (a
-    minimal container binds none: the stale files stayed there, since an empty /proc/net/unix read as "cannot
-    tell"); where /proc/net/unix cannot be read, nothing is removed."""
+@contextlib.contextmanager
+def hivemind_socket_file(monkeypatch, kind: str, listen: bool):
+    """A unix socket bound at a hivemind-style path in /tmp (listening, or closed at once: a stale file), old
+    enough for ``remove_stale_sockets`` to judge it, and the only file it looks at (other workers' live sockets
+    must not be judged by a test's made-up bound set); removed at the end."""
     import socket
     import uuid
 
     from swarm.runtime import process
 
-    since = time.time() - 1.0
-    path = f"{process._hivemind_socket_prefix()}p2pd-test-{uuid.uuid4().hex[:12]}.sock"
+    path = f"{process._hivemind_socket_prefix()}{kind}-test-{uuid.uuid4().hex[:12]}.sock"
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(path)
-    sock.close()  # the file stays, bound by nobody
+    if listen:
+        sock.listen()
+    else:
+        sock.close()  # the file stays, bound by nobody
     try:
-        time.sleep(0.2)  # files of the last 0.1 s are left alone
-        # only this file is looked at: other workers' live sockets must not be judged by a made-up bound set
         monkeypatch.setattr(process.glob, "glob", lambda pattern: [path])
+        time.sleep(2 * process._BIND_MARGIN_S)  # files younger than the margin are left alone
+        yield path, sock
+    finally:
+        sock.close()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_stale_sockets_are_removed_on_a_machine_where_none_is_bound(monkeypatch):
+    """An unbound hivemind socket file goes whether or not any other unix socket is bound on the machine (a
+    minimal container binds none: the stale files stayed there, since an empty /proc/net/unix read as "cannot
+    tell"); where /proc/net/unix cannot be read, nothing is removed."""
+    from swarm.runtime import process
+
+    since = time.time() - 1.0
+    with hivemind_socket_file(monkeypatch, "p2pd", listen=False) as (path, _):
         monkeypatch.setattr(process, "bound_unix_socket_paths", lambda: None)
         assert process.remove_stale_sockets(since) == 0 and os.path.exists(path)
         monkeypatch.setattr(process, "bound_unix_socket_paths", set)
         assert process.remove_stale_sockets(since) == 1 and not os.path.exists(path)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
 
 
 def test_a_live_socket_is_kept_and_goes_once_closed(monkeypatch):
     """A socket still bound (another swarm's live peer) is never removed, however old; the moment it is closed its
     file is stale and goes — a server stopped a fraction of a second after its handlers started left their files
     while files under a second old were all kept."""
-    import socket
-    import uuid
-
     from swarm.runtime import process
 
     since = time.time() - 1.0
-    path = f"{process._hivemind_socket_prefix()}p2pclient-test-{uuid.uuid4().hex[:12]}.sock"
-    sock = socket.socket(socket.AF_UNIX)
-    sock.bind(path)
-    sock.listen()
-    try:
-        monkeypatch.setattr(process.glob, "glob", lambda pattern: [path])  # judge only this file
-        time.sleep(0.2)
+    with hivemind_socket_file(monkeypatch, "p2pclient", listen=True) as (path, sock):
         assert process.remove_stale_sockets(since) == 0 and os.path.exists(path)
         sock.close()
         assert process.remove_stale_sockets(since) == 1 and not os.path.exists(path)
-    finally:
-        sock.close()
-        if os.path.exists(path):
-            os.unlink(path)

@@ -51,8 +51,9 @@ def stop_dht(dht) -> None:
     gone and nothing fails the pending call): every Ctrl-C of a command cost the 3 s grace period and a WARN
     "DHT did not shut down within the grace period; terminating it the hard way". So the shutdown runs in a thread
     while this one watches the daemon, before and during it (it may exit at any moment of it): once it is gone,
-    nothing of the DHT is left to close (the daemon removes its own socket) and the DHT's process is ended, its
-    client socket file removed."""
+    nothing of the DHT is left to close and the DHT's process is ended. Then the socket files the stop left unbound
+    are removed (a daemon that exits on SIGINT removes its own; one killed outright, or a DHT process ended here,
+    cannot)."""
     import contextlib
     import threading
 
@@ -76,8 +77,6 @@ def stop_dht(dht) -> None:
             if closing.is_alive():
                 process.kill()
         closing.join()
-    # a daemon killed outright leaves its socket file, and hivemind removes it only for a daemon it ends itself;
-    # a DHT's process ended here leaves its client socket's: whatever the stop left unbound goes
     remove_stale_sockets(process.create_time())  # (psutil.Process read it already)
 
 
