@@ -14,7 +14,7 @@ where U_j is what sessions the scheduler does not count on a current chain throu
 and rerouted ones'): the slowest chains give up capacity first, and get it back as those sessions end. A reroute
 takes a block-slot on each server of its new route (:meth:`Occupancy.can_take`) or waits for one. A finished
 session whose close has not reached its servers yet (a batched session's close travels with its chain's next step)
-is :meth:`Occupancy.retire`\ d: no chain counts it, so it is part of U_j until :meth:`Occupancy.release`.
+is retired (:meth:`Occupancy.retire`): no chain counts it, so it is part of U_j until :meth:`Occupancy.release`.
 """
 from __future__ import annotations
 
