@@ -68,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(RSA, created if missing; default: a new key per run)")
     parser.add_argument("--open", action="store_true", help="serve sessions without orchestrator tickets (a trusted "
                         "lab; vanilla petals clients): anyone who reaches this server can use its blocks")
+    parser.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
+                        help="while none of the initial peers answers (the orchestrator not up yet, after a reboot "
+                        "or a power cut), try again for up to S seconds, logging each try (default 300; 0: give up "
+                        "at the first failure)")
     parser.add_argument("--log-level", default=os.environ.get("CHAINSWARM_LOGLEVEL", "INFO"),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -103,6 +107,8 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         raise _BadInput("--num-handlers must be at least 1")
     if getattr(args, "max_batch", 8) < 1:
         raise _BadInput("--max-batch must be at least 1")
+    if not 0 <= args.join_timeout <= 86400:
+        raise _BadInput("--join-timeout must be between 0 and 86400 seconds")
     if not args.update_period > 0 or args.drain_timeout < 0:
         raise _BadInput("--update-period must be positive and --drain-timeout non-negative")
     if args.node_id is not None and (not args.node_id.strip() or len(args.node_id) > 128):
@@ -147,6 +153,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         skip_reachability_check=True,
         emulated_compute=emulated,
         max_batch=getattr(args, "max_batch", 8),
+        join_timeout_s=args.join_timeout,
     )
     if args.announce_host or args.announce_port:
         if not args.announce_port and not args.port:
@@ -211,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's Python stack
 
     from server.node import run_node
-    from swarm.runtime.dht import p2p_start_failure, quiet_p2p_noise
+    from swarm.runtime.dht import StartupError, p2p_start_failure, quiet_p2p_noise
     from swarm.runtime.process import children_die_with_me, remove_stale_sockets
 
     started = time.time()
@@ -225,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"chainswarm server: error: {exc}", file=sys.stderr)
         return 1
+    except StartupError as exc:  # no initial peer answered within --join-timeout
+        print(f"chainswarm server: error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         failure = p2p_start_failure(exc, kwargs["initial_peers"], "--port")
         if failure is None:

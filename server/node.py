@@ -41,6 +41,7 @@ from petals.server.server import Server
 from server import emulation, failpoints, layout, profiling, rtt, tickets as server_tickets, trust
 from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
 from server.assignments import AssignmentInbox
+from swarm.runtime.dht import join_with_retries
 from swarm.trust import records
 from swarm.trust.records import DRAINING, LOADING, SERVING, WAITING, Assignment, ServerProfile
 from swarm.trust.validation import swarm_validators
@@ -465,15 +466,21 @@ class ChainswarmServer(Server):
 
 def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
     """Build a :class:`ChainswarmServer` (ticket-gated, push-fixed handler with the prefix store and multi-session
-    streams; the batching pool: ``max_batch``) and run it until SIGTERM/SystemExit."""
+    streams; the batching pool: ``max_batch``) and run it until SIGTERM/SystemExit. ``join_timeout_s`` (default 0:
+    one try) keeps trying to join while none of the initial peers answers (an orchestrator that is not up yet)."""
     from server import batching, multi_session
     from swarm.runtime.process import freeze_imported_heap
 
     multi_session.install(push_counter=push_counter)
     freeze_imported_heap()
+    server_kwargs = dict(server_kwargs)
+    join_timeout_s = float(server_kwargs.pop("join_timeout_s", 0.0))
     bound = server_kwargs.get("max_batch")
-    server = ChainswarmServer(report=report, max_batch=batching.DEFAULT_MAX_BATCH if bound is None else bound,
-                              **batching.install(server_kwargs))
+    kwargs = batching.install(server_kwargs)
+    server = join_with_retries(
+        lambda: ChainswarmServer(report=report, max_batch=batching.DEFAULT_MAX_BATCH if bound is None else bound,
+                                 **kwargs),
+        kwargs.get("initial_peers") or [], timeout_s=join_timeout_s, what="the swarm", log=logger)
     try:
         server.run()
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 from swarm.control import planning
 from swarm.control.options import OrchestratorOptions
 from swarm.control.orchestrator import Orchestrator, OrchestratorConfig
-from swarm.runtime.dht import StartupError, p2p_start_failure, stop_dht
+from swarm.runtime.dht import PeersUnreachable, StartupError, p2p_start_failure, reachable_maddrs, stop_dht
 from swarm.trust.validation import swarm_validators
 
 __all__ = ["OrchestratorOptions", "build_config", "serve", "run", "orchestrator_process_main"]
@@ -46,10 +46,13 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
 
     store = None
     if options.state_dir:
+        from swarm.state import ownership
         from swarm.state.persistence import prepare
         from swarm.state.store import StateDir
 
         store = StateDir(options.state_dir)
+        model = build_config(options)  # its prefix and number of blocks: whose state this may be
+        ownership.claim(store, ownership.ModelIdentity.of(options.model_dir, model.dht_prefix), model.num_blocks)
         options = prepare(options, store)
     config = build_config(options)
     if store is not None:
@@ -60,18 +63,15 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
     logger.info("orchestrator key %s: %s", identity.fingerprint, identity.public.decode())
     announce = (None if options.dht_announce_port is None
                 else [f"/ip4/{options.dht_host}/tcp/{options.dht_announce_port}"])
-    dial = list(options.initial_peers) or ([] if store is None else store.peers())  # a restart: the known servers
-    try:
-        dht = hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
-                           host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
-                           identity_path=None if store is None else store.identity_path(),
-                           record_validators=swarm_validators(identity, config.dht_prefix),
-                           num_workers=32)  # the engine's lookups of every block's servers go through it too
-    except Exception as exc:
-        failure = p2p_start_failure(exc, dial, "--dht-port", "are those peers up, and their addresses right?")
-        if failure is None:
-            raise
-        raise failure from None
+
+    def start_dht(dial: list[str]):
+        return hivemind.DHT(start=True, initial_peers=dial, ensure_bootstrap_success=bool(options.initial_peers),
+                            host_maddrs=[f"/ip4/{options.dht_host}/tcp/{options.dht_port}"], announce_maddrs=announce,
+                            identity_path=None if store is None else store.identity_path(),
+                            record_validators=swarm_validators(identity, config.dht_prefix),
+                            num_workers=32)  # the engine's lookups of every block's servers go through it too
+
+    dht = _start_bootstrap(start_dht, list(options.initial_peers), [] if store is None else store.peers())
     maddrs = [str(a) for a in dht.get_visible_maddrs()]
     keeper = saver = None
     initial_peers = list(options.initial_peers) or maddrs
@@ -133,6 +133,34 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
         if engine is not None:
             await asyncio.to_thread(engine.close)
         stop_dht(dht)
+
+
+def _start_bootstrap(start_dht, given: list[str], remembered: list[str]):
+    """The orchestrator's DHT peer. ``given`` initial peers (``--initial-peers``) must answer; without them the
+    orchestrator is the swarm's bootstrap, and the servers it ``remembered`` from its last run are dialled as a
+    hint only: those whose address does not answer are skipped (one log line), and when none of the others lets
+    the libp2p daemon start either, it starts on its own port alone — servers that come back rejoin through it."""
+    hint = "are those peers up, and their addresses right?"
+    dial = given or reachable_maddrs(remembered)
+    if not given and len(dial) < len(remembered):
+        logger.info("%d of the %d servers remembered from the last run do not answer: not dialled (they rejoin "
+                    "when they are back)", len(remembered) - len(dial), len(remembered))
+    try:
+        return start_dht(dial)
+    except Exception as exc:
+        failure = p2p_start_failure(exc, dial, "--dht-port", hint)
+        if failure is None:
+            raise
+        if given or not isinstance(failure, PeersUnreachable):
+            raise failure from None
+    logger.info("none of the remembered servers let the DHT join them: starting the swarm's DHT alone")
+    try:
+        return start_dht([])
+    except Exception as exc:
+        failure = p2p_start_failure(exc, [], "--dht-port", hint)
+        if failure is None:
+            raise
+        raise failure from None
 
 
 async def _restore(store, options: OrchestratorOptions, orchestrator: Orchestrator, maddrs: list[str],

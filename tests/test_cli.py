@@ -75,7 +75,8 @@ UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/QmTvHSGBJKfBZ3aBbV4ki2kuyHRsX6vNe8oUhnLp
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["server", "--initial-peers", UNREACHABLE], f"cannot reach any initial peer ({UNREACHABLE}): is the orchestrator"),
+    (["server", "--join-timeout", "0", "--initial-peers", UNREACHABLE],
+     f"cannot reach any initial peer ({UNREACHABLE}): is the orchestrator"),
     (["orchestrator", "--ephemeral", "--dht-port", "{port}"], "cannot listen on 127.0.0.1:{port}: the address is "
                                                               "already in use (choose another --dht-port)"),
     (["orchestrator", "--ephemeral", "--http", "127.0.0.1:{port}"], "cannot listen on 127.0.0.1:{port} (--http)"),
@@ -102,6 +103,23 @@ def test_a_peer_that_cannot_start_says_why_in_one_line(tiny_model, argv, message
         left = [p.pid for p in psutil.process_iter(["name", "cmdline"])
                 if p.info["name"] == "p2pd" and any(m in " ".join(p.info["cmdline"] or []) for m in marks)]
         assert not left, f"libp2p daemons left behind: {left}"
+
+
+def test_a_server_whose_initial_peers_are_down_keeps_trying_then_says_why(tiny_model):
+    """A server started before its orchestrator (a reboot, a power cut) does not exit at the first try: it says
+    once a try that it cannot reach the swarm yet and tries again, until --join-timeout; then the one line."""
+    began = time.monotonic()
+    result = chainswarm("server", "--model", tiny_model, "--initial-peers", UNREACHABLE, "--join-timeout", "5",
+                        timeout=180)
+    took = time.monotonic() - began
+    assert result.returncode == 2, result.stderr
+    tries = [line for line in result.stderr.splitlines() if "cannot reach the swarm yet" in line]
+    assert len(tries) >= 2, result.stderr  # waits 2 s, then 3 s (what is left): three tries in all
+    assert "giving up in" in tries[0] and UNREACHABLE in tries[0]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"chainswarm server: error: cannot reach any initial peer ({UNREACHABLE})")
+    assert "Traceback" not in result.stderr
+    assert took >= 5
 
 
 @pytest.mark.filterwarnings("ignore:path is deprecated:DeprecationWarning")  # hivemind's own use of importlib

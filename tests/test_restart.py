@@ -226,7 +226,10 @@ def test_a_plain_restart_keeps_the_orchestrator_key_and_ephemeral_does_not(tiny_
         proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE if ephemeral else subprocess.DEVNULL,
                                 start_new_session=True, text=True)
-        node_file = tmp_path / "state-home" / "orchestrator" / "keep-key" / "node.json"
+        from swarm.state.ownership import model_fingerprint  # the default directory: prefix and fingerprint
+
+        state = tmp_path / "state-home" / "orchestrator" / f"keep-key-{model_fingerprint(tiny_model)}"
+        node_file = state / "node.json"
         try:
             if ephemeral:
                 return _ephemeral_key(proc)
@@ -239,7 +242,7 @@ def test_a_plain_restart_keeps_the_orchestrator_key_and_ephemeral_does_not(tiny_
 
     first, second = key_of(), key_of()
     assert first == second
-    assert (tmp_path / "state-home" / "orchestrator" / "keep-key" / "orchestrator.key").exists()
+    assert list((tmp_path / "state-home" / "orchestrator").glob("keep-key-*/orchestrator.key"))
     assert key_of("--ephemeral") != first
 
 

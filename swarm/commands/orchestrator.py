@@ -77,22 +77,26 @@ def run(args: argparse.Namespace) -> int:
     from swarm.service import build_config, run as run_service  # the whole stack: after the checks above (seconds)
 
     try:
-        build_config(options)  # validate the planning settings before starting anything
+        config = build_config(options)  # validate the planning settings before starting anything
     except ValueError as exc:
         return _fail(str(exc))
+    from swarm.state.store import StateError
+
     if args.ephemeral and args.state_dir:
         return _fail("--ephemeral and --state-dir contradict each other")
     if not args.ephemeral and not options.state_dir:  # a plain restart keeps its key, so its servers obey it
         import dataclasses
 
-        from swarm.model.checkpoint import dht_prefix_for
-        from swarm.state.store import default_orchestrator_dir
+        from swarm.state import ownership
 
-        state = default_orchestrator_dir(options.dht_prefix or dht_prefix_for(options.model_dir))
+        try:
+            identity = ownership.ModelIdentity.of(options.model_dir, config.dht_prefix)
+            state = ownership.default_dir(identity, config.num_blocks)
+        except StateError as exc:
+            return _fail(str(exc))
         options = dataclasses.replace(options, state_dir=str(state))
         logging.getLogger(__name__).info("state in %s (--state-dir to choose, --ephemeral for none)", state)
     from swarm.runtime.dht import StartupError
-    from swarm.state.store import StateError
 
     try:
         run_service(options)

@@ -171,7 +171,8 @@ class OrchestratorOptions:
         None, metavar="DIR", help="keep the orchestrator's state here and restart from it: signing key, DHT identity "
         "and port, HTTP port, prefix namespace, API keys, plan and assignments, fairness counters (default for "
         "`chainswarm orchestrator`: $CHAINSWARM_STATE, else $XDG_STATE_HOME/chainswarm, else "
-        "~/.local/state/chainswarm, then orchestrator/<dht prefix>; --ephemeral keeps nothing)")
+        "~/.local/state/chainswarm, then orchestrator/<dht prefix>-<model fingerprint>; a directory that belongs "
+        "to another model is refused; --ephemeral keeps nothing)")
     log_level: str = option("INFO", help="logging level of the orchestrator process")
     # -- signed control plane (swarm.trust.identity, swarm.trust.tickets) --
     identity_key: str | None = option(None, metavar="FILE", help="the orchestrator's signing key (RSA, DER; "

@@ -94,6 +94,10 @@ class StartupError(RuntimeError):
     the message is one line that says which."""
 
 
+class PeersUnreachable(StartupError):
+    """The libp2p daemon would not start because none of the initial peers answered."""
+
+
 SERVER_HINT = "is the orchestrator running, and is the address right? (it prints it; its dashboard shows the server command)"
 
 
@@ -110,7 +114,7 @@ def p2p_start_failure(exc: BaseException, initial_peers=(), option: str = "--por
     text = re.sub(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? ", "", text)  # the daemon's log timestamp
     if "failed to connect to bootstrap peers" in text:
         peers = ", ".join(str(p) for p in initial_peers) or "none given"
-        return StartupError(f"cannot reach any initial peer ({peers}): {hint}")
+        return PeersUnreachable(f"cannot reach any initial peer ({peers}): {hint}")
     if "address already in use" in text:
         where = re.search(r"listen tcp[46]? (\S+?): bind", text)
         return StartupError(f"cannot listen on {where.group(1) if where else 'its address'}: the address is "
@@ -139,3 +143,57 @@ def quiet_p2p_noise() -> None:
     import logging
 
     logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_not_p2p_noise)
+
+
+def reachable_maddrs(maddrs, timeout_s: float = 1.0) -> list[str]:
+    """The multiaddrs among ``maddrs`` whose TCP endpoint accepts a connection within ``timeout_s`` (probed all at
+    once; one that names no IP and TCP port is kept as it is): a fast filter before the libp2p daemon, which
+    refuses to start when none of its bootstrap peers answers and waits for each on its own."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    def answers(maddr: str) -> bool:
+        parts = str(maddr).split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+            return True
+        try:
+            with socket.create_connection((parts[2], int(parts[4])), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            return False
+
+    maddrs = [str(m) for m in maddrs]
+    if not maddrs:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(maddrs))) as pool:
+        return [m for m, ok in zip(maddrs, pool.map(answers, maddrs)) if ok]
+
+
+def join_with_retries(start, initial_peers, *, timeout_s: float, what: str = "the swarm", first_wait_s: float = 2.0,
+                      max_wait_s: float = 30.0, sleep=None, log=None):
+    """``start()`` (which starts a DHT peer joining ``initial_peers``), tried again while none of those peers
+    answers, for at most ``timeout_s`` seconds (0: once), waiting ``first_wait_s`` then twice as long each time (at
+    most ``max_wait_s``), with one log line a try. Returns what ``start`` returns; the last failure past the
+    deadline, as the one-line :class:`PeersUnreachable`. Any other failure is raised at once."""
+    import logging
+    import time
+
+    sleep = sleep or time.sleep
+    log = log or logging.getLogger(__name__)
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    wait_s = first_wait_s
+    while True:
+        try:
+            return start()
+        except Exception as exc:
+            failure = p2p_start_failure(exc, initial_peers)
+            if not isinstance(failure, PeersUnreachable):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise failure from None
+            wait_s = min(wait_s, max_wait_s, left)
+            log.warning("cannot reach %s yet (no initial peer answers: %s); trying again in %.0f s, giving up in "
+                        "%.0f s", what, ", ".join(map(str, initial_peers)), wait_s, left)
+            sleep(wait_s)
+            wait_s *= 2

@@ -208,8 +208,3 @@ def default_state_root() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "chainswarm"
 
-
-def default_orchestrator_dir(dht_prefix: str) -> Path:
-    """The default ``--state-dir`` of the orchestrator of swarm ``dht_prefix``."""
-    return default_state_root() / "orchestrator" / dht_prefix
-
