@@ -38,6 +38,7 @@ from petals.data_structures import InferenceMetadata
 from petals.server.backend import TransformerBackend, _MergedInferenceStep
 from petals.server.task_pool import PrioritizedTaskPool, Task, _move_to_device_if_tensor
 from petals.utils.misc import DUMMY_INT64
+from server.ends import ChainEnds, HeadTask, load_for_span
 from server.kv_pool import receive, step_tensors
 from swarm.model.block import DecoderBlock, Segment, token_positions
 from swarm.model.families import install_server_hooks
@@ -262,10 +263,11 @@ def _offset(backend: TransformerBackend, handles: tuple) -> int:
 class BatchedInferenceStep:
     """The merged pool's function: petals' ``_MergedInferenceStep`` for single tasks, a batched pass for groups."""
 
-    def __init__(self, backends: dict):
+    def __init__(self, backends: dict, ends: Optional[ChainEnds] = None):
         self.backends = backends
         self.merged = _MergedInferenceStep(backends)
         self._layers = {uid: _block(b) for uid, b in backends.items()}
+        self.ends = ends  # the chain's embeddings and/or head, when this span holds block 0 or the last block
 
     def supports(self, uids: Sequence[str]) -> bool:
         return all(self._layers.get(uid) is not None for uid in uids)
@@ -274,6 +276,10 @@ class BatchedInferenceStep:
     def __call__(self, *args):
         if args and isinstance(args[0], _Group):
             return (self.run_group(args[0]),)
+        if len(args) == 2 and isinstance(args[1], HeadTask):
+            if self.ends is None or self.ends.head is None:
+                raise ValueError("this span holds no LM head")
+            return (self.ends.logits(args[0]),)
         return self.merged(*args)
 
     def _check(self, group: _Group, index: int) -> list[tuple]:
@@ -337,11 +343,16 @@ class BatchedInferenceStep:
         return outputs
 
 
-def merge_inference_pools_batched(backends: dict, max_batch: int = DEFAULT_MAX_BATCH) -> None:
-    """Like petals' ``merge_inference_pools_inplace``, with a :class:`BatchingTaskPool` as the merged pool."""
+def merge_inference_pools_batched(backends: dict, max_batch: int = DEFAULT_MAX_BATCH,
+                                  model_dir: Optional[str] = None) -> None:
+    """Like petals' ``merge_inference_pools_inplace``, with a :class:`BatchingTaskPool` as the merged pool; the
+    chain's ends (:mod:`server.ends`) are loaded beside the blocks when the span holds block 0 or the last one."""
     assert backends and all(isinstance(b, TransformerBackend) for b in backends.values())
-    first_pool = next(iter(backends.values())).inference_pool
-    merged = BatchingTaskPool(BatchedInferenceStep(backends), max_batch=max_batch,
+    first = next(iter(backends.values()))
+    first_pool = first.inference_pool
+    device = next(iter(first.module.parameters())).device
+    ends = load_for_span(model_dir, list(backends), int(first.config.num_hidden_layers), first.dtype, device)
+    merged = BatchingTaskPool(BatchedInferenceStep(backends, ends), max_batch=max_batch,
                               max_batch_size=first_pool.max_batch_size, device=first_pool.device,
                               name="merged_inference")
     for backend in backends.values():
@@ -369,7 +380,7 @@ def install(server_kwargs: dict) -> dict:
     if max_batch == 1:
         server_module.merge_inference_pools_inplace = backend_module.merge_inference_pools_inplace
         return kwargs
-    server_module.merge_inference_pools_inplace = functools.partial(merge_inference_pools_batched,
-                                                                    max_batch=max_batch)
+    server_module.merge_inference_pools_inplace = functools.partial(
+        merge_inference_pools_batched, max_batch=max_batch, model_dir=kwargs.get("converted_model_name_or_path"))
     kwargs["prefetch_batches"] = 0
     return kwargs

@@ -37,16 +37,19 @@ from petals.utils.misc import DUMMY_INT64  # noqa: E402
 
 from server import failpoints, tickets as server_tickets  # noqa: E402
 from server.batching import BatchingTaskPool, Cohort  # noqa: E402
+from server.ends import HeadTask  # noqa: E402
 from server.kv_pool import flat_handles  # noqa: E402
 from swarm.engine import multi_wire  # noqa: E402
+from swarm.engine.sampling import TokenChooser, choose_step, logprob_to_wire, sampling_from_wire  # noqa: E402
 from swarm.trust.prefix import PAGE_TOKENS  # noqa: E402
 from swarm.trust import tickets  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 COHORT_TOKENS = 512  # new tokens per batched pass (a cohort of prefills is split beyond it)
-MULTI_INFO = "chainswarm_multi"  # rpc_info key: {"streams", "sessions", "messages", "cohorts", "failed"}
-_COUNTERS = ("streams", "sessions", "messages", "cohorts", "failed")
+MULTI_INFO = "chainswarm_multi"  # rpc_info key: {"streams", "sessions", ..., "embedded", "chosen"}
+# embedded: session steps whose token ids this server embedded; chosen: session steps whose tokens it chose
+_COUNTERS = ("streams", "sessions", "messages", "cohorts", "failed", "embedded", "chosen")
 _counts = None  # mp.Array made by install() in the server process, shared with the handler processes it forks
 
 
@@ -76,6 +79,11 @@ class _Session:
     last_step: int = 0
     opened: float = field(default_factory=time.monotonic)
     save: Optional[multi_wire.Prefix] = None  # the prompt's pages, stored after the first step (when allowed)
+    # the chain's last server choosing this session's tokens (server.ends): its chooser (None: greedy), the
+    # repetition penalty's prompt and the token that ends it
+    chooser: Optional[TokenChooser] = None
+    context: list = field(default_factory=list)
+    eos: Optional[int] = None
 
     def rollback(self, positions: int, pool) -> None:
         """Forget the last ``positions`` positions (drafted tokens a verification pass rejected): attention reads only
@@ -108,6 +116,20 @@ class _Span:
                             and supports(self.uids) else 0)
         self.proto = next(iter(nested_flatten(self.backends[-1].outputs_schema)))
         self.hidden_size = int(self.backends[0].config.hidden_size)
+        self.ends = getattr(pool.process_func, "ends", None)  # server.ends.ChainEnds at block 0 / the last block
+
+    def embed(self, sid: str, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+        if self.ends is None or self.ends.embedding is None:
+            raise ValueError("this server does not embed token ids (it holds no block 0 with the chain's ends)")
+        if tuple(ids.shape) != (1, tokens):
+            raise ValueError(f"session {sid!r}: expected token ids (1, {tokens}), got {tuple(ids.shape)}")
+        return self.ends.embed(ids)
+
+    @property
+    def vocab_size(self) -> int:
+        if self.ends is None or self.ends.head is None:
+            raise ValueError("this server does not choose tokens (it holds no last block with the LM head)")
+        return self.ends.vocab_size
 
 
 class MultiSessionHandler(server_tickets.TicketHandler):
@@ -162,6 +184,16 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 _count("sessions")
             except Exception as exc:  # refused ticket, no KV slot, too long: this session only
                 failed[entry.sid] = _message(exc)
+        for sid, spec in message.samples.items():
+            if sid in failed:
+                continue
+            try:
+                session = sessions.get(sid)
+                if session is None:
+                    raise ValueError(f"session {sid!r} is not open in this stream")
+                session.chooser, session.context, session.eos = sampling_from_wire(spec, span.vocab_size)
+            except Exception as exc:
+                failed[sid] = _message(exc)
         steps = []
         for (sid, tokens, rollback), tensor in zip(message.steps, tensors):
             if sid in failed:
@@ -173,7 +205,10 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 if rollback:
                     session.rollback(rollback, span.pool)
                 hidden = deserialize_torch_tensor(tensor)
-                if tuple(hidden.shape) != (1, tokens, span.hidden_size):
+                if sid in message.ids:
+                    hidden = span.embed(sid, hidden, tokens)
+                    _count("embedded")
+                elif tuple(hidden.shape) != (1, tokens, span.hidden_size):
                     raise ValueError(f"session {sid!r}: expected hidden states (1, {tokens}, {span.hidden_size}), "
                                      f"got {tuple(hidden.shape)}")
                 await session.grow(tokens, span.pool)
@@ -184,12 +219,50 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             for phase in sorted({failpoints.step_phase(s.position, hidden.shape[1]) for _, s, hidden in steps}):
                 failpoints.hit(phase)
         outputs = await self._run(span, steps, failed)
+        chosen = await self._choose(span, sessions, message.chooses, outputs, failed) if message.chooses else {}
         if failed:
             _count("failed", len(failed))
         await _close(sessions, failed)
         serialized = [serialize_torch_tensor(outputs[sid].to(span.proto.dtype), span.proto.compression,
                                              allow_inplace=True) for sid, _, _ in steps if sid in outputs]
-        return runtime_pb2.ExpertResponse(tensors=serialized, metadata=MSGPackSerializer.dumps({"failed": failed}))
+        answer = {"failed": failed, **({"chosen": chosen} if chosen else {})}
+        return runtime_pb2.ExpertResponse(tensors=serialized, metadata=MSGPackSerializer.dumps(answer))
+
+    async def _choose(self, span: _Span, sessions: dict, chooses: dict, outputs: dict, failed: dict) -> dict:
+        """The tokens of the sessions this message asks to choose (the chain's last server): one LM-head pass over
+        their steps' last ``len(draft) + 1`` positions on the runtime, then each session's choice
+        (:func:`swarm.engine.sampling.choose_step`); their hidden states are not sent back."""
+        picked = [(sid, draft, left) for sid, (draft, left) in chooses.items() if sid in outputs]
+        if not picked:
+            return {}
+        hidden = [outputs.pop(sid) for sid, _, _ in picked]
+        rows = [len(draft) + 1 for _, draft, _ in picked]
+        try:
+            span.vocab_size  # noqa: B018  (holds the head, or says it does not)
+            last = torch.cat([h[0, -n:] for h, n in zip(hidden, rows)], dim=0)
+            (logits,) = await span.backends[0].inference_pool.submit_task(last[None], HeadTask(),
+                                                                         priority=self._priority(span))
+        except Exception as exc:
+            failed.update({sid: _message(exc) for sid, _, _ in picked})
+            return {}
+
+        def choose_all() -> dict:
+            chosen = {}
+            for (sid, draft, left), scores in zip(picked, logits[0].split(rows)):
+                session = sessions[sid]
+                try:
+                    chooser = session.chooser
+                    before = len(chooser.logprobs) if chooser is not None else 0
+                    tokens = list(choose_step(chooser, session.context, scores, draft, left, session.eos))
+                    asked = chooser is not None and chooser.params.logprobs is not None
+                    chosen[sid] = [tokens, [logprob_to_wire(e) for e in chooser.logprobs[before:]] if asked else None]
+                except Exception as exc:  # one session's choice fails alone
+                    failed[sid] = _message(exc)
+            return chosen
+
+        chosen = await asyncio.to_thread(choose_all)
+        _count("chosen", len(chosen))
+        return chosen
 
     async def _open(self, span: _Span, entry: multi_wire.Open) -> _Session:
         ticket = server_tickets.check({tickets.META_KEY: entry.ticket} if entry.ticket is not None else {},

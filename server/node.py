@@ -257,6 +257,7 @@ class ChainswarmServer(Server):
                 version=petals.__version__,
                 batch_step_s=self.batch_steps,
                 max_batch=self.max_batch,
+                ends=self.max_batch > 1,  # the batching pool loads the chain's ends with the blocks (server.ends)
                 prefix_epoch=self._prefix_store().epoch,  # with the state: the orchestrator resets its index in step
             )
 

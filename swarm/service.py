@@ -103,6 +103,8 @@ async def serve(options: OrchestratorOptions, report=None) -> None:
                                              batch_lanes=options.batch_lanes,
                                              speculation=speculation(options),
                                              batch_bound=orchestrator.route_batch_bound,  # drafts per step
+                                             route_ends=(orchestrator.route_ends  # ids in, tokens out
+                                                         if options.token_choice == "servers" else None),
                                              dht=dht)  # one DHT and libp2p daemon for the orchestrator and it
             if options.use_server_to_server is not None:
                 for client_config in (engine.model.config, engine.manager.config):

@@ -55,8 +55,9 @@ def _metric(url: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-def _stream(url: str, prompt: str, max_tokens: int, pieces: list, errors: list, on_piece=None) -> None:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def _stream(url: str, prompt: str, max_tokens: int, pieces: list, errors: list, on_piece=None,
+            sampling=None) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, **(sampling or {"temperature": 0})}
     with HTTP.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Client-Id": "batch"},
                      timeout=300) as response:
         response.raise_for_status()
@@ -79,7 +80,8 @@ def idle(url: str) -> bool:
 def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, reference):
     chains = swarm.status["chains"]
     assert len(chains) >= 2 and all(len(c["servers"]) >= 2 for c in chains)
-    steps, session_steps = (_metric(swarm.url, f"chainswarm_batched_{n}_total") for n in ("steps", "session_steps"))
+    steps, session_steps, chosen = (_metric(swarm.url, f"chainswarm_batched_{n}_total")
+                                    for n in ("steps", "session_steps", "chosen_steps"))
     accepted = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total")
 
     def one(i: int) -> str:
@@ -97,6 +99,8 @@ def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, 
     steps = _metric(swarm.url, "chainswarm_batched_steps_total") - steps
     session_steps = _metric(swarm.url, "chainswarm_batched_session_steps_total") - session_steps
     assert steps > 0 and session_steps / steps >= 2.0, (steps, session_steps)  # sessions really shared steps
+    # the chains' last servers chose the tokens (new servers' sessions are also spot-checked: the head runs here)
+    assert _metric(swarm.url, "chainswarm_batched_chosen_steps_total") - chosen >= session_steps / 2
     accepted = _metric(swarm.url, "chainswarm_speculative_accepted_tokens_total") - accepted
     # no session left the batched path (a cohort step failed once on a handle freed mid-step: server/batching.py)
     assert _metric(swarm.url, "chainswarm_batched_fallbacks_total") == 0
@@ -104,8 +108,14 @@ def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, 
 
 
 def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
-    """Six concurrent streamed completions; when the first has 8 tokens, the last server of the chain it runs
-    on is SIGKILLed. That chain's batch breaks; its sessions go on from their tokens on the other chain."""
+    """Six concurrent streamed completions, and a seventh sampled with a seed; when the first has 8 tokens, the last
+    server of the chain it runs on is SIGKILLed. That chain's batch breaks; its sessions go on from their tokens on
+    the other chain — the seeded one too: its draws depend on the seed and positions only, and the tokens it had
+    are replayed into its new chooser, so it ends as the same request run without a failure."""
+    seeded = {"temperature": 0.8, "seed": 41, "top_p": 0.95}
+    wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
+    unbroken = HTTP.post(f"{swarm.url}/v1/completions", json={"prompt": PROMPTS[6], "max_tokens": 32, **seeded},
+                         timeout=300).json()["choices"][0]["text"]
     wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
     status = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     victim_name = status["chains"][0]["servers"][-1]  # JFFC fills the fastest chain, chain 0, first
@@ -117,12 +127,16 @@ def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
     threads = [threading.Thread(target=_stream, args=(swarm.url, p, 32, *results[i]),
                                 kwargs={"on_piece": (lambda n: n >= 8 and eighth.set()) if i == 0 else None})
                for i, p in enumerate(prompts)]
+    sampled = ([], [])
+    threads.append(threading.Thread(target=_stream, args=(swarm.url, PROMPTS[6], 32, *sampled),
+                                    kwargs={"sampling": seeded}))
     for t in threads:
         t.start()
     assert eighth.wait(120)
     swarm.kill(victim)
     for t in threads:
         t.join(300)
+    assert not sampled[1] and "".join(sampled[0]) == unbroken
     for prompt, (pieces, errors) in zip(prompts, results):
         assert not errors, (prompt[:40], errors, HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()["chains"], victim_name)
         assert "".join(pieces) == reference(prompt, 32), prompt[:40]

@@ -375,6 +375,8 @@ class _SilentBatch:
             raise TimeoutError("no answer")
         raise RuntimeError("the chain batch was closed during its step")
 
+    step_ends = step
+
     def cancel(self):
         self.cancelled.set()
 

@@ -109,6 +109,9 @@ class _BatchCollector:
                                   "server for all the chain's sessions)", value=stats["steps"])
         yield CounterMetricFamily("chainswarm_batched_session_steps", "session-steps those chain steps carried "
                                   "(divided by chainswarm_batched_steps: the mean batch)", value=stats["sequence_steps"])
+        yield CounterMetricFamily("chainswarm_batched_chosen_steps", "session-steps whose tokens the chain's last "
+                                  "server chose (embeddings, LM head and sampling on the servers)",
+                                  value=stats.get("chosen_steps", 0))
         yield CounterMetricFamily("chainswarm_batched_fallbacks", "batched sessions that went on as one petals "
                                   "session each (a server failed or has no multi-session streams)",
                                   value=stats["fallbacks"])

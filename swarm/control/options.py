@@ -163,6 +163,11 @@ class OrchestratorOptions:
                                          "(default 16384)")
     api_keys: dict[str, str] = option(default_factory=dict, cli=False,
                                       help="API key -> client id (--api-key KEY=CLIENT, --api-keys-file)")
+    token_choice: str = option("servers", choices=("servers", "orchestrator"),
+                               help="where each generated token's embeddings, LM head and choice run: on the chain's "
+                               "first and last servers (default: token ids travel, the orchestrator's CPU never caps "
+                               "the swarm), or here (the earlier design, kept for comparison and for servers "
+                               "that do not publish the chain's ends)")
     proxy: bool = option(True, cli=False, help="load the client-side model and serve /v1/completions (--no-proxy)")
     use_server_to_server: bool | None = option(
         None, cli=False, help="the proxy's petals client: None keeps petals' default (server-to-server push on); "

@@ -271,6 +271,13 @@ class Orchestrator(Membership, Failover, LeaseOps, SpotCheckHooks):
         found = [bounds.get(peer) for peer, _, _ in route]
         return None if not found or None in found else min(found)
 
+    def route_ends(self, route) -> bool:
+        """Whether the first and last servers of ``route`` embed token ids and choose tokens themselves (they
+        publish ``ends``): the engine then sends them token ids and gets token ids back (:mod:`server.ends`).
+        Safe from the engine's threads."""
+        ends = {p.peer_id: p.ends for p in list(self.view.profiles.values())}
+        return bool(route) and all(ends.get(peer, False) for peer, _, _ in (route[0], route[-1]))
+
     def kv_pools(self) -> dict[str, int]:
         """KV tokens each assigned server's session pool holds (its cache_slots × slot size, per block, as told)."""
         return {node: a.cache_slots * a.slot_size for node, a in self.view.published.items()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -28,7 +29,7 @@ from swarm.model.kernels import linear
 from swarm.engine import multi_wire
 from swarm.engine.multi_client import ChainBatch, ChainBatchError
 from swarm.engine.routing import RouteSpan
-from swarm.engine.sampling import TokenChooser
+from swarm.engine.sampling import TokenChooser, choose_step, logprob_from_wire, sampling_to_wire
 from swarm.trust.prefix import PAGE_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class Decoding:
     draft: list[int] = field(default_factory=list)  # the drafted tokens of the step in flight
     rollback: int = 0  # positions the servers forget before the next step (the last step's rejected drafts)
     prefix: Optional[multi_wire.Prefix] = None  # prompt-prefix reuse: the pages its servers load and store
+    ends: bool = False  # the chain's servers embed its ids and choose its tokens (server.ends)
+    sample: Optional[dict] = None  # its sampling spec, sent to the last server with its first step
 
 
 class ChainGenerator:
@@ -78,7 +81,8 @@ class ChainGenerator:
     # bound (else their smallest: GenerationEngine.batch_bound); 16 is chainswarm server's default --max-batch
 
     def __init__(self, model, route: Sequence[RouteSpan], *, max_sessions: int = 16, step_timeout: float = 30.0,
-                 alloc_timeout: float = 5.0, idle_close_s: float = 5.0, step_positions: int = STEP_POSITIONS):
+                 alloc_timeout: float = 5.0, idle_close_s: float = 5.0, step_positions: int = STEP_POSITIONS,
+                 ends: bool = False):
         """``step_positions``: speculative decoding's drafts fill a step's decode positions up to this many, shared
         by the drafting sequences: a lone session drafts up to its own ``k``, 8 running sessions 1 each, 16 none —
         an extra position is nearly free while a server's batch has room, and takes compute from the other
@@ -86,6 +90,7 @@ class ChainGenerator:
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self.step_positions = int(step_positions)
+        self.ends = bool(ends)  # the route's first and last servers embed ids and choose tokens (server.ends)
         manager = model.transformer.h.sequence_manager
         self.model, self.max_sessions, self.idle_close_s = model, int(max_sessions), idle_close_s
         self._route = tuple(route)
@@ -96,6 +101,7 @@ class ChainGenerator:
         self.batch: Optional[ChainBatch] = None  # open while there is work (and idle_close_s after)
         self.steps = 0  # chain steps run
         self.stepped_sequences = 0  # sequence-steps run (÷ steps: the mean batch)
+        self.chosen_steps = 0  # sequence-steps whose tokens the chain's last server chose (server.ends)
         self.reopened = 0  # steps retried on new streams (the old ones broke before any session had KV there)
         self._ids = itertools.count()
         self._waiting: list[Decoding] = []
@@ -150,11 +156,27 @@ class ChainGenerator:
             sid = f"s{next(self._ids)}"
             if kv_freed is not None:
                 self._freeing[sid] = kv_freed
-            self._waiting.append(Decoding(sid, list(input_ids), int(max_new_tokens),
-                                           eos_token_id, on_token, processor, ticket, future, recorder=recorder,
-                                           drafts=drafts, prefix=prefix))
+            seq = Decoding(sid, list(input_ids), int(max_new_tokens), eos_token_id, on_token, processor, ticket,
+                           future, recorder=recorder, drafts=drafts, prefix=prefix)
+            seq.sample = self._sample_spec(seq)
+            seq.ends = seq.sample is not None
+            self._waiting.append(seq)
             self._cv.notify()
         return future
+
+    def _sample_spec(self, seq: Decoding) -> Optional[dict]:
+        """The sampling spec the chain's last server chooses ``seq``'s tokens by, or None when they are chosen here:
+        the route's ends are not on its servers, a spot check records its hidden states, its grammar is here, or its
+        processor is not a :class:`TokenChooser`."""
+        if not self.ends or seq.recorder is not None:
+            return None
+        if seq.processor is None:
+            return {"greedy": True, "eos": seq.eos_token_id}
+        if not isinstance(seq.processor, TokenChooser) or seq.processor.grammar is not None:
+            return None
+        chooser = seq.processor
+        seed = chooser.params.seed if chooser.params.seed is not None else secrets.randbits(63)
+        return sampling_to_wire(chooser.params, seed, chooser.generated, seq.input_ids, seq.eos_token_id)
 
     def sessions(self) -> int:
         """Sequences running or waiting to be admitted."""
@@ -250,12 +272,17 @@ class ChainGenerator:
     @torch.inference_mode()
     def _step(self, admitted: list[Decoding]) -> None:
         embed = self.model.transformer.word_embeddings
+
+        def tokens_in(seq: Decoding, ids: list[int]) -> torch.Tensor:  # ids to the first server, or embedded here
+            ids = torch.tensor([ids], dtype=torch.long)
+            return ids if seq.ends else embed(ids)
+
         inputs = {}
         for s in admitted:  # a prefill: the prompt after the pages its servers load
             skip = s.prefix.load * PAGE_TOKENS if s.prefix is not None else 0
             if skip and s.recorder is not None:
                 s.recorder.skip_prefix(skip)
-            inputs[s.sid] = embed(torch.tensor([s.input_ids[skip:]]))
+            inputs[s.sid] = tokens_in(s, s.input_ids[skip:])
         rollbacks = {}
         drafting = sum(s.drafts is not None for s in self._running.values())
         room = max(0, self.step_positions - len(self._running) - len(admitted))
@@ -263,7 +290,7 @@ class ChainGenerator:
         for s in self._running.values():
             s.draft = (s.drafts.propose(s.input_ids + s.produced, min(share, s.max_new_tokens - len(s.produced) - 1))
                        if s.drafts is not None else [])
-            inputs[s.sid] = embed(torch.tensor([[s.produced[-1], *s.draft]]))
+            inputs[s.sid] = tokens_in(s, [s.produced[-1], *s.draft])
             if s.rollback:
                 rollbacks[s.sid], s.rollback = s.rollback, 0
         opens = {s.sid: len(s.input_ids) + s.max_new_tokens for s in admitted}
@@ -271,9 +298,13 @@ class ChainGenerator:
         self._running.update((s.sid, s) for s in admitted)
         self.batch.recorders.update((s.sid, s.recorder) for s in admitted if s.recorder is not None)
         masks = TokenChooser.prepare_async(s.processor for s in self._running.values())  # grammar masks, meanwhile
+        ends = [s for s in self._running.values() if s.ends]
+        chooses = {s.sid: (list(s.draft), s.max_new_tokens - len(s.produced)) for s in ends}
+        samples = {s.sid: s.sample for s in admitted if s.ends}
         try:
-            outputs, failed = self._send(inputs, opens, tickets, rollbacks,
-                                         {s.sid: s.prefix for s in admitted if s.prefix is not None})
+            outputs, failed, chosen = self._send(inputs, opens, tickets, rollbacks,
+                                                 {s.sid: s.prefix for s in admitted if s.prefix is not None},
+                                                 ({s.sid for s in ends}, samples, chooses))
         finally:
             if masks is not None:
                 masks.exception()  # wait: no chooser is used while its mask is being computed
@@ -282,17 +313,24 @@ class ChainGenerator:
         for sid, failure in failed.items():
             seq = self._running.pop(sid)
             seq.future.set_exception(SequenceFailed(str(failure), seq.produced, failure.peer_id))
-        if not outputs:
-            return
-        sids = list(outputs)
-        rows = [len(self._running[sid].draft) + 1 for sid in sids]  # a prefill's last position, or a draft's k + 1
-        last = torch.cat([outputs[sid][0, -n:] for sid, n in zip(sids, rows)], dim=0)
-        logits = head_logits(self.model, last)  # one head pass for every sequence and position
+        missing = [sid for sid in chooses if sid not in chosen and sid not in failed and sid not in outputs]
+        for sid in missing:  # neither tokens nor hidden states: the last server did not answer for it
+            seq = self._running.pop(sid)
+            seq.future.set_exception(SequenceFailed(f"{self._route[-1][0]}: no tokens for the session", seq.produced,
+                                                    self._route[-1][0]))
+        self.chosen_steps += len(chosen)
+        steps = [(sid, self._emit_chosen, answer) for sid, answer in chosen.items()]
+        if outputs:
+            sids = list(outputs)
+            rows = [len(self._running[sid].draft) + 1 for sid in sids]  # a prefill's last position, or k + 1 drafts
+            last = torch.cat([outputs[sid][0, -n:] for sid, n in zip(sids, rows)], dim=0)
+            logits = head_logits(self.model, last)  # one head pass for every sequence and position
+            steps += [(sid, emit_verified, scores) for sid, scores in zip(sids, logits.split(rows))]
         finished = []
-        for sid, scores in zip(sids, logits.split(rows)):
+        for sid, emit, answer in steps:
             seq = self._running[sid]
             try:
-                done = emit_verified(seq, scores)
+                done = emit(seq, answer)
             except Exception as exc:  # the caller's callback or processor ended its own sequence only
                 finished.append(sid)
                 self._running.pop(sid)
@@ -307,14 +345,48 @@ class ChainGenerator:
         for sid in [sid for sid in self.batch.recorders if sid not in self._running]:
             del self.batch.recorders[sid]
 
-    def _send(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict, prefixes: dict) -> tuple[dict, dict]:
+    def _emit_chosen(self, seq: Decoding, answer) -> bool:
+        """Emit the tokens the chain's last server chose for ``seq`` (``[ids, logprobs or None]``); True when it is
+        complete. A malformed answer fails the sequence (:class:`SequenceFailed` naming that server)."""
+        peer = self._route[-1][0]
+        vocab = self.model.transformer.word_embeddings.num_embeddings
+        try:
+            tokens, logprobs = answer
+            tokens = [int(t) for t in tokens]
+            if not tokens or len(tokens) > len(seq.draft) + 1 or not all(0 <= t < vocab for t in tokens):
+                raise ValueError(f"{len(tokens)} tokens for a step of {len(seq.draft) + 1} positions")
+            ended = (len(seq.produced) + len(tokens) >= seq.max_new_tokens or tokens[-1] == seq.eos_token_id
+                     or len(tokens) == len(seq.draft) + 1 or tokens[-1] != seq.draft[len(tokens) - 1])
+            if not ended or tokens[:-1] != seq.draft[:len(tokens) - 1]:
+                raise ValueError("the tokens do not follow the step's drafts")
+            entries = None
+            if logprobs is not None:
+                entries = [logprob_from_wire(e, vocab) for e in logprobs]
+                if len(entries) != len(tokens) or any(e.token_id != t for e, t in zip(entries, tokens)):
+                    raise ValueError("the logprobs do not match the tokens")
+        except (TypeError, ValueError) as exc:
+            raise SequenceFailed(f"{peer}: a malformed choice ({exc})", seq.produced, peer) from None
+        chooser = seq.processor if isinstance(seq.processor, TokenChooser) else None
+
+        def observed():
+            for i, token in enumerate(tokens):
+                if chooser is not None:
+                    chooser.observe(token, entries[i] if entries else None)
+                yield token
+
+        return _emit(seq, observed())
+
+    def _send(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict, prefixes: dict,
+              ends: tuple = (set(), {}, {})) -> tuple[dict, dict, dict]:
         """One step through the chain (:meth:`ChainBatch.step`). The streams outlive their sessions (``idle_close_s``):
         a server that drained and reloaded its blocks meanwhile, or ended an idle stream, is alive and holds nothing
         of ours. So a step whose sessions all open in it, whose stream broke without an answer, is tried once more
         on new streams; if that fails too, the first failure stands (a dead server fails both)."""
         fresh = not self.batch.open_sessions  # no session of ours has KV on the servers yet: nothing to lose
+        ids, samples, chooses = ends
         try:
-            return self.batch.step(inputs, opens, tickets, rollbacks, prefixes)
+            return self.batch.step_ends(inputs, opens, tickets, rollbacks, prefixes, ids=ids, samples=samples,
+                                        chooses=chooses)
         except ChainBatchError as exc:
             if not (fresh and exc.stream_gone and self._failed_peer is None):
                 raise
@@ -328,7 +400,8 @@ class ChainGenerator:
             self.batch.recorders.update(recorders)
             self.reopened += 1
             try:
-                return self.batch.step(inputs, opens, tickets, rollbacks, prefixes)
+                return self.batch.step_ends(inputs, opens, tickets, rollbacks, prefixes, ids=ids, samples=samples,
+                                            chooses=chooses)
             except ChainBatchError:
                 raise exc from None
 
@@ -381,27 +454,24 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def emit_verified(seq: Decoding, scores: torch.Tensor) -> bool:
-    """Emit the sequence's tokens from its step's ``scores`` ``(k + 1, V)`` (``k`` drafted tokens; 0 without
-    speculation); True when it is complete. Row ``i`` is the model's prediction after the drafts before it:
-    drafts are accepted while the choice at their row equals them (greedy: the argmax; sampled: the request's own
-    draw, :mod:`swarm.engine.speculative`), then the choice at the first other row is emitted too,
-    so the tokens are those of decoding one at a time. The rejected drafts' positions are rolled back on the
-    servers with the next step."""
+    """Choose and emit the sequence's tokens from its step's ``scores`` ``(k + 1, V)`` (``k`` drafted tokens; 0
+    without speculation) by :func:`swarm.engine.sampling.choose_step`; True when it is complete."""
+    context = seq.input_ids + seq.produced if seq.processor is not None else []
+    return _emit(seq, choose_step(seq.processor, context, scores, seq.draft,
+                                  seq.max_new_tokens - len(seq.produced), seq.eos_token_id))
+
+
+def _emit(seq: Decoding, tokens) -> bool:
+    """Emit a step's ``tokens`` (an iterator: each is chosen as it is taken); True when the sequence is complete.
+    Token ``i`` follows the drafts before it: drafts are accepted while the tokens equal them (greedy: the argmax;
+    sampled: the request's own draw, :mod:`swarm.engine.speculative`), and the first other token is emitted too, so
+    the tokens are those of decoding one at a time. The rejected drafts' positions are rolled back on the servers
+    with the next step."""
     draft, accepted = seq.draft, 0
-    context = None if seq.processor is None else torch.tensor([seq.input_ids + seq.produced])
     try:
-        for i in range(len(draft) + 1):
+        for i, token in enumerate(tokens):
             proposal = draft[i] if i < len(draft) else None
-            row = scores[i: i + 1]
-            if seq.processor is None:
-                token = int(row[0].argmax())
-            elif hasattr(seq.processor, "choose"):  # swarm.engine.sampling.TokenChooser
-                token, _ = seq.processor.choose(context, row.float(), proposal)
-            else:  # a transformers logits processor: greedy over its scores
-                token = int(seq.processor(context, row.float())[0].argmax())
             seq.produced.append(token)
-            if context is not None:
-                context = torch.cat([context, torch.tensor([[token]])], dim=1)
             if seq.on_token is not None:
                 seq.on_token(token)
             if len(seq.produced) >= seq.max_new_tokens or token == seq.eos_token_id:

@@ -116,9 +116,12 @@ class GenerationEngine:
     def __init__(self, model_dir: str, *, initial_peers: list[str], dht_prefix: str, max_workers: int = 64,
                  max_retries: int = 3, request_timeout: float = 30.0, torch_dtype: str = "float32",
                  batch_sessions: int = 16, batch_lanes: int = 1, speculation=None,
-                 batch_bound: Callable[[tuple], int | None] | None = None, dht=None):
+                 batch_bound: Callable[[tuple], int | None] | None = None, dht=None,
+                 route_ends: Callable[[tuple], bool] | None = None):
         """``dht``: a running hivemind DHT of the swarm to reach the servers through (the orchestrator passes its
-        own: one libp2p daemon for both); by default petals starts a client DHT, which :meth:`close` stops."""
+        own: one libp2p daemon for both); by default petals starts a client DHT, which :meth:`close` stops.
+        ``route_ends(route)``: whether that chain's first and last servers embed token ids and choose the tokens
+        (the orchestrator's ``route_ends``; default: never, every head runs here)."""
         from swarm.engine.petals_client import load_distributed_model
         from swarm.model.tokenizer import load_tokenizer, text_decoder
 
@@ -142,7 +145,8 @@ class GenerationEngine:
         # decode positions a step of that chain fills with drafts; None: batching.ChainGenerator.STEP_POSITIONS
         self.batch_bound = batch_bound or (lambda route: None)
         self.lanes = ChainLanes(self.model, lanes=batch_lanes, sessions=self.batch_sessions,
-                                step_timeout=request_timeout, batch_bound=self.batch_bound)
+                                step_timeout=request_timeout, batch_bound=self.batch_bound,
+                                route_ends=route_ends or (lambda route: False))
         self._closed = threading.Event()
 
     def encode(self, prompt: str) -> list[int]:

@@ -20,14 +20,15 @@ class ChainLanes:
     """The live generators by (route, lane). Thread-safe."""
 
     def __init__(self, model, *, lanes: int, sessions: int, step_timeout: float,
-                 batch_bound: Callable[[tuple], int | None]):
+                 batch_bound: Callable[[tuple], int | None], route_ends: Callable[[tuple], bool] = lambda r: False):
         if lanes < 1:
             raise ValueError("batch_lanes must be >= 1")
         self.model, self.lanes, self.step_timeout, self.batch_bound = model, int(lanes), step_timeout, batch_bound
+        self.route_ends = route_ends  # route -> its servers run the embeddings, head and choice (server.ends)
         self.lane_sessions = -(-int(sessions) // self.lanes)  # per lane: the chain's total stays bounded
         self._generators: dict[tuple, ChainGenerator] = {}  # (route, lane) -> that lane's batch of sessions
         self._lock = threading.Lock()
-        self._retired = {"steps": 0, "sequence_steps": 0}  # counts of generators already replaced or closed
+        self._retired = {"steps": 0, "sequence_steps": 0, "chosen_steps": 0}  # of generators replaced or closed
 
     def get(self, route: tuple) -> ChainGenerator:
         """The chain's batch of sessions in its least busy lane (a new one if that lane has none, or its last one
@@ -45,7 +46,8 @@ class ChainLanes:
             if generator is None:
                 generator = self._generators[(route, lane)] = ChainGenerator(
                     self.model, route, max_sessions=self.lane_sessions, step_timeout=self.step_timeout,
-                    step_positions=self.batch_bound(route) or ChainGenerator.STEP_POSITIONS)
+                    step_positions=self.batch_bound(route) or ChainGenerator.STEP_POSITIONS,
+                    ends=self.route_ends(route))
         for old in done:
             old.close()
         return generator
@@ -53,6 +55,7 @@ class ChainLanes:
     def _retire(self, generator: ChainGenerator) -> None:
         self._retired["steps"] += generator.steps
         self._retired["sequence_steps"] += generator.stepped_sequences
+        self._retired["chosen_steps"] += generator.chosen_steps
 
     def stats(self) -> dict:
         """Chain steps run, the session-steps they carried (÷: the mean batch), the live generators (one per chain
@@ -61,7 +64,8 @@ class ChainLanes:
             live = list(self._generators.values())
             steps = self._retired["steps"] + sum(g.steps for g in live)
             sequence_steps = self._retired["sequence_steps"] + sum(g.stepped_sequences for g in live)
-        return {"steps": steps, "sequence_steps": sequence_steps, "generators": len(live),
+            chosen_steps = self._retired["chosen_steps"] + sum(g.chosen_steps for g in live)
+        return {"steps": steps, "sequence_steps": sequence_steps, "chosen_steps": chosen_steps, "generators": len(live),
                 "step_positions": min((g.step_positions for g in live), default=0)}
 
     def close(self) -> None:

@@ -74,6 +74,7 @@ class _Stream:
         self.queue: Optional[asyncio.Queue] = None
         self.replies = None
         self.first = True
+        self.chosen: dict = {}  # the last reply's chosen tokens (the chain's last server: server.ends)
 
     async def _requests(self):
         while True:
@@ -94,7 +95,11 @@ class _Stream:
         self.first = False
         reply = await asyncio.wait_for(anext(self.replies), timeout)
         answer = MSGPackSerializer.loads(reply.metadata) if reply.metadata else {}
-        failed = answer.get("failed", {}) if isinstance(answer, dict) else {}
+        answer = answer if isinstance(answer, dict) else {}
+        failed, chosen = answer.get("failed", {}), answer.get("chosen", {})
+        if not isinstance(failed, dict) or not isinstance(chosen, dict):
+            raise ValueError("a malformed reply ('failed' and 'chosen' must be maps)")
+        self.chosen = dict(chosen)
         return [deserialize_torch_tensor(t) for t in reply.tensors], dict(failed)
 
     async def close(self) -> None:
@@ -136,6 +141,18 @@ class ChainBatch:
         the chain, each session first forgetting ``rollbacks[sid]`` of its last positions on every server (the
         drafts its previous step rejected). Returns (outputs of the last block by session, failed sessions -> the
         server and its reason)."""
+        outputs, failed, _ = self.step_ends(inputs, opens, tickets, rollbacks, prefixes)
+        return outputs, failed
+
+    def step_ends(self, inputs: Mapping[str, torch.Tensor], opens: Mapping[str, int] = (),
+                  tickets: Mapping[str, bytes] = (), rollbacks: Mapping[str, int] = (),
+                  prefixes: Mapping[str, multi_wire.Prefix] = (), *, ids: Iterable[str] = (),
+                  samples: Mapping[str, dict] = (), chooses: Mapping[str, tuple] = ()
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, SessionFailure], dict[str, list]]:
+        """:meth:`step` with the chain's ends on its servers (:mod:`server.ends`): the sessions in ``ids`` send token
+        ids ``(1, n)`` (int64) that the first server embeds; those in ``chooses`` (sid -> (draft ids, tokens left))
+        get their tokens chosen by the last server, with ``samples[sid]``'s controls when given. Returns (outputs of
+        the last block of the other sessions, failed sessions, sid -> [token ids, logprobs or None])."""
         if self._closed or self._cancelled:
             raise RuntimeError("the chain batch is closed")
         if self._failed_peer is not None:
@@ -151,8 +168,9 @@ class ChainBatch:
             recorder = self.recorders.get(sid)
             if recorder is not None:
                 recorder.rollback(n)
+        ends = (set(ids), dict(samples), dict(chooses))
         self._inflight = RemoteExpertWorker.run_coroutine(
-            self._step(dict(inputs), opens, tickets, rollbacks, prefixes), return_future=True)
+            self._step(dict(inputs), opens, tickets, rollbacks, prefixes, ends), return_future=True)
         try:
             return self._inflight.result()
         except concurrent.futures.CancelledError:
@@ -190,7 +208,9 @@ class ChainBatch:
                 self._closing.add(sid)
 
     async def _step(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict,
-                    prefixes: dict) -> tuple[dict, dict]:
+                    prefixes: dict, ends: tuple = (set(), {}, {})) -> tuple[dict, dict, dict]:
+        ids, samples, chooses = ends
+        chosen: dict = {}
         failed: dict[str, SessionFailure] = {}
         hidden = dict(inputs)
         closes, self._closing = sorted(self._closing), set()
@@ -199,16 +219,24 @@ class ChainBatch:
         self.open_sessions.update(opens)
         self._unfreed.update(opens)
         sent = closes
-        for stream in self.streams:
+        for index, stream in enumerate(self.streams):
             order = list(hidden)  # the sessions still going (those failed upstream are not in it)
-            metadata = multi_wire.encode([o for o in new if o.sid not in failed],
-                                         [(sid, hidden[sid].shape[1], rollbacks.get(sid, 0)) for sid in order], closes)
+            first, last = index == 0, index == len(self.streams) - 1
+            metadata = multi_wire.encode(
+                [o for o in new if o.sid not in failed],
+                [(sid, hidden[sid].shape[1], rollbacks.get(sid, 0)) for sid in order], closes,
+                ids=[sid for sid in order if sid in ids] if first else (),
+                samples={sid: samples[sid] for sid in order if sid in samples} if last else None,
+                chooses={sid: chooses[sid] for sid in order if sid in chooses} if last else None)
             try:
                 outputs, refused = await stream.exchange(metadata, [hidden[sid] for sid in order], self.step_timeout)
             except Exception as exc:
                 raise ChainBatchError(stream.peer_id, exc) from exc
             failed.update({sid: SessionFailure(stream.peer_id, why) for sid, why in refused.items()})
-            done = [sid for sid in order if sid not in refused]
+            if last and stream.chosen:
+                chosen = {sid: answer for sid, answer in stream.chosen.items() if sid in chooses and sid in order
+                          and sid not in refused}
+            done = [sid for sid in order if sid not in refused and sid not in chosen]
             if len(outputs) != len(done):
                 raise ChainBatchError(stream.peer_id, f"{len(outputs)} outputs for {len(done)} steps")
             if self.recorders:
@@ -222,7 +250,7 @@ class ChainBatch:
             self.open_sessions.difference_update(failed)
             self._closing.update(failed)
         self._freed(sent)  # every server processed the closes first thing in this message
-        return hidden, failed
+        return hidden, failed, chosen
 
     def _freed(self, sids) -> None:
         freed = self._unfreed.intersection(sids)

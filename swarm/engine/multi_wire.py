@@ -21,8 +21,23 @@ A request is a hivemind ``ExpertRequest``:
   them) and stores the prompt's new full pages after that first step;
 * ``tensors``: one hidden-state tensor ``(1, tokens, hidden)`` per step entry, in order.
 
-The reply (``ExpertResponse``) carries one tensor per step entry that succeeded, in order, and metadata
-``{"failed": {sid: message}}``: a session that fails (refused ticket, no KV slot, length exceeded, a compute
+The chain's ends (:mod:`server.ends`): three optional keys move the embeddings, the LM head and the choice of token
+onto the servers that hold the first and last blocks; servers that do not know them ignore them, so a client sends
+them only to servers that publish ``ends`` in their profile:
+
+* ``"ids": [sid, ...]`` (to the server of block 0): those steps' tensors are token ids ``(1, tokens)`` (int64), which
+  the server embeds;
+* ``"sample": {sid: spec}`` (to the server of the last block, with a session's first chosen step, and again with the
+  first step on a new chain after a failover): the request's sampling controls, draw seed and tokens so far
+  (:func:`swarm.engine.sampling.sampling_to_wire`); a session chosen without one is greedy;
+* ``"choose": {sid: [draft, left]}`` (to the same server, every step): run the final norm and head over the step's
+  last ``len(draft) + 1`` positions and choose the tokens (:func:`swarm.engine.sampling.choose_step`: ``draft`` the
+  drafted ids the step verifies, ``left`` the most tokens the session may still emit). The reply carries no tensor
+  for those sessions but ``"chosen": {sid: [tokens, logprobs or None]}`` in its metadata — token ids, never a
+  vocabulary-sized tensor.
+
+The reply (``ExpertResponse``) carries one tensor per step entry that succeeded (and was not chosen), in order, and
+metadata ``{"failed": {sid: message}}``: a session that fails (refused ticket, no KV slot, length exceeded, a compute
 error) fails alone, is closed on the server, and must not be stepped again. Servers without the RPC (vanilla
 petals) answer the call with an error; clients then use one petals session per sequence.
 
@@ -31,7 +46,7 @@ there (:data:`swarm.model.petals_sessions.ROLLBACK_META_KEY`), under the same bo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.trust.prefix import PAGE_TOKENS, parse_session_spec, session_spec
 
@@ -70,6 +85,12 @@ class Request:
     opens: tuple[Open, ...]
     steps: tuple[tuple[str, int, int], ...]  # (sid, tokens, rollback)
     closes: tuple[str, ...]
+    ids: frozenset = frozenset()  # sessions whose step tensor is token ids (the chain's first server embeds them)
+    samples: dict = field(default_factory=dict)  # sid -> sampling spec (swarm.engine.sampling.sampling_to_wire)
+    chooses: dict = field(default_factory=dict)  # sid -> (draft ids, left): the last server chooses the tokens
+
+
+MAX_DRAFT = 64  # drafted tokens one step of one session verifies
 
 
 def _sid(value) -> str:
@@ -108,11 +129,47 @@ def _step_entry(sid: str, tokens: int, rollback: int = 0) -> list:
     return [sid, int(tokens)] + ([int(rollback)] if rollback else [])
 
 
-def encode(opens=(), steps=(), closes=()) -> dict:
-    """The metadata of one request (``steps`` as (sid, tokens) or (sid, tokens, rollback) tuples)."""
-    return {"open": [[o.sid, o.max_length, o.ticket, o.alloc_timeout] + ([o.prefix.to_wire()] if o.prefix else [])
-                     for o in opens],
-            "step": [_step_entry(*step) for step in steps], "close": list(closes)}
+def encode(opens=(), steps=(), closes=(), *, ids=(), samples=None, chooses=None) -> dict:
+    """The metadata of one request (``steps`` as (sid, tokens) or (sid, tokens, rollback) tuples; the chain's ends:
+    ``ids``, ``samples`` and ``chooses`` as the module doc says, left out when empty)."""
+    metadata = {"open": [[o.sid, o.max_length, o.ticket, o.alloc_timeout] + ([o.prefix.to_wire()] if o.prefix else [])
+                         for o in opens],
+                "step": [_step_entry(*step) for step in steps], "close": list(closes)}
+    if ids:
+        metadata["ids"] = list(ids)
+    if samples:
+        metadata["sample"] = dict(samples)
+    if chooses:
+        metadata["choose"] = {sid: [list(draft), int(left)] for sid, (draft, left) in chooses.items()}
+    return metadata
+
+
+def _ends(metadata: dict, steps: list) -> tuple[frozenset, dict, dict]:
+    """The chain's-ends keys of a request, validated against its steps."""
+    tokens = {sid: n for sid, n, _ in steps}
+    ids, samples, chooses = metadata.get("ids", []), metadata.get("sample", {}), metadata.get("choose", {})
+    if not isinstance(ids, list) or not isinstance(samples, dict) or not isinstance(chooses, dict):
+        raise MultiWireError("'ids' must be a list, 'sample' and 'choose' maps")
+    for sid in ids:
+        if _sid(sid) not in tokens:
+            raise MultiWireError(f"'ids' names {sid!r}, which does not step in this message")
+    if len(samples) > MAX_SESSIONS or not all(isinstance(v, dict) for v in samples.values()):
+        raise MultiWireError("'sample' maps a session to its sampling spec (a map)")
+    parsed = {}
+    for sid, entry in chooses.items():
+        if _sid(sid) not in tokens:
+            raise MultiWireError(f"'choose' names {sid!r}, which does not step in this message")
+        if (not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[0], list)
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in entry[0])
+                or not isinstance(entry[1], int) or isinstance(entry[1], bool) or entry[1] < 1):
+            raise MultiWireError("a choose entry is [draft token ids, left >= 1]")
+        if len(entry[0]) > MAX_DRAFT or len(entry[0]) + 1 > tokens[sid]:
+            raise MultiWireError(f"session {sid!r}: a draft of {len(entry[0])} tokens in a step of {tokens[sid]} "
+                                 f"positions (at most {MAX_DRAFT}, and one position more than the draft)")
+        parsed[sid] = (tuple(entry[0]), entry[1])
+    for sid in samples:
+        _sid(sid)
+    return frozenset(ids), dict(samples), parsed
 
 
 def decode(metadata, tensors: int) -> Request:
@@ -147,4 +204,4 @@ def decode(metadata, tensors: int) -> Request:
         raise MultiWireError("a session may step once per message")
     if len(steps) != tensors:
         raise MultiWireError(f"{len(steps)} step entries but {tensors} tensors")
-    return Request(tuple(opens), tuple(steps), tuple(_sid(s) for s in raw_closes))
+    return Request(tuple(opens), tuple(steps), tuple(_sid(s) for s in raw_closes), *_ends(metadata, steps))

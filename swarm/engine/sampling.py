@@ -28,7 +28,7 @@ import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -193,6 +193,15 @@ class TokenChooser:
         if self.grammar is not None:
             self.grammar.consume(choice)
 
+    def observe(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Record a token that this request's chooser on the chain's last server chose (with its logprob, when the
+        request asks for them): penalties, ``min_tokens`` and a later :meth:`replay` go on from it."""
+        if self.params.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        self.generated.append(int(token))
+        if self.grammar is not None:
+            self.grammar.consume(int(token))
+
     def replay(self, tokens: Iterable[int], logprobs: Iterable[TokenLogprob] = ()) -> None:
         """Continue a request whose earlier session chose ``tokens`` (with ``logprobs``): penalties, ``min_tokens``
         and the grammar go on from them (a seeded request's draws depend on its seed and positions only, so the
@@ -256,3 +265,127 @@ class StopMatcher:
 
     def _hits(self, text: str, after: int) -> list[int]:
         return [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in self.stop) if i >= 0]
+
+
+def choose_step(chooser, context: list[int], scores: torch.Tensor, draft: Sequence[int], left: int,
+                eos: int | None) -> Iterator[int]:
+    """The tokens one step emits, chosen one at a time from ``scores`` ``(k + 1, V)`` (row ``i``: the model's
+    prediction after the ``i`` drafted tokens before it; ``k = len(draft)``): drafts are accepted while the choice
+    at their row equals them, then the choice at the first other row ends the step; so does the end-of-sequence
+    token ``eos`` and the ``left``-th token. ``chooser``: None (argmax), a :class:`TokenChooser` (which records
+    each choice) or a transformers logits processor (argmax of its scores). ``context`` is the sequence before the
+    step (the repetition penalty's prompt). A generator: a caller that stops early (a stop string) chooses no more.
+
+    The one definition of a step's choice: the orchestrator's own head (:func:`swarm.engine.batching.emit_verified`)
+    and the chain's last server (:mod:`server.multi_session`) both run it."""
+    ids = None
+    for i in range(len(draft) + 1):
+        proposal = draft[i] if i < len(draft) else None
+        row = scores[i: i + 1].float()
+        if chooser is None:
+            token = int(row[0].argmax())
+        else:
+            if ids is None or ids.shape[1] != len(context):
+                ids = torch.tensor([list(context)], dtype=torch.long)
+            if isinstance(chooser, TokenChooser):
+                token, _ = chooser.choose(ids, row, proposal)
+            else:
+                token = int(chooser(ids, row)[0].argmax())
+            context = [*context, token]
+        yield token
+        if i + 1 >= left or token == eos or token != proposal:
+            return
+
+
+# -- the request's sampling controls as they travel to the chain's last server (swarm.engine.multi_wire) ------
+MAX_WIRE_BIAS = 300  # logit_bias entries (OpenAI's own bound)
+MAX_WIRE_TOKENS = 1 << 20  # ids in a spec's prompt or history
+
+
+def sampling_to_wire(params: SamplingParams, seed: int, generated: Sequence[int] = (),
+                     context: Sequence[int] = (), eos: int | None = None) -> dict:
+    """What the chain's last server needs to choose a request's tokens as :class:`TokenChooser` does here: the
+    controls (no grammar: constrained requests are chosen by the orchestrator), the draw ``seed`` (the request's own,
+    or one the orchestrator drew for it, so a new last server continues the same stream), the tokens chosen so far
+    (``generated``: penalties and ``min_tokens`` go on from them), the prompt (``context``, only for the repetition
+    penalty, which reads it) and the token that ends the sequence (``eos``; None with ``ignore_eos``)."""
+    if params.grammar is not None:
+        raise ValueError("a constrained request is chosen where its grammar is")
+    return {"temperature": float(params.temperature), "top_p": float(params.top_p), "top_k": int(params.top_k),
+            "min_p": float(params.min_p), "seed": int(seed), "presence": float(params.presence_penalty),
+            "frequency": float(params.frequency_penalty), "repetition": float(params.repetition_penalty),
+            "bias": [[int(t), float(b)] for t, b in params.logit_bias], "logprobs": params.logprobs,
+            "min_tokens": int(params.min_tokens), "eos_ids": [int(t) for t in params.eos_token_ids],
+            "generated": [int(t) for t in generated],
+            "context": [int(t) for t in context] if params.repetition_penalty != 1.0 else [],
+            "eos": None if eos is None else int(eos)}
+
+
+def _ints(value, what: str, vocab: int, limit: int = MAX_WIRE_TOKENS) -> list[int]:
+    if (not isinstance(value, list) or len(value) > limit
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value)):
+        raise ValueError(f"{what} must be a list of at most {limit} token ids in [0, {vocab})")
+    return list(value)
+
+
+def _number(spec: dict, key: str, low: float, high: float) -> float:
+    value = spec.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (low <= value <= high):
+        raise ValueError(f"sampling {key} must be a number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def sampling_from_wire(spec, vocab: int) -> tuple[TokenChooser | None, list[int], int | None]:
+    """(a chooser that continues the request, its prompt context, its end-of-sequence token) from
+    :func:`sampling_to_wire`'s spec (``{"greedy": true, "eos": id}``: no chooser, argmax); ``ValueError`` naming
+    the field for anything malformed."""
+    if not isinstance(spec, dict):
+        raise ValueError("a sampling spec must be a map")
+    eos = spec.get("eos")
+    if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool)):
+        raise ValueError("sampling eos must be null or a token id")
+    if spec.get("greedy") is True:  # plain argmax: no chooser
+        return None, [], eos
+    seed = spec.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -2 ** 63 <= seed < 2 ** 63:
+        raise ValueError("sampling seed must be a 64-bit integer")
+    logprobs = spec.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
+                                 or not 0 <= logprobs <= 20):
+        raise ValueError("sampling logprobs must be null or an integer in [0, 20]")
+    bias = spec.get("bias", [])
+    if (not isinstance(bias, list) or len(bias) > MAX_WIRE_BIAS
+            or not all(isinstance(b, list) and len(b) == 2 and isinstance(b[0], int) and 0 <= b[0] < vocab
+                       and isinstance(b[1], (int, float)) and math.isfinite(b[1]) for b in bias)):
+        raise ValueError(f"sampling bias must be at most {MAX_WIRE_BIAS} [token id, finite bias] pairs")
+    top_k, min_tokens = spec.get("top_k"), spec.get("min_tokens")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1:
+        raise ValueError("sampling top_k must be an integer >= -1")
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+        raise ValueError("sampling min_tokens must be a non-negative integer")
+    params = SamplingParams(
+        max_new_tokens=1, temperature=_number(spec, "temperature", 0.0, 100.0),
+        top_p=_number(spec, "top_p", 0.0, 1.0), seed=seed,
+        presence_penalty=_number(spec, "presence", -2.0, 2.0), frequency_penalty=_number(spec, "frequency", -2.0, 2.0),
+        logit_bias=tuple((int(t), float(b)) for t, b in bias), logprobs=logprobs, min_tokens=min_tokens,
+        top_k=top_k, min_p=_number(spec, "min_p", 0.0, 1.0),
+        repetition_penalty=_number(spec, "repetition", 1e-6, 1e6),
+        eos_token_ids=tuple(_ints(spec.get("eos_ids", []), "sampling eos_ids", vocab, 64)))
+    chooser = TokenChooser(params, vocab)
+    chooser.replay(_ints(spec.get("generated", []), "sampling generated", vocab))
+    return chooser, _ints(spec.get("context", []), "sampling context", vocab), eos
+
+
+def logprob_to_wire(entry: TokenLogprob) -> list:
+    return [entry.token_id, entry.logprob, [[t, lp] for t, lp in entry.top]]
+
+
+def logprob_from_wire(value, vocab: int) -> TokenLogprob:
+    try:
+        token, logprob, top = value
+        entry = TokenLogprob(int(token), float(logprob), [(int(t), float(lp)) for t, lp in top])
+    except (TypeError, ValueError):
+        raise ValueError(f"a logprob is [token, logprob, [[token, logprob], ...]], got {value!r}") from None
+    if not all(0 <= t < vocab for t in [entry.token_id, *(t for t, _ in entry.top)]):
+        raise ValueError(f"a logprob names a token outside [0, {vocab})")
+    return entry

@@ -90,6 +90,7 @@ class ServerProfile:
     batch_step_s: tuple[float, ...] | None = None  # per block: one decode step of b sessions, b in BATCH_SIZES
     max_batch: int | None = None  # the server's batch bound (1: petals' one-session-at-a-time pool)
     prefix_epoch: str | None = None  # its prompt-prefix store's epoch (server.prefix_cache): a new one, new pages
+    ends: bool = False  # it embeds token ids at block 0 and chooses tokens at the last block (server.ends)
 
     def __post_init__(self) -> None:
         if self.state not in SERVER_STATES:
