@@ -219,7 +219,8 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             for phase in sorted({failpoints.step_phase(s.position, hidden.shape[1]) for _, s, hidden in steps}):
                 failpoints.hit(phase)
         outputs = await self._run(span, steps, failed)
-        chosen = await self._choose(span, sessions, message.chooses, outputs, failed) if message.chooses else {}
+        chosen = (await self._choose(span, sessions, message.chooses, outputs, failed, message.keeps)
+                  if message.chooses else {})
         if failed:
             _count("failed", len(failed))
         await _close(sessions, failed)
@@ -228,14 +229,15 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         answer = {"failed": failed, **({"chosen": chosen} if chosen else {})}
         return runtime_pb2.ExpertResponse(tensors=serialized, metadata=MSGPackSerializer.dumps(answer))
 
-    async def _choose(self, span: _Span, sessions: dict, chooses: dict, outputs: dict, failed: dict) -> dict:
+    async def _choose(self, span: _Span, sessions: dict, chooses: dict, outputs: dict, failed: dict,
+                      keeps=frozenset()) -> dict:
         """The tokens of the sessions this message asks to choose (the chain's last server): one LM-head pass over
         their steps' last ``len(draft) + 1`` positions on the runtime, then each session's choice
-        (:func:`swarm.engine.sampling.choose_step`); their hidden states are not sent back."""
+        (:func:`swarm.engine.sampling.choose_step`); their hidden states are sent back only when kept."""
         picked = [(sid, draft, left) for sid, (draft, left) in chooses.items() if sid in outputs]
         if not picked:
             return {}
-        hidden = [outputs.pop(sid) for sid, _, _ in picked]
+        hidden = [outputs[sid] if sid in keeps else outputs.pop(sid) for sid, _, _ in picked]
         rows = [len(draft) + 1 for _, draft, _ in picked]
         try:
             span.vocab_size  # noqa: B018  (holds the head, or says it does not)
@@ -244,6 +246,8 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                                                                          priority=self._priority(span))
         except Exception as exc:
             failed.update({sid: _message(exc) for sid, _, _ in picked})
+            for sid in keeps:
+                outputs.pop(sid, None)
             return {}
 
         def choose_all() -> dict:
@@ -258,6 +262,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                     chosen[sid] = [tokens, [logprob_to_wire(e) for e in chooser.logprobs[before:]] if asked else None]
                 except Exception as exc:  # one session's choice fails alone
                     failed[sid] = _message(exc)
+                    outputs.pop(sid, None)
             return chosen
 
         chosen = await asyncio.to_thread(choose_all)

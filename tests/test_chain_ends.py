@@ -72,15 +72,17 @@ def test_greedy_specs_and_malformed_specs():
 
 def test_the_wire_carries_ids_samples_and_chooses_and_refuses_what_does_not_fit():
     meta = multi_wire.encode([multi_wire.Open("a", 64)], [("a", 5, 0), ("b", 3, 0)], ids=["a", "b"],
-                             samples={"a": {"greedy": True, "eos": None}}, chooses={"a": ([], 4), "b": ([7, 8], 2)})
+                             samples={"a": {"greedy": True, "eos": None}}, chooses={"a": ([], 4), "b": ([7, 8], 2)},
+                             keeps=["b"])
     request = multi_wire.decode(meta, 2)
+    assert request.keeps == {"b"}  # its hidden states come back with its tokens (a spot check records them)
     assert request.ids == {"a", "b"} and request.samples == {"a": {"greedy": True, "eos": None}}
     assert request.chooses == {"a": ((), 4), "b": ((7, 8), 2)}
     plain = multi_wire.encode([], [("a", 1, 0)])
     assert "ids" not in plain and "choose" not in plain  # what servers before these keys understood
     for bad, why in [({"ids": ["zz"]}, "does not step"), ({"choose": {"b": [[1, 2, 3], 1]}}, "a draft of 3"),
                      ({"choose": {"b": [[1], 0]}}, "left >= 1"), ({"choose": {"b": [[-1], 1]}}, "left >= 1"),
-                     ({"sample": {"b": 3}}, "sampling spec")]:
+                     ({"sample": {"b": 3}}, "sampling spec"), ({"keep": ["b"]}, "'keep' lists")]:
         with pytest.raises(multi_wire.MultiWireError, match=why):
             multi_wire.decode({**plain, "step": [["b", 3]], **bad}, 1)
 

@@ -166,9 +166,10 @@ class ChainGenerator:
 
     def _sample_spec(self, seq: Decoding) -> Optional[dict]:
         """The sampling spec the chain's last server chooses ``seq``'s tokens by, or None when they are chosen here:
-        the route's ends are not on its servers, a spot check records its hidden states, its grammar is here, or its
-        processor is not a :class:`TokenChooser`."""
-        if not self.ends or seq.recorder is not None:
+        the route's ends are not on its servers, its grammar is here, or its processor is not a
+        :class:`TokenChooser`. (A session whose spans a spot check records is embedded here, and its last hidden
+        states come back with its tokens.)"""
+        if not self.ends:
             return None
         if seq.processor is None:
             return {"greedy": True, "eos": seq.eos_token_id}
@@ -274,8 +275,8 @@ class ChainGenerator:
         embed = self.model.transformer.word_embeddings
 
         def tokens_in(seq: Decoding, ids: list[int]) -> torch.Tensor:  # ids to the first server, or embedded here
-            ids = torch.tensor([ids], dtype=torch.long)
-            return ids if seq.ends else embed(ids)
+            ids = torch.tensor([ids], dtype=torch.long)  # (a recorded session's first span input is hidden states)
+            return ids if seq.ends and seq.recorder is None else embed(ids)
 
         inputs = {}
         for s in admitted:  # a prefill: the prompt after the pages its servers load
@@ -304,7 +305,8 @@ class ChainGenerator:
         try:
             outputs, failed, chosen = self._send(inputs, opens, tickets, rollbacks,
                                                  {s.sid: s.prefix for s in admitted if s.prefix is not None},
-                                                 ({s.sid for s in ends}, samples, chooses))
+                                                 ({s.sid for s in ends if s.recorder is None}, samples, chooses,
+                                                  {s.sid for s in ends if s.recorder is not None}))
         finally:
             if masks is not None:
                 masks.exception()  # wait: no chooser is used while its mask is being computed
@@ -320,8 +322,8 @@ class ChainGenerator:
                                                     self._route[-1][0]))
         self.chosen_steps += len(chosen)
         steps = [(sid, self._emit_chosen, answer) for sid, answer in chosen.items()]
-        if outputs:
-            sids = list(outputs)
+        sids = [sid for sid in outputs if sid not in chosen]  # (a recorded session's outputs come with its tokens)
+        if sids:
             rows = [len(self._running[sid].draft) + 1 for sid in sids]  # a prefill's last position, or k + 1 drafts
             last = torch.cat([outputs[sid][0, -n:] for sid, n in zip(sids, rows)], dim=0)
             logits = head_logits(self.model, last)  # one head pass for every sequence and position
@@ -377,16 +379,16 @@ class ChainGenerator:
         return _emit(seq, observed())
 
     def _send(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict, prefixes: dict,
-              ends: tuple = (set(), {}, {})) -> tuple[dict, dict, dict]:
+              ends: tuple = (set(), {}, {}, set())) -> tuple[dict, dict, dict]:
         """One step through the chain (:meth:`ChainBatch.step`). The streams outlive their sessions (``idle_close_s``):
         a server that drained and reloaded its blocks meanwhile, or ended an idle stream, is alive and holds nothing
         of ours. So a step whose sessions all open in it, whose stream broke without an answer, is tried once more
         on new streams; if that fails too, the first failure stands (a dead server fails both)."""
         fresh = not self.batch.open_sessions  # no session of ours has KV on the servers yet: nothing to lose
-        ids, samples, chooses = ends
+        ids, samples, chooses, keeps = ends
         try:
             return self.batch.step_ends(inputs, opens, tickets, rollbacks, prefixes, ids=ids, samples=samples,
-                                        chooses=chooses)
+                                        chooses=chooses, keeps=keeps)
         except ChainBatchError as exc:
             if not (fresh and exc.stream_gone and self._failed_peer is None):
                 raise
@@ -401,7 +403,7 @@ class ChainGenerator:
             self.reopened += 1
             try:
                 return self.batch.step_ends(inputs, opens, tickets, rollbacks, prefixes, ids=ids, samples=samples,
-                                            chooses=chooses)
+                                            chooses=chooses, keeps=keeps)
             except ChainBatchError:
                 raise exc from None
 

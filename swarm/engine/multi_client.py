@@ -147,12 +147,13 @@ class ChainBatch:
     def step_ends(self, inputs: Mapping[str, torch.Tensor], opens: Mapping[str, int] = (),
                   tickets: Mapping[str, bytes] = (), rollbacks: Mapping[str, int] = (),
                   prefixes: Mapping[str, multi_wire.Prefix] = (), *, ids: Iterable[str] = (),
-                  samples: Mapping[str, dict] = (), chooses: Mapping[str, tuple] = ()
+                  samples: Mapping[str, dict] = (), chooses: Mapping[str, tuple] = (), keeps: Iterable[str] = ()
                   ) -> tuple[dict[str, torch.Tensor], dict[str, SessionFailure], dict[str, list]]:
         """:meth:`step` with the chain's ends on its servers (:mod:`server.ends`): the sessions in ``ids`` send token
         ids ``(1, n)`` (int64) that the first server embeds; those in ``chooses`` (sid -> (draft ids, tokens left))
-        get their tokens chosen by the last server, with ``samples[sid]``'s controls when given. Returns (outputs of
-        the last block of the other sessions, failed sessions, sid -> [token ids, logprobs or None])."""
+        get their tokens chosen by the last server, with ``samples[sid]``'s controls when given (and their hidden
+        states too, for those in ``keeps``). Returns (outputs of the last block of the other sessions and the kept
+        ones, failed sessions, sid -> [token ids, logprobs or None])."""
         if self._closed or self._cancelled:
             raise RuntimeError("the chain batch is closed")
         if self._failed_peer is not None:
@@ -168,7 +169,7 @@ class ChainBatch:
             recorder = self.recorders.get(sid)
             if recorder is not None:
                 recorder.rollback(n)
-        ends = (set(ids), dict(samples), dict(chooses))
+        ends = (set(ids), dict(samples), dict(chooses), set(keeps))
         self._inflight = RemoteExpertWorker.run_coroutine(
             self._step(dict(inputs), opens, tickets, rollbacks, prefixes, ends), return_future=True)
         try:
@@ -208,8 +209,8 @@ class ChainBatch:
                 self._closing.add(sid)
 
     async def _step(self, inputs: dict, opens: dict, tickets: dict, rollbacks: dict,
-                    prefixes: dict, ends: tuple = (set(), {}, {})) -> tuple[dict, dict, dict]:
-        ids, samples, chooses = ends
+                    prefixes: dict, ends: tuple = (set(), {}, {}, set())) -> tuple[dict, dict, dict]:
+        ids, samples, chooses, keeps = ends
         chosen: dict = {}
         failed: dict[str, SessionFailure] = {}
         hidden = dict(inputs)
@@ -227,7 +228,8 @@ class ChainBatch:
                 [(sid, hidden[sid].shape[1], rollbacks.get(sid, 0)) for sid in order], closes,
                 ids=[sid for sid in order if sid in ids] if first else (),
                 samples={sid: samples[sid] for sid in order if sid in samples} if last else None,
-                chooses={sid: chooses[sid] for sid in order if sid in chooses} if last else None)
+                chooses={sid: chooses[sid] for sid in order if sid in chooses} if last else None,
+                keeps=[sid for sid in order if sid in keeps and sid in chooses] if last else ())
             try:
                 outputs, refused = await stream.exchange(metadata, [hidden[sid] for sid in order], self.step_timeout)
             except Exception as exc:
@@ -236,7 +238,7 @@ class ChainBatch:
             if last and stream.chosen:
                 chosen = {sid: answer for sid, answer in stream.chosen.items() if sid in chooses and sid in order
                           and sid not in refused}
-            done = [sid for sid in order if sid not in refused and sid not in chosen]
+            done = [sid for sid in order if sid not in refused and (sid not in chosen or sid in keeps)]
             if len(outputs) != len(done):
                 raise ChainBatchError(stream.peer_id, f"{len(outputs)} outputs for {len(done)} steps")
             if self.recorders:

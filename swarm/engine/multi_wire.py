@@ -34,7 +34,9 @@ them only to servers that publish ``ends`` in their profile:
   last ``len(draft) + 1`` positions and choose the tokens (:func:`swarm.engine.sampling.choose_step`: ``draft`` the
   drafted ids the step verifies, ``left`` the most tokens the session may still emit). The reply carries no tensor
   for those sessions but ``"chosen": {sid: [tokens, logprobs or None]}`` in its metadata — token ids, never a
-  vocabulary-sized tensor.
+  vocabulary-sized tensor;
+* ``"keep": [sid, ...]`` (with ``choose``): those sessions' hidden states are sent back as well (a session whose
+  spans a spot check records: :mod:`swarm.engine.recording`).
 
 The reply (``ExpertResponse``) carries one tensor per step entry that succeeded (and was not chosen), in order, and
 metadata ``{"failed": {sid: message}}``: a session that fails (refused ticket, no KV slot, length exceeded, a compute
@@ -88,6 +90,7 @@ class Request:
     ids: frozenset = frozenset()  # sessions whose step tensor is token ids (the chain's first server embeds them)
     samples: dict = field(default_factory=dict)  # sid -> sampling spec (swarm.engine.sampling.sampling_to_wire)
     chooses: dict = field(default_factory=dict)  # sid -> (draft ids, left): the last server chooses the tokens
+    keeps: frozenset = frozenset()  # chosen sessions whose hidden states are sent back too
 
 
 MAX_DRAFT = 64  # drafted tokens one step of one session verifies
@@ -129,7 +132,7 @@ def _step_entry(sid: str, tokens: int, rollback: int = 0) -> list:
     return [sid, int(tokens)] + ([int(rollback)] if rollback else [])
 
 
-def encode(opens=(), steps=(), closes=(), *, ids=(), samples=None, chooses=None) -> dict:
+def encode(opens=(), steps=(), closes=(), *, ids=(), samples=None, chooses=None, keeps=()) -> dict:
     """The metadata of one request (``steps`` as (sid, tokens) or (sid, tokens, rollback) tuples; the chain's ends:
     ``ids``, ``samples`` and ``chooses`` as the module doc says, left out when empty)."""
     metadata = {"open": [[o.sid, o.max_length, o.ticket, o.alloc_timeout] + ([o.prefix.to_wire()] if o.prefix else [])
@@ -141,10 +144,12 @@ def encode(opens=(), steps=(), closes=(), *, ids=(), samples=None, chooses=None)
         metadata["sample"] = dict(samples)
     if chooses:
         metadata["choose"] = {sid: [list(draft), int(left)] for sid, (draft, left) in chooses.items()}
+    if keeps:
+        metadata["keep"] = list(keeps)
     return metadata
 
 
-def _ends(metadata: dict, steps: list) -> tuple[frozenset, dict, dict]:
+def _ends(metadata: dict, steps: list) -> tuple[frozenset, dict, dict, frozenset]:
     """The chain's-ends keys of a request, validated against its steps."""
     tokens = {sid: n for sid, n, _ in steps}
     ids, samples, chooses = metadata.get("ids", []), metadata.get("sample", {}), metadata.get("choose", {})
@@ -169,7 +174,10 @@ def _ends(metadata: dict, steps: list) -> tuple[frozenset, dict, dict]:
         parsed[sid] = (tuple(entry[0]), entry[1])
     for sid in samples:
         _sid(sid)
-    return frozenset(ids), dict(samples), parsed
+    keeps = metadata.get("keep", [])
+    if not isinstance(keeps, list) or not all(isinstance(sid, str) and sid in parsed for sid in keeps):
+        raise MultiWireError("'keep' lists sessions this message asks to choose")
+    return frozenset(ids), dict(samples), parsed, frozenset(keeps)
 
 
 def decode(metadata, tensors: int) -> Request:
