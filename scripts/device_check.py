@@ -148,6 +148,50 @@ def attention_timings(device: str) -> dict:
     return out
 
 
+def ends_check(device: str) -> dict:
+    """The chain's ends on this device (server/ends.py): the embeddings and head of random llama and Gemma 3
+    checkpoints against the whole-model reference in each dtype, and the LM head of a Llama-3-8B shape (4,096 x
+    128,256) timed at 1 and 16 rows — a tail server's new per-token cost beside its blocks."""
+    import tempfile
+
+    from server.ends import ChainEnds
+    from swarm.model.checkpoint import TinyModelSpec, make_random_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in ("llama", "gemma3"):
+            model_dir = make_random_model(Path(tmp) / family, TinyModelSpec(seed=3, family=family))
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                reference = LocalModel.from_pretrained(model_dir, dtype=dtype, device=device)
+                ends = ChainEnds(model_dir, first=True, last=True, dtype=dtype, device=device)
+                ids = torch.tensor([[1, 5, 9, 33]])
+                with torch.inference_mode():
+                    embedded = ends.embed(ids).to(device)
+                    same_embed = bool(torch.equal(embedded, reference.embed(ids.to(device))))
+                    hidden = torch.randn(6, ends.hidden_size, device=device, dtype=dtype)
+                    mine, theirs = ends.logits(hidden), reference.logits(hidden).float()
+                    rel = float((mine - theirs).norm() / theirs.norm())
+                rows.append({"family": family, "dtype": str(dtype).replace("torch.", ""), "embed_equal": same_embed,
+                             "logits_rel_err": rel})
+                print(f"ends {family:7s} {rows[-1]['dtype']:9s} embeddings {'equal' if same_embed else 'DIFFER'}  "
+                      f"logits rel err {rel:.2e}")
+    head_ms = {}
+    if device == "cuda":
+        weight = torch.randn(128256, 4096, device=device, dtype=torch.bfloat16)
+        for n in (1, 16):
+            hidden = torch.randn(n, 4096, device=device, dtype=torch.bfloat16)
+            for _ in range(3):
+                torch.nn.functional.linear(hidden, weight)
+            _sync(device)
+            began = time.perf_counter()
+            for _ in range(20):
+                torch.nn.functional.linear(hidden, weight).float()
+            _sync(device)
+            head_ms[n] = (time.perf_counter() - began) / 20 * 1e3
+            print(f"llama-3-8b-shaped LM head, bf16, {n:2d} rows: {head_ms[n]:.3f} ms")
+    return {"cases": rows, "llama3_8b_head_ms": head_ms}
+
+
 def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
@@ -177,10 +221,13 @@ def main() -> int:
             timings[sessions] = time_block(device, sessions)
             print(f"llama-3-8b-shaped block, bf16, {sessions:2d} sessions x 512 cached: {timings[sessions]:.3f} ms/step")
         by_attention = attention_timings(device)
+    ends = ends_check(device)
+    failed = failed or not all(r["embed_equal"] and (r["dtype"] != "float32" or r["logits_rel_err"] < 1e-5)
+                               for r in ends["cases"])
     out = os.environ.get("OUT")
     if out:
         Path(out, "device_check.json").write_text(json.dumps(
-            {"device": name, "torch": torch.__version__, "goldens": rows, "block_step_ms": timings,
+            {"device": name, "torch": torch.__version__, "goldens": rows, "block_step_ms": timings, "ends": ends,
              "attention": attention_for(torch.device(device)).name, "by_attention_ms": by_attention}, indent=1))
     print("FAILED" if failed else "all float32 cases match their goldens")
     return 1 if failed else 0

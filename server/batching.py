@@ -279,7 +279,7 @@ class BatchedInferenceStep:
         if len(args) == 2 and isinstance(args[1], HeadTask):
             if self.ends is None or self.ends.head is None:
                 raise ValueError("this span holds no LM head")
-            return (self.ends.logits(args[0]),)
+            return args[1].run(self.ends, args[0])
         return self.merged(*args)
 
     def _check(self, group: _Group, index: int) -> list[tuple]:

@@ -9,8 +9,8 @@ computes every token's head (a Llama-3-70B head is ~0.2 s a token on a 2-core CP
   before the connection handlers fork: the embedding table on the CPU (a gather, run in the handler that got the
   message; the forked handlers share the pages), the final norm and LM head on the blocks' device, in their dtype
   (a tied head is the embedding table itself, on a CPU server one tensor for both).
-* :class:`HeadTask` — a task argument: ``submit_task(hidden (1, n, H), HeadTask())`` runs the head on the runtime
-  (the device's one thread) and answers the logits ``(1, n, V)`` in float32.
+* :class:`HeadTask` — a task argument: ``submit_task(hidden (1, n, H), HeadTask(full))`` runs the head on the runtime
+  (the device's one thread) and answers each row's argmax, and the float32 logits of the rows that need them.
 
 The arithmetic is the one the orchestrator's own head ran (RMSNorm in float32, :func:`swarm.model.kernels.linear`,
 Gemma's scaled embedding and ``(1 + w)`` norm), so a chain's greedy tokens are the same whichever side computes
@@ -36,15 +36,27 @@ __all__ = ["ChainEnds", "HeadTask", "ends_bytes"]
 
 
 class HeadTask:
-    """A task argument: the LM head over the given hidden rows (see the module doc)."""
+    """A task argument: the LM head over the given hidden rows ``(1, n, H)``. The runtime answers every row's argmax
+    ``(1, n)`` and the float32 logits ``(1, m, V)`` of the rows ``full`` marks (those a sampler, a penalty or
+    logprobs need; a plain greedy row needs only its argmax, so no vocabulary-sized row crosses to the handler)."""
 
-    __slots__ = ()
+    __slots__ = ("full",)
+
+    def __init__(self, full=()):
+        self.full = tuple(bool(f) for f in full)
 
     def __getstate__(self):
-        return ()
+        return self.full
 
     def __setstate__(self, state):
-        pass
+        self.full = state
+
+    def run(self, ends: "ChainEnds", hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.full) != hidden.shape[1]:
+            raise ValueError(f"{len(self.full)} row marks for {hidden.shape[1]} rows")
+        logits = ends.logits(hidden[0])
+        mask = torch.tensor(self.full, dtype=torch.bool, device=logits.device)
+        return logits.argmax(-1)[None], logits[mask][None]
 
 
 def ends_bytes(config: dict, first: bool, last: bool, dtype_bytes: int) -> int:

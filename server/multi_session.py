@@ -242,8 +242,9 @@ class MultiSessionHandler(server_tickets.TicketHandler):
         try:
             span.vocab_size  # noqa: B018  (holds the head, or says it does not)
             last = torch.cat([h[0, -n:] for h, n in zip(hidden, rows)], dim=0)
-            (logits,) = await span.backends[0].inference_pool.submit_task(last[None], HeadTask(),
-                                                                         priority=self._priority(span))
+            full = [sessions[sid].chooser is not None for sid, _, _ in picked]  # greedy rows: their argmax only
+            argmax, logits = await span.backends[0].inference_pool.submit_task(
+                last[None], HeadTask([f for f, n in zip(full, rows) for _ in range(n)]), priority=self._priority(span))
         except Exception as exc:
             failed.update({sid: _message(exc) for sid, _, _ in picked})
             for sid in keeps:
@@ -252,7 +253,12 @@ class MultiSessionHandler(server_tickets.TicketHandler):
 
         def choose_all() -> dict:
             chosen = {}
-            for (sid, draft, left), scores in zip(picked, logits[0].split(rows)):
+            greedy = iter(argmax[0].split(rows))
+            sampled = iter(logits[0].split([n for f, n in zip(full, rows) if f]))
+            for (sid, draft, left), wants_logits in zip(picked, full):
+                scores = next(sampled) if wants_logits else next(greedy)
+                if wants_logits:
+                    next(greedy)
                 session = sessions[sid]
                 try:
                     chooser = session.chooser

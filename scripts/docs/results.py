@@ -29,7 +29,7 @@ from tables import (  # noqa: E402  (scripts/docs/tables.py)
     GEMMA_COMMAND, GEMMA_SPECULATIVE, PREFIX_COMMAND, PREFIX_SPECULATIVE, SAMPLED_COMMAND, SAMPLED_SPECULATIVE,
     SINGLE_COMMAND, SINGLE_SPECULATIVE, RESULTS, ROOT, by_sessions, minus,
     table_row, sci, batching_table,
-    chaos_table, chaos_waves_table, drafting_table, device_check_table, device_swarm_table, http_table, kv_lengths_table,
+    chaos_table, chaos_waves_table, drafting_table, device_check_table, device_swarm_table, http_table, kv_lengths_table, orchestrator_table,
     lm_eval_table, load, runtime_table,
     soak_table, speculative_table, verification_spread_table, verification_steps_table, verification_table)
 
@@ -140,7 +140,8 @@ def write(out_dir: Path) -> None:
     tables = out_dir / "tables"
     tables.mkdir(exist_ok=True)
     # tables/*.md are included into pages in docs/ (one level up from reference/): links are relative to the page
-    generated = {"batching.md": batching_table(), "batching_http.md": http_table(), "device_swarm.md": device_swarm_table().replace("](results/", "](reference/results/"),
+    generated = {"batching.md": batching_table(), "batching_http.md": http_table(),
+                 "orchestrator.md": orchestrator_table().replace("](results/", "](reference/results/"), "device_swarm.md": device_swarm_table().replace("](results/", "](reference/results/"),
                   "device_check.md": device_check_table().replace(
                      "](results/", "](reference/results/"),
                  "runtime.md": runtime_table(), "soak.md": soak_table(), "chaos.md": chaos_table(), "chaos_waves.md": chaos_waves_table(),

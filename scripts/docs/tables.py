@@ -73,6 +73,31 @@ def http_table() -> str:
     return "\n".join(out) + "\n"
 
 
+# -- bench_orchestrator.json -----------------------------------------------------------------------------------
+
+def orchestrator_table() -> str:
+    """bench_orchestrator.json: the orchestrator's CPU and memory per generated token, token chosen on the chain's
+    servers (the default) or on the orchestrator, per vocabulary and concurrency."""
+    bench = load("bench_orchestrator.json")
+    out = [f"{bench['host_cpu']}; random llama checkpoints, {bench['layers']} blocks of hidden {bench['hidden']}, "
+           f"an orchestrator and two servers with default options, {bench['tokens']} greedy tokens per "
+           "`/v1/completions` ([bench_orchestrator.json](results/bench_orchestrator.json), "
+           "[plot](results/bench_orchestrator.png)).", "",
+           table_row(["vocabulary", "sessions", "orchestrator CPU ms/token: servers choose", "orchestrator chooses",
+                      "orchestrator RSS MiB: servers / orchestrator", "servers' CPU ms/token: servers / orchestrator",
+                      "tok/s: servers / orchestrator"]), table_row(["---"] * 7)]
+    runs = {(r["vocab"], r["mode"]): {row["sessions"]: row for row in r["rows"]} for r in bench["runs"]}
+    for vocab in sorted({v for v, _ in runs}):
+        for n, mine in sorted(runs[(vocab, "servers")].items()):
+            theirs = runs[(vocab, "orchestrator")][n]
+            out.append(table_row([f"{vocab:,}", n, f"{mine['orchestrator_cpu_ms_per_token']:.2f}",
+                                  f"{theirs['orchestrator_cpu_ms_per_token']:.2f}",
+                                  f"{mine['orchestrator_rss_mb']:.0f} / {theirs['orchestrator_rss_mb']:.0f}",
+                                  f"{mine['servers_cpu_ms_per_token']:.2f} / {theirs['servers_cpu_ms_per_token']:.2f}",
+                                  f"{mine['tokens_per_s']:.1f} / {theirs['tokens_per_s']:.1f}"]))
+    return "\n".join(out) + "\n"
+
+
 # -- device_check_h200.json -------------------------------------------------------------------------------------
 
 def device_check_table() -> str:

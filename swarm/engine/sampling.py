@@ -277,14 +277,15 @@ def choose_step(chooser, context: list[int], scores: torch.Tensor, draft: Sequen
     step (the repetition penalty's prompt). A generator: a caller that stops early (a stop string) chooses no more.
 
     The one definition of a step's choice: the orchestrator's own head (:func:`swarm.engine.batching.emit_verified`)
-    and the chain's last server (:mod:`server.multi_session`) both run it."""
+    and the chain's last server (:mod:`server.multi_session`) both run it. Without a chooser, ``scores`` may be the
+    rows' argmax ids ``(k + 1,)`` instead (the last server's runtime reduces greedy rows there)."""
     ids = None
     for i in range(len(draft) + 1):
         proposal = draft[i] if i < len(draft) else None
-        row = scores[i: i + 1].float()
         if chooser is None:
-            token = int(row[0].argmax())
+            token = int(scores[i]) if scores.dim() == 1 else int(scores[i].float().argmax())
         else:
+            row = scores[i: i + 1].float()
             if ids is None or ids.shape[1] != len(context):
                 ids = torch.tensor([list(context)], dtype=torch.long)
             if isinstance(chooser, TokenChooser):
