@@ -59,6 +59,9 @@ def headline() -> list[tuple[str, str, str, str]]:
     f32 = [g for g in device["goldens"] if g["dtype"] == "float32"]
     steps = device["block_step_ms"]
     spec = {(p["workload"], p["sessions"]): p for p in load("bench_speculative.json")["points"]}
+    orch = {(r["vocab"], r["mode"]): {row["sessions"]: row for row in r["rows"]}
+            for r in load("bench_orchestrator.json")["runs"]}
+    small, large = min(v for v, _ in orch), max(v for v, _ in orch)
     crowd = max(n for _, n in spec)
     return [
         ("HTTP API with default options (2 × 0.3 GB nodes): aggregate tokens/s ÷ one session, 8 / 16 sessions",
@@ -81,6 +84,11 @@ def headline() -> list[tuple[str, str, str, str]]:
         ("Gemma 3 270M, batched path ÷ petals' server path running the same block, 8 / 16 sessions",
          f"{gemma_multi[8]['throughput_ratio']:.2f}× / {gemma_multi[16]['throughput_ratio']:.2f}×",
          "bench_batching_gemma3_270m.json", "models.md"),
+        ("Orchestrator CPU per generated token, 16 sessions, vocabulary 1,024 → 131,072: token chosen on the chain's "
+         "servers (default) / on the orchestrator",
+         " / ".join(f"{orch[(small, mode)][16]['orchestrator_cpu_ms_per_token']:.2f} → "
+                    f"{orch[(large, mode)][16]['orchestrator_cpu_ms_per_token']:.2f} ms" for mode in ("servers", "orchestrator")),
+         "bench_orchestrator.json", "batching.md"),
         ("Live Table 1 replay (relay): Auto vs PETALS, mean / P95 response",
          f"{minus(100 * (auto['mean'] / petals['mean'] - 1))}% / {minus(100 * (auto['p95'] / petals['p95'] - 1))}%",
          "live_table1.json", "live-experiments.md"),
