@@ -232,9 +232,49 @@ def test_the_overhead_counts_a_check_as_one_prefill_and_a_session_as_its_prefill
     assert status["compute_overhead"] == pytest.approx(4 * 7 * 1e-4 / (first + second))
 
 
+@pytest.mark.parametrize("lies", [False, True])
+def test_a_last_server_that_chose_other_tokens_than_its_outputs_give_is_struck(lies):
+    """x holds the last block and chose a greedy session's tokens (server.ends); its blocks are right (y agrees).
+    The head check recomputes the tokens from x's own recorded outputs: a token that is not their argmax strikes
+    x; honest tokens pass. A sampled session's tokens are not head-checked."""
+    from swarm.control.spot_checks import SpotChecker
+
+    ledger = Ledger(CheckPolicy(base_rate=1.0, new_rate=1.0, strikes_to_ban=1))
+    orch = _Orch(_profiles(["x", "y"]), ledger)
+    head = torch.randn(16, 50)
+    checker = SpotChecker(orch, ledger, run_span=lambda peer, start, end, hidden, ticket: hidden * 2,
+                          embed=lambda ids: torch.randn(len(ids), 16), num_blocks=4, seed=1,
+                          head=lambda rows: rows @ head)
+    try:
+        prompt = [3, 1, 4, 1, 5]
+        hidden = torch.randn(8, 16)  # 5 prompt positions and 3 decode steps: 4 generated tokens
+        outputs = hidden * 2
+        generated = (outputs[4:] @ head).argmax(-1).tolist()
+        if lies:
+            generated[2] = (generated[2] + 1) % 50
+        for greedy in (False, True):
+            recorder = checker.recorder([("peer-x", 0, 4)])
+            recorder.add(("peer-x", 0, 4), hidden[None], outputs[None])
+            checker.finished(f"r{greedy}", [("peer-x", 0, 4)], prompt + generated, recorder, prompt_tokens=5,
+                             greedy=greedy)
+            assert checker.wait_idle(10)
+            assert not ledger.is_banned("x")  # the sampled session first: never head-checked
+    except AssertionError:
+        if not lies:
+            raise
+    finally:
+        checker.close()
+    assert ledger.is_banned("x") == lies
+    if lies:
+        assert "chose token" in orch.events[-2][1]["reason"] and "generated position 2" in orch.events[-2][1]["reason"]
+    else:
+        assert ledger.status()["counts"]["passed"] == 2 and ledger.status()["counts"]["head_checks"] == 1
+
+
 # -- the real thing ----------------------------------------------------------------------------------------
 
 MEMORY_GB = 0.7  # every node holds SmolLM2's 30 float32 blocks: one-server chains
+LIARS = {"skip", "noise", "tokens"}
 
 
 @pytest.mark.swarm
@@ -257,6 +297,10 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
         nodes.append(local.add_node(node_id="noise", memory_gb=MEMORY_GB, wait=False, torch_dtype="float32",
                                     declared_profile={**honest, "decode_s": 1e-3},
                                     process_main=adversaries.main(adversaries.Adversary("noise", scale=0.05))))
+        # honest blocks, other tokens than its own LM head gives (it chooses its sessions' tokens: server.ends)
+        nodes.append(local.add_node(node_id="tokens", memory_gb=MEMORY_GB, wait=False, torch_dtype="float32",
+                                    declared_profile={**honest, "decode_s": 1.5e-3},
+                                    process_main=adversaries.main(adversaries.Adversary("tokens"))))
         for node in nodes:
             local.wait_profiled(node, timeout=180)
         # a high expected rate: the planner puts every node to work (no standby), four one-server chains
@@ -264,7 +308,8 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
                                refresh_s=0.5, torch_dtype="float32", spot_check_rate=1.0, spot_check_new_rate=1.0,
                                state_dir=str(tmp_path / "state"))
         status = local.wait_chains_ready(timeout=240)
-        assert sorted(s for c in status["chains"] for s in c["servers"]) == ["h0", "h1", "noise", "skip"], status
+        assert sorted(s for c in status["chains"] for s in c["servers"]) == ["h0", "h1", "noise", "skip", "tokens"], \
+            status
         url = local.orchestrator.info["url"]
         rng = random.Random(0)
         served, answers, after_bans = {}, [], 0
@@ -287,17 +332,18 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
                 assert doc["chainswarm"]["verified"] in ("pending", "false")
                 status = http.get("/v1/swarm").json()
                 banned = {n for n, s in status["verification"]["servers"].items() if s["banned"]}
-                if banned == {"skip", "noise"}:
+                if banned == LIARS:
                     after_bans += 1
                     if after_bans > 3:
                         break
             status = http.get("/v1/swarm").json()
             verification = status["verification"]
-            assert set(verification["banned"]) == {"skip", "noise"}, verification
+            assert set(verification["banned"]) == LIARS, verification
             assert all(verification["servers"].get(n, {"strikes": 0})["strikes"] == 0 for n in ("h0", "h1"))
             kinds = [e["event"] for e in status["events"]]
-            assert kinds.count("server_banned") == 2
-            liars = [rid for rid, servers in served.items() if set(servers) & {"skip", "noise"}]
+            assert kinds.count("server_banned") == 3
+            assert any("chose token" in e.get("reason", "") for e in status["events"] if e["event"] == "server_banned")
+            liars = [rid for rid, servers in served.items() if set(servers) & LIARS]
             assert liars
             for rid in liars:  # every answer a liar gave is marked
                 assert http.get(f"/v1/swarm/requests/{rid}").json()["verified"] == "false"
@@ -318,14 +364,14 @@ def test_hostile_servers_are_caught_and_banned_and_honest_ones_never_struck(smol
             assert r.json()["choices"][0]["text"] == reference(dual["prompt"], 6)
             assert http.get("/v1/swarm").json()["verification"]["counts"]["dual_executions"] >= 2
             metrics = http.get("/metrics").text
-            assert "chainswarm_servers_banned 2.0" in metrics
-        _dashboard_shows_the_bans(url, {"skip", "noise"})
+            assert "chainswarm_servers_banned 3.0" in metrics
+        _dashboard_shows_the_bans(url, LIARS)
         for prompt, text, servers in answers:
-            if not set(servers) & {"skip", "noise"}:
+            if not set(servers) & LIARS:
                 assert text == reference(prompt, 6)
-        assert any(not set(s) & {"skip", "noise"} for _, _, s in answers)  # some ran after the bans
+        assert any(not set(s) & LIARS for _, _, s in answers)  # some ran after the bans
         bans = json.loads((tmp_path / "state" / "bans.json").read_text())["banned"]
-        assert set(bans) == {"skip", "noise"}
+        assert set(bans) == LIARS
 
 
 @pytest.mark.swarm

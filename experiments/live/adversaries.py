@@ -10,7 +10,10 @@ paths). Everything else — profile, keys, tickets, the wire — is honest, so o
 * ``skip``: skips its last block (returns its input; saves that block's time);
 * ``late``: honest for its first ``after`` sessions, then ``noise``;
 * ``ordinary``: cheats only on what ordinary traffic has and a re-asked check would not — decode steps
-  (a check re-executes a span as one prefill); prefills are honest.
+  (a check re-executes a span as one prefill); prefills are honest;
+* ``tokens``: honest blocks, but as the chain's last server it returns other tokens than its LM head gives (the
+  first token of every step with its lowest bit flipped, which ends the step as a rejected draft would): only
+  the head check of a spot check sees it.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("noise", "weights", "skip", "late", "ordinary")
+KINDS = ("noise", "weights", "skip", "late", "ordinary", "tokens")
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,22 @@ class Adversary:
 
 
 def install(adversary: Adversary) -> None:
-    """Patch this process's block code to behave as ``adversary``."""
+    """Patch this process's block code (or, for ``tokens``, its choice of token) to behave as ``adversary``."""
     from swarm.model.block import DecoderBlock
+
+    if adversary.kind == "tokens":
+        import server.multi_session as multi_session
+
+        honest_choice = multi_session.choose_step
+
+        def lying_choice(chooser, context, scores, draft, *args, **kwargs):
+            for token in honest_choice(chooser, context, scores, draft, *args, **kwargs):
+                lie = token ^ 1 if not draft or token ^ 1 != draft[0] else token ^ 2
+                yield lie  # a well-formed lie: another token than the draft's ends the step
+                return
+
+        multi_session.choose_step = lying_choice
+        return
 
     loaded: list[int] = []  # the block indices of the latest load (petals loads a span in order)
     sessions = [0]

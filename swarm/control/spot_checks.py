@@ -12,7 +12,8 @@ How one check goes (TOPLOC's and VeriLLM's idea, "validate by re-running as pref
    the prefix positions' inputs are recomputed first by other servers upstream). ``Y`` gets an ordinary
    ticket for a chain it belongs to and an ordinary prefill; it cannot tell a check from a short request.
 3. **Compare** ``X``'s outputs and ``Y``'s at sampled positions (the last one always) with the dtypes'
-   tolerance. Equal: ``X`` passes. Different: a third opinion, from a third server ``Z`` or, where none holds
+   tolerance. Equal: ``X`` passes — unless ``X`` holds the last block and chose a greedy session's tokens itself
+   (:mod:`server.ends`): then the LM head over ``X``'s own outputs must give those tokens, else ``X`` is struck. Different: a third opinion, from a third server ``Z`` or, where none holds
    the span, from the orchestrator computing it itself (float32, from its checkpoint folder); the server that
    disagrees with the two others is struck (``X``, or ``Y`` if it lied on the check). Where no other server
    holds the span, the orchestrator's own computation is the reference with ``--spot-check-local`` (else the
@@ -112,6 +113,8 @@ class CheckJob:
     request_id: str
     token_ids: list[int]  # prompt + generated: positions 0 … len − 2 went through the chain
     recorder: SpanRecorder
+    prompt_tokens: int = 0  # the first prompt_tokens of token_ids are the prompt
+    greedy: bool = False  # every generated token is its position's argmax (the head check applies)
 
 
 class Opinion:
@@ -135,9 +138,11 @@ class SpotChecker:
 
     def __init__(self, orchestrator, ledger: Ledger, *, run_span: Callable, embed: Callable,
                  local_span: Optional[Callable] = None, num_blocks: int, dtype: str = "float32",
-                 local_checker: bool = False, max_pending: int = 64, seed: Optional[int] = None):
+                 local_checker: bool = False, max_pending: int = 64, seed: Optional[int] = None,
+                 head: Optional[Callable] = None):
         self.orchestrator, self.ledger, self.policy = orchestrator, ledger, ledger.policy
         self.run_span, self.embed, self.local_span = run_span, embed, local_span
+        self.head = head  # hidden (n, H) -> logits (n, V): the head check of the chain's last server
         self.num_blocks, self.dtype, self.local_checker = num_blocks, dtype, local_checker
         self.room_wait_s = 60.0  # how long a check waits for idle KV on its checker before giving up (skipped)
         self._rng = random.Random(seed)  # the orchestrator's secret draws (never sent anywhere)
@@ -193,10 +198,12 @@ class SpotChecker:
         return SpanRecorder(route, targets)
 
     def finished(self, request_id: str, route: Sequence[tuple[str, int, int]], token_ids: Sequence[int],
-                 recorder: Optional[SpanRecorder], prompt_tokens: int = 0, drafted: int = 0, accepted: int = 0) -> None:
+                 recorder: Optional[SpanRecorder], prompt_tokens: int = 0, drafted: int = 0, accepted: int = 0,
+                 greedy: bool = False) -> None:
         """A session ended well after computing ``len(token_ids) − 1`` positions (the first ``prompt_tokens`` of
         them in its prefill; ``drafted`` tokens verified in its decode steps, ``accepted`` of them kept); queue its
-        check if recorded."""
+        check if recorded. ``greedy``: its tokens are each position's argmax, so the check of the chain's last
+        server also recomputes them from that server's own outputs."""
         if not self._served(request_id, route, token_ids, recorder, prompt_tokens, drafted, accepted):
             if recorder is None:  # not drawn
                 return
@@ -210,7 +217,7 @@ class SpotChecker:
             except queue.Empty:
                 break
         self._idle.clear()
-        self._jobs.put(CheckJob(request_id, list(token_ids), recorder))
+        self._jobs.put(CheckJob(request_id, list(token_ids), recorder, int(prompt_tokens), bool(greedy)))
 
     def _served(self, request_id: str, route, token_ids: Sequence[int], recorder: Optional[SpanRecorder],
                 prompt_tokens: int = 0, drafted: int = 0, accepted: int = 0) -> bool:
@@ -341,6 +348,11 @@ class SpotChecker:
         y.outputs = y.outputs[trace.offset:]
         same, d_xy = x.agrees(y, positions, slack)
         if same:
+            wrong = self._head_mismatch(job, trace, outputs) if end == self.num_blocks else None
+            if wrong is not None:  # its blocks are right and the tokens it chose are not theirs
+                self.ledger.count("mismatches")
+                self._strike(x_node, job, wrong)
+                return "struck"
             self.ledger.passed(x_node, job.request_id)
             return "passed"
         self.ledger.count("mismatches")
@@ -371,6 +383,31 @@ class SpotChecker:
         self.orchestrator.spot_check_event("spot_check_inconclusive", node=x_node, request=job.request_id,
                                            reason="the three opinions disagree", distance=d_xy)
         return "inconclusive"
+
+    MAX_HEAD_ROWS = 64  # generated positions a head check recomputes (the last one always)
+
+    @torch.inference_mode()
+    def _head_mismatch(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor) -> Optional[str]:
+        """The chain's last server chose a greedy session's tokens (server.ends): recompute them — the argmax of the
+        LM head over that server's own outputs at the generated positions (up to :data:`MAX_HEAD_ROWS`, sampled)
+        — and say which one differs (None: all equal, or the check does not apply)."""
+        if not job.greedy or self.head is None or job.prompt_tokens < 1:
+            return None
+        generated = len(job.token_ids) - job.prompt_tokens
+        first_row = job.prompt_tokens - 1 - trace.offset  # the row that predicts the first generated token
+        if generated < 1 or first_row < 0 or first_row + generated > outputs.shape[0]:
+            return None
+        picked = sorted(set(self._rng.sample(range(generated), min(generated, self.MAX_HEAD_ROWS - 1)))
+                        | {generated - 1})
+        self.ledger.count("head_checks")
+        rows = outputs[torch.tensor([first_row + i for i in picked])]
+        expected = self.head(rows).argmax(-1).tolist()
+        for i, want in zip(picked, expected):
+            got = job.token_ids[job.prompt_tokens + i]
+            if got != want:
+                return (f"chose token {got} at generated position {i} where the LM head over its own outputs "
+                        f"gives {want}")
+        return None
 
     def _positions(self, count: int) -> torch.Tensor:
         picked = set(self._rng.sample(range(count), min(count, self.policy.positions - 1))) | {count - 1}
@@ -414,6 +451,6 @@ def attach(orchestrator, engine, model_dir: str, *, seed: Optional[int] = None) 
     checker = SpotChecker(orchestrator, orchestrator.ledger, run_span=engine.run_span, embed=engine.embed,
                           local_span=LocalSpans(model_dir), num_blocks=orchestrator.config.num_blocks,
                           dtype=orchestrator.config.torch_dtype, local_checker=orchestrator.config.spot_check_local,
-                          seed=seed)
+                          seed=seed, head=engine.head)
     orchestrator.checks = checker
     return checker

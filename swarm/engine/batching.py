@@ -360,7 +360,7 @@ class ChainGenerator:
             ended = (len(seq.produced) + len(tokens) >= seq.max_new_tokens or tokens[-1] == seq.eos_token_id
                      or len(tokens) == len(seq.draft) + 1 or tokens[-1] != seq.draft[len(tokens) - 1])
             if not ended or tokens[:-1] != seq.draft[:len(tokens) - 1]:
-                raise ValueError("the tokens do not follow the step's drafts")
+                raise ValueError(f"the tokens {tokens} do not follow the step's drafts {seq.draft}")
             entries = None
             if logprobs is not None:
                 entries = [logprob_from_wire(e, vocab) for e in logprobs]

@@ -441,7 +441,7 @@ class CompletionRunner:
                 verified = "true" if agreed else "false"
             elif checks is not None:
                 checks.finished(grant.request_id, lease.route, tokens, recorder, len(input_ids), result.drafted,
-                                result.accepted)
+                                result.accepted, greedy=params.decided_by_argmax)
                 verified = orchestrator.ledger.verdict(grant.request_id)
             yield Finished(result.token_ids, result.finish_reason, grant.chain_id, list(chain.servers),
                            list(chain.route), 0.0, 0.0, prefix, logprobs=result.logprobs,

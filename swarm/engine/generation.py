@@ -161,6 +161,11 @@ class GenerationEngine:
         return self.model.transformer.word_embeddings(torch.tensor([list(token_ids)]))[0]
 
     @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head over hidden rows ``(n, H)``: logits ``(n, V)`` (a spot check's head check)."""
+        return batching.head_logits(self.model, hidden)
+
+    @torch.inference_mode()
     def run_span(self, peer: str, start: int, end: int, hidden: torch.Tensor, ticket: bytes | None = None
                  ) -> torch.Tensor:
         """One prefill of ``hidden`` ``(t, H)`` through blocks ``[start, end)`` of server ``peer`` (a spot check's

@@ -74,6 +74,13 @@ class SamplingParams:
                 and not self.min_tokens and self.repetition_penalty == 1.0)
 
     @property
+    def decided_by_argmax(self) -> bool:
+        """Every token is its position's argmax (logprobs may be asked: they do not change the choice)."""
+        return (self.temperature < MIN_TEMPERATURE and not self.logit_bias and not self.presence_penalty
+                and not self.frequency_penalty and self.grammar is None and not self.min_tokens
+                and self.repetition_penalty == 1.0)
+
+    @property
     def stops_at_eos(self) -> bool:
         """The end-of-sequence token ends the generation (unless ``ignore_eos``; a grammar's end always does)."""
         return not self.ignore_eos or self.grammar is not None

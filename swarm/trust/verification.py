@@ -114,9 +114,9 @@ class Ledger:
         self.servers: dict[str, ServerCheckRecord] = {}
         self.requests: OrderedDict[str, RequestVerdict] = OrderedDict()
         self.banned: dict[str, dict] = {}  # node id -> {"key", "reason", "at"}
-        self.counts = {"recorded": 0, "checks": 0, "passed": 0, "mismatches": 0, "strikes": 0, "inconclusive": 0,
-                       "skipped": 0, "unchecked": 0, "dual_executions": 0, "served_block_tokens": 0, "check_block_tokens": 0,
-                       "served_compute_s": 0.0, "check_compute_s": 0.0}
+        self.counts = {"recorded": 0, "checks": 0, "head_checks": 0, "passed": 0, "mismatches": 0, "strikes": 0,
+                       "inconclusive": 0, "skipped": 0, "unchecked": 0, "dual_executions": 0, "served_block_tokens": 0,
+                       "check_block_tokens": 0, "served_compute_s": 0.0, "check_compute_s": 0.0}
         self._keep = keep_requests
         self._lock = threading.Lock()
         if self.path is not None and self.path.exists():
