@@ -79,7 +79,9 @@ class ChainEnds:
         if not (first or last):
             raise ValueError("a span with neither end loads no ends")
         cfg = read_config(model_dir)
+        self.model_dir = str(model_dir)
         self.spec = arch_from_config(cfg)
+        self._tokenizer = None
         if self.spec.final_logit_softcap:
             raise ValueError("final_logit_softcapping is not supported")
         self.first, self.last, self.dtype, self.device = first, last, dtype, torch.device(device)
@@ -104,6 +106,14 @@ class ChainEnds:
         if self.embedding is not None and tuple(self.embedding.shape) != (self.vocab_size, self.hidden_size):
             raise ValueError(f"the embedding table is {tuple(self.embedding.shape)}, the config says "
                              f"({self.vocab_size}, {self.hidden_size})")
+
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer (loaded once per process, when a grammar first needs it)."""
+        if self._tokenizer is None:
+            from swarm.model.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_dir)
+        return self._tokenizer
 
     @property
     def nbytes(self) -> int:

@@ -191,7 +191,11 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                 session = sessions.get(sid)
                 if session is None:
                     raise ValueError(f"session {sid!r} is not open in this stream")
-                session.chooser, session.context, session.eos = sampling_from_wire(spec, span.vocab_size)
+                if spec.get("grammar") is not None:  # llguidance compiles it (the tokenizer once per process)
+                    made = await asyncio.to_thread(sampling_from_wire, spec, span.vocab_size, span.ends.tokenizer)
+                else:
+                    made = sampling_from_wire(spec, span.vocab_size)
+                session.chooser, session.context, session.eos = made
             except Exception as exc:
                 failed[sid] = _message(exc)
         steps = []
@@ -252,6 +256,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             return {}
 
         def choose_all() -> dict:
+            TokenChooser.prepare(sessions[sid].chooser for sid, _, _ in picked)  # grammar masks, all at once
             chosen = {}
             greedy = iter(argmax[0].split(rows))
             sampled = iter(logits[0].split([n for f, n in zip(full, rows) if f]))

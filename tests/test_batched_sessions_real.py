@@ -108,14 +108,21 @@ def test_concurrent_completions_are_batched_and_equal_local_transformers(swarm, 
 
 
 def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
-    """Six concurrent streamed completions, and a seventh sampled with a seed; when the first has 8 tokens, the last
-    server of the chain it runs on is SIGKILLed. That chain's batch breaks; its sessions go on from their tokens on
-    the other chain — the seeded one too: its draws depend on the seed and positions only, and the tokens it had
-    are replayed into its new chooser, so it ends as the same request run without a failure."""
-    seeded = {"temperature": 0.8, "seed": 41, "top_p": 0.95}
-    wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
-    unbroken = HTTP.post(f"{swarm.url}/v1/completions", json={"prompt": PROMPTS[6], "max_tokens": 32, **seeded},
-                         timeout=300).json()["choices"][0]["text"]
+    """Six concurrent streamed completions, a seventh sampled with a seed and an eighth constrained by a JSON schema;
+    when the first has 8 tokens, the last server of the chain it runs on is SIGKILLed. That chain's batch breaks; its
+    sessions go on from their tokens on the other chain — the seeded and the constrained ones too: draws depend on
+    the seed and positions only, and the tokens they had are replayed into their new choosers (the grammar's state
+    with them), so they end as the same requests run without a failure."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"]}
+    extra = [(PROMPTS[6], {"temperature": 0.8, "seed": 41, "top_p": 0.95}),  # seeded sampling
+             (PROMPTS[7], {"temperature": 0, "response_format": {  # a grammar, chosen on the last server too
+                 "type": "json_schema", "json_schema": {"name": "city", "schema": schema}}})]
+    unbroken = []
+    for prompt, sampling in extra:
+        wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
+        unbroken.append(HTTP.post(f"{swarm.url}/v1/completions", json={"prompt": prompt, "max_tokens": 32, **sampling},
+                                  timeout=300).json()["choices"][0]["text"])
     wait_for(lambda: idle(swarm.url), 60, what="an idle swarm")
     status = HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()
     victim_name = status["chains"][0]["servers"][-1]  # JFFC fills the fastest chain, chain 0, first
@@ -127,16 +134,17 @@ def test_a_server_killed_mid_batch_changes_no_answer(swarm, reference):
     threads = [threading.Thread(target=_stream, args=(swarm.url, p, 32, *results[i]),
                                 kwargs={"on_piece": (lambda n: n >= 8 and eighth.set()) if i == 0 else None})
                for i, p in enumerate(prompts)]
-    sampled = ([], [])
-    threads.append(threading.Thread(target=_stream, args=(swarm.url, PROMPTS[6], 32, *sampled),
-                                    kwargs={"sampling": seeded}))
+    sampled = [([], []) for _ in extra]
+    threads += [threading.Thread(target=_stream, args=(swarm.url, prompt, 32, *out), kwargs={"sampling": sampling})
+                for (prompt, sampling), out in zip(extra, sampled)]
     for t in threads:
         t.start()
     assert eighth.wait(120)
     swarm.kill(victim)
     for t in threads:
         t.join(300)
-    assert not sampled[1] and "".join(sampled[0]) == unbroken
+    for (pieces, errors), text in zip(sampled, unbroken):
+        assert not errors and "".join(pieces) == text
     for prompt, (pieces, errors) in zip(prompts, results):
         assert not errors, (prompt[:40], errors, HTTP.get(f"{swarm.url}/v1/swarm", timeout=30).json()["chains"], victim_name)
         assert "".join(pieces) == reference(prompt, 32), prompt[:40]

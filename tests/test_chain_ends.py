@@ -64,10 +64,34 @@ def test_greedy_specs_and_malformed_specs():
                               ("logprobs", 99, "logprobs"), ("top_k", -3, "top_k"), ("eos", "a", "eos")]:
         with pytest.raises(ValueError, match=field):
             sampling_from_wire({**good, key: value}, VOCAB)
-    with pytest.raises(ValueError, match="grammar"):
-        from swarm.engine.grammar import Grammar
+    with pytest.raises(ValueError, match="no tokenizer"):
+        sampling_from_wire({**good, "grammar": "{}"}, VOCAB)
 
-        sampling_to_wire(SamplingParams(4, grammar=Grammar("regex", "a+")), 1)
+
+def test_a_grammar_travels_as_its_source_and_constrains_the_same_tokens(tiny_model):
+    """A constrained request's chooser rebuilt on the last server from the grammar's source (compiled for its own
+    copy of the tokenizer) allows and chooses exactly what the original does, after a replayed history too."""
+    from swarm.engine.grammar import compile_grammar, json_schema_grammar
+    from swarm.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    vocab = len(tokenizer)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammar = compile_grammar(json_schema_grammar(schema), tokenizer)
+    params = SamplingParams(16, temperature=0.7, seed=3, grammar=grammar)
+    here = TokenChooser(params, vocab)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        list(choose_step(here, [], torch.randn(1, vocab, generator=generator), [], 100, None))
+    spec = sampling_to_wire(params, 3, here.generated)
+    assert spec["grammar"] == grammar.source
+    there, _, _ = sampling_from_wire(spec, vocab, lambda: load_tokenizer(tiny_model))
+    for _ in range(6):
+        scores = torch.randn(1, vocab, generator=generator)
+        assert list(choose_step(there, [], scores, [], 100, None)) == list(choose_step(here, [], scores, [], 100, None))
+    assert there.generated == here.generated
+    text = tokenizer.decode(here.generated)
+    assert text.startswith('{"n": ') or text.startswith("{"), text  # inside the grammar
 
 
 def test_the_wire_carries_ids_samples_and_chooses_and_refuses_what_does_not_fit():

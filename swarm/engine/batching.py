@@ -166,14 +166,14 @@ class ChainGenerator:
 
     def _sample_spec(self, seq: Decoding) -> Optional[dict]:
         """The sampling spec the chain's last server chooses ``seq``'s tokens by, or None when they are chosen here:
-        the route's ends are not on its servers, its grammar is here, or its processor is not a
+        the route's ends are not on its servers, or its processor is not a
         :class:`TokenChooser`. (A session whose spans a spot check records is embedded here, and its last hidden
-        states come back with its tokens.)"""
+        states come back with its tokens; a grammar travels as its source and is compiled there.)"""
         if not self.ends:
             return None
         if seq.processor is None:
             return {"greedy": True, "eos": seq.eos_token_id}
-        if not isinstance(seq.processor, TokenChooser) or seq.processor.grammar is not None:
+        if not isinstance(seq.processor, TokenChooser):
             return None
         chooser = seq.processor
         seed = chooser.params.seed if chooser.params.seed is not None else secrets.randbits(63)
@@ -298,7 +298,8 @@ class ChainGenerator:
         tickets = {s.sid: s.ticket for s in admitted if s.ticket is not None}
         self._running.update((s.sid, s) for s in admitted)
         self.batch.recorders.update((s.sid, s.recorder) for s in admitted if s.recorder is not None)
-        masks = TokenChooser.prepare_async(s.processor for s in self._running.values())  # grammar masks, meanwhile
+        masks = TokenChooser.prepare_async(s.processor for s in self._running.values()  # grammar masks, meanwhile
+                                           if not s.ends)  # (the last server computes the others' itself)
         ends = [s for s in self._running.values() if s.ends]
         chooses = {s.sid: (list(s.draft), s.max_new_tokens - len(s.produced)) for s in ends}
         samples = {s.sid: s.sample for s in admitted if s.ends}

@@ -310,16 +310,18 @@ MAX_WIRE_BIAS = 300  # logit_bias entries (OpenAI's own bound)
 MAX_WIRE_TOKENS = 1 << 20  # ids in a spec's prompt or history
 
 
+MAX_WIRE_GRAMMAR = 1 << 20  # characters of a grammar's llguidance source
+
+
 def sampling_to_wire(params: SamplingParams, seed: int, generated: Sequence[int] = (),
                      context: Sequence[int] = (), eos: int | None = None) -> dict:
     """What the chain's last server needs to choose a request's tokens as :class:`TokenChooser` does here: the
-    controls (no grammar: constrained requests are chosen by the orchestrator), the draw ``seed`` (the request's own,
-    or one the orchestrator drew for it, so a new last server continues the same stream), the tokens chosen so far
-    (``generated``: penalties and ``min_tokens`` go on from them), the prompt (``context``, only for the repetition
-    penalty, which reads it) and the token that ends the sequence (``eos``; None with ``ignore_eos``)."""
-    if params.grammar is not None:
-        raise ValueError("a constrained request is chosen where its grammar is")
-    return {"temperature": float(params.temperature), "top_p": float(params.top_p), "top_k": int(params.top_k),
+    controls and the grammar's llguidance source (the server compiles it for its own copy of the tokenizer), the
+    draw ``seed`` (the request's own, or one the orchestrator drew for it, so a new last server continues the same
+    stream), the tokens chosen so far (``generated``: penalties, ``min_tokens`` and the grammar's state go on from
+    them), the prompt (``context``, only for the repetition penalty, which reads it) and the token that ends the
+    sequence (``eos``; None with ``ignore_eos``)."""
+    return {"grammar": None if params.grammar is None else params.grammar.source,"temperature": float(params.temperature), "top_p": float(params.top_p), "top_k": int(params.top_k),
             "min_p": float(params.min_p), "seed": int(seed), "presence": float(params.presence_penalty),
             "frequency": float(params.frequency_penalty), "repetition": float(params.repetition_penalty),
             "bias": [[int(t), float(b)] for t, b in params.logit_bias], "logprobs": params.logprobs,
@@ -343,10 +345,11 @@ def _number(spec: dict, key: str, low: float, high: float) -> float:
     return float(value)
 
 
-def sampling_from_wire(spec, vocab: int) -> tuple[TokenChooser | None, list[int], int | None]:
+def sampling_from_wire(spec, vocab: int, tokenizer=None) -> tuple[TokenChooser | None, list[int], int | None]:
     """(a chooser that continues the request, its prompt context, its end-of-sequence token) from
     :func:`sampling_to_wire`'s spec (``{"greedy": true, "eos": id}``: no chooser, argmax); ``ValueError`` naming
-    the field for anything malformed."""
+    the field for anything malformed. ``tokenizer()`` gives the model's Hugging Face tokenizer, which a spec with a
+    grammar is compiled for."""
     if not isinstance(spec, dict):
         raise ValueError("a sampling spec must be a map")
     eos = spec.get("eos")
@@ -371,8 +374,17 @@ def sampling_from_wire(spec, vocab: int) -> tuple[TokenChooser | None, list[int]
         raise ValueError("sampling top_k must be an integer >= -1")
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
         raise ValueError("sampling min_tokens must be a non-negative integer")
+    grammar = spec.get("grammar")
+    if grammar is not None:
+        if not isinstance(grammar, str) or len(grammar) > MAX_WIRE_GRAMMAR:
+            raise ValueError(f"sampling grammar must be an llguidance grammar of at most {MAX_WIRE_GRAMMAR} characters")
+        if tokenizer is None:
+            raise ValueError("sampling grammar: this server has no tokenizer to compile it for")
+        from swarm.engine.grammar import compile_grammar
+
+        grammar = compile_grammar(grammar, tokenizer())
     params = SamplingParams(
-        max_new_tokens=1, temperature=_number(spec, "temperature", 0.0, 100.0),
+        max_new_tokens=1, temperature=_number(spec, "temperature", 0.0, 100.0), grammar=grammar,
         top_p=_number(spec, "top_p", 0.0, 1.0), seed=seed,
         presence_penalty=_number(spec, "presence", -2.0, 2.0), frequency_penalty=_number(spec, "frequency", -2.0, 2.0),
         logit_bias=tuple((int(t), float(b)) for t, b in bias), logprobs=logprobs, min_tokens=min_tokens,
