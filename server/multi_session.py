@@ -188,9 +188,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             if sid in failed:
                 continue
             try:
-                session = sessions.get(sid)
-                if session is None:
-                    raise ValueError(f"session {sid!r} is not open in this stream")
+                session = _open_session(sessions, sid)
                 if spec.get("grammar") is not None:  # llguidance compiles it (the tokenizer once per process)
                     made = await asyncio.to_thread(sampling_from_wire, spec, span.vocab_size, span.ends.tokenizer)
                 else:
@@ -203,9 +201,7 @@ class MultiSessionHandler(server_tickets.TicketHandler):
             if sid in failed:
                 continue
             try:
-                session = sessions.get(sid)
-                if session is None:
-                    raise ValueError(f"session {sid!r} is not open in this stream")
+                session = _open_session(sessions, sid)
                 if rollback:
                     session.rollback(rollback, span.pool)
                 hidden = deserialize_torch_tensor(tensor)
@@ -388,6 +384,13 @@ class MultiSessionHandler(server_tickets.TicketHandler):
     def _priority(self, span: _Span) -> float:
         return self._prioritizer.prioritize(DUMMY_INT64, DUMMY_INT64, points=0.0, requested_uids=span.uids,
                                             type="inference")
+
+
+def _open_session(sessions: dict, sid: str) -> _Session:
+    session = sessions.get(sid)
+    if session is None:
+        raise ValueError(f"session {sid!r} is not open in this stream")
+    return session
 
 
 async def _close(sessions: dict, sids: Iterable[str]) -> None:

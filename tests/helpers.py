@@ -1,4 +1,5 @@
 """Small helpers shared by the multi-process tests."""
+import contextlib
 import time
 
 import httpx
@@ -73,3 +74,35 @@ def server_info(p2p, peer_id: str, uid: str = "", timeout: float = 10.0) -> dict
         PeerID.from_base58(peer_id), "TransformerConnectionHandler.rpc_info", runtime_pb2.ExpertUID(uid=uid),
         runtime_pb2.ExpertInfo), timeout))
     return MSGPackSerializer.loads(info.serialized_info)
+
+
+@contextlib.contextmanager
+def two_hop_tiny_swarm(tiny_model: str, cache_dir: str):
+    """The tiny model split over two nodes, ``left`` and ``right`` (open sessions), with an orchestrator; yields the
+    LocalSwarm with ``route``, its longest chain's ``(peer, start, end)`` spans."""
+    from server.local_swarm import LocalSwarm
+
+    with LocalSwarm(tiny_model, open_sessions=True) as local:
+        # the memory budgets of tests/test_runtime.py's "left" and "right": the model split in two
+        local.add_orchestrator(expected_rate=4.0, max_length=256, expected_input_tokens=128,
+                               expected_output_tokens=28, refresh_s=0.5)
+        declared = {"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002}
+        nodes = [local.add_node(node_id=name, memory_gb=0.0012, wait=False, profile_cache_dir=cache_dir,
+                                declared_profile=declared) for name in ("left", "right")]
+        for node in nodes:
+            local.wait_profiled(node)
+        chains = local.wait_chains_ready([n.name for n in nodes])["chains"]
+        local.route = [tuple(r) for r in max(chains, key=lambda c: len(c["route"]))["route"]]
+        yield local
+
+
+@contextlib.contextmanager
+def client_model(swarm, model_dir: str):
+    """petals' client model of ``swarm`` (float32): its sequence manager reaches the servers, its head runs here."""
+    import torch
+
+    from swarm.engine.petals_client import open_distributed_model
+
+    with open_distributed_model(model_dir, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
+                                torch_dtype=torch.float32) as model:
+        yield model

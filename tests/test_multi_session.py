@@ -12,35 +12,20 @@ import time
 import pytest
 import torch
 
-from helpers import server_info, wait_for
-from server.local_swarm import LocalSwarm
+from helpers import client_model, server_info, two_hop_tiny_swarm, wait_for
 
 pytestmark = pytest.mark.swarm
 
 
 @pytest.fixture(scope="module")
 def swarm(tiny_model, tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("profiles"))
-    with LocalSwarm(tiny_model, open_sessions=True) as local:
-        # the memory budgets of tests/test_runtime.py's "left" and "right": the model split in two
-        local.add_orchestrator(expected_rate=4.0, max_length=256, expected_input_tokens=128,
-                               expected_output_tokens=28, refresh_s=0.5)
-        declared = {"prefill_s": 1e-5, "decode_s": 3e-4, "rtt_s": 0.002}
-        nodes = [local.add_node(node_id=name, memory_gb=0.0012, wait=False, profile_cache_dir=cache,
-                                declared_profile=declared) for name in ("left", "right")]
-        for node in nodes:
-            local.wait_profiled(node)
-        chains = local.wait_chains_ready([n.name for n in nodes])["chains"]
-        local.route = [tuple(r) for r in max(chains, key=lambda c: len(c["route"]))["route"]]
+    with two_hop_tiny_swarm(tiny_model, str(tmp_path_factory.mktemp("profiles"))) as local:
         yield local
 
 
 @pytest.fixture(scope="module")
 def model(swarm, tiny_model):
-    from swarm.engine.petals_client import open_distributed_model
-
-    with open_distributed_model(tiny_model, initial_peers=swarm.initial_peers, dht_prefix=swarm.dht_prefix,
-                                torch_dtype=torch.float32) as m:
+    with client_model(swarm, tiny_model) as m:
         yield m
 
 

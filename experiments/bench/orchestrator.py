@@ -25,12 +25,12 @@ import argparse
 import json
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 
 from experiments.bench.batching import _process_cpu_s
 from experiments.bench.cli import host_cpu
+from experiments.bench.http_throughput import together
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "bench_orchestrator.json"
 MODES = ("orchestrator", "servers")
@@ -76,14 +76,8 @@ def _run(url: str, sessions: int, tokens: int) -> tuple[int, float, list]:
             except Exception as exc:  # noqa: BLE001 - reported in the results
                 errors.append(repr(exc))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    return sum(counts), time.perf_counter() - began, errors
+    _, wall = together(sessions, one, barrier)
+    return sum(counts), wall, errors
 
 
 def bench_one(model_dir: str, mode: str, sessions: list[int], tokens: int, progress, **options) -> dict:
