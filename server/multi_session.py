@@ -272,7 +272,9 @@ class MultiSessionHandler(server_tickets.TicketHandler):
                     outputs.pop(sid, None)
             return chosen
 
-        chosen = await asyncio.to_thread(choose_all)
+        # a plain greedy step is a few argmax reads: chosen here; samplers and grammars off the stream's event loop
+        light = all(sessions[sid].chooser is None for sid, _, _ in picked)
+        chosen = choose_all() if light else await asyncio.to_thread(choose_all)
         _count("chosen", len(chosen))
         return chosen
 
