@@ -348,7 +348,7 @@ class SpotChecker:
         y.outputs = y.outputs[trace.offset:]
         same, d_xy = x.agrees(y, positions, slack)
         if same:
-            wrong = self._head_mismatch(job, trace, outputs) if end == self.num_blocks else None
+            wrong = self._head_mismatch(job, trace, outputs, x.dtype) if end == self.num_blocks else None
             if wrong is not None:  # its blocks are right and the tokens it chose are not theirs
                 self.ledger.count("mismatches")
                 self._strike(x_node, job, wrong)
@@ -387,10 +387,12 @@ class SpotChecker:
     MAX_HEAD_ROWS = 64  # generated positions a head check recomputes (the last one always)
 
     @torch.inference_mode()
-    def _head_mismatch(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor) -> Optional[str]:
+    def _head_mismatch(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor, dtype: str) -> Optional[str]:
         """The chain's last server chose a greedy session's tokens (server.ends): recompute them — the argmax of the
         LM head over that server's own outputs at the generated positions (up to :data:`MAX_HEAD_ROWS`, sampled)
-        — and say which one differs (None: all equal, or the check does not apply)."""
+        — and say which one is not theirs (None: all are, or the check does not apply). Another device's kernels
+        may order a near-tie the other way, so a token counts as wrong only when its logit is below the argmax's
+        by more than the server's dtype's tolerance times the largest logit's size (``EPSILON``)."""
         if not job.greedy or self.head is None or job.prompt_tokens < 1:
             return None
         generated = len(job.token_ids) - job.prompt_tokens
@@ -401,12 +403,15 @@ class SpotChecker:
                         | {generated - 1})
         self.ledger.count("head_checks")
         rows = outputs[torch.tensor([first_row + i for i in picked])]
-        expected = self.head(rows).argmax(-1).tolist()
-        for i, want in zip(picked, expected):
-            got = job.token_ids[job.prompt_tokens + i]
-            if got != want:
+        logits = self.head(rows).float()
+        margin = EPSILON.get(dtype, EPSILON["bfloat16"])
+        for i, row in zip(picked, logits):
+            got, want = job.token_ids[job.prompt_tokens + i], int(row.argmax())
+            if not 0 <= got < row.numel():
+                return f"chose token {got} at generated position {i}, outside the vocabulary"
+            if got != want and float(row[want] - row[got]) > margin * max(1.0, float(row[want].abs())):
                 return (f"chose token {got} at generated position {i} where the LM head over its own outputs "
-                        f"gives {want}")
+                        f"gives {want} (logits {float(row[got]):.3g} < {float(row[want]):.3g})")
         return None
 
     def _positions(self, count: int) -> torch.Tensor:
