@@ -343,6 +343,15 @@ class BatchedInferenceStep:
         return outputs
 
 
+_ends_missing = False  # the span loaded last needed the chain's ends and could not load them (this process)
+
+
+def ends_ready() -> bool:
+    """Whether this server holds the chain's ends its current span needs (True before a span is loaded: it will
+    load them). Its profile says so (``ends``): the orchestrator sends token ids only to servers that do."""
+    return not _ends_missing
+
+
 def merge_inference_pools_batched(backends: dict, max_batch: int = DEFAULT_MAX_BATCH,
                                   model_dir: Optional[str] = None) -> None:
     """Like petals' ``merge_inference_pools_inplace``, with a :class:`BatchingTaskPool` as the merged pool; the
@@ -351,7 +360,11 @@ def merge_inference_pools_batched(backends: dict, max_batch: int = DEFAULT_MAX_B
     first = next(iter(backends.values()))
     first_pool = first.inference_pool
     device = next(iter(first.module.parameters())).device
-    ends = load_for_span(model_dir, list(backends), int(first.config.num_hidden_layers), first.dtype, device)
+    global _ends_missing
+    layers = int(first.config.num_hidden_layers)
+    ends = load_for_span(model_dir, list(backends), layers, first.dtype, device)
+    indices = {int(str(uid).rsplit(".", 1)[1]) for uid in backends}
+    _ends_missing = ends is None and model_dir is not None and bool(indices & {0, layers - 1})
     merged = BatchingTaskPool(BatchedInferenceStep(backends, ends), max_batch=max_batch,
                               max_batch_size=first_pool.max_batch_size, device=first_pool.device,
                               name="merged_inference")

@@ -38,7 +38,7 @@ from swarm.model.compat import petals  # noqa: F401  (the shim must precede peta
 from petals.data_structures import ServerState
 from petals.server.server import Server
 
-from server import emulation, failpoints, layout, profiling, rtt, tickets as server_tickets, trust
+from server import batching, emulation, failpoints, layout, profiling, rtt, tickets as server_tickets, trust
 from server.layout import _layout, _served_in_place  # noqa: F401  (tests import _served_in_place here)
 from server.assignments import AssignmentInbox
 from swarm.runtime.dht import join_with_retries
@@ -257,7 +257,7 @@ class ChainswarmServer(Server):
                 version=petals.__version__,
                 batch_step_s=self.batch_steps,
                 max_batch=self.max_batch,
-                ends=self.max_batch > 1,  # the batching pool loads the chain's ends with the blocks (server.ends)
+                ends=self.max_batch > 1 and batching.ends_ready(),  # loaded with the blocks (server.ends)
                 prefix_epoch=self._prefix_store().epoch,  # with the state: the orchestrator resets its index in step
             )
 
@@ -469,7 +469,7 @@ def run_node(server_kwargs: dict, *, report=None, push_counter=None) -> None:
     """Build a :class:`ChainswarmServer` (ticket-gated, push-fixed handler with the prefix store and multi-session
     streams; the batching pool: ``max_batch``) and run it until SIGTERM/SystemExit. ``join_timeout_s`` (default 0:
     one try) keeps trying to join while none of the initial peers answers (an orchestrator that is not up yet)."""
-    from server import batching, multi_session
+    from server import multi_session
     from swarm.runtime.process import freeze_imported_heap
 
     multi_session.install(push_counter=push_counter)
