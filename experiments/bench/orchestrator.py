@@ -15,9 +15,15 @@ greedy tokens each; per run:
 Every process shares this machine's two cores, so aggregate tokens/s here measures the machine; the orchestrator's
 CPU per token is what caps a swarm whose servers have cores (or GPUs) of their own.
 
+Where the orchestrator's remaining time goes: ``--profile-only`` (after a run; it adds to the JSON) samples the
+orchestrator process with py-spy (every thread, 200 Hz) while 16 sessions generate at the largest vocabulary with the
+servers choosing, and ranks the functions by the samples in which they are on the stack and by those in which they
+run (the leaf).
+
 Writes ``experiments/results/bench_orchestrator.json`` and ``.png``.
 
     python -m experiments.bench.orchestrator [--vocabs 1024,131072] [--sessions 1,8,16,64] [--tokens 32]
+    python -m experiments.bench.orchestrator --profile-only
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import argparse
 import json
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -112,6 +119,51 @@ def bench_one(model_dir: str, mode: str, sessions: list[int], tokens: int, progr
         return {"mode": mode, "chains": chains, "rows": rows}
 
 
+def profile(model_dir: str, sessions: int, tokens: int, seconds: float) -> dict:
+    """py-spy's samples of the orchestrator process while ``sessions`` completions run again and again (the
+    servers choosing): the top functions by inclusive and by own (leaf) samples, as shares of all samples."""
+    import collections
+    import shutil
+    import subprocess
+    import sys
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    from server.local_swarm import LocalSwarm
+
+    with LocalSwarm(model_dir) as swarm, tempfile.TemporaryDirectory() as tmp:
+        swarm.add_orchestrator(token_choice="servers")
+        nodes = [swarm.add_node(node_id=f"s{i}", wait=False) for i in range(2)]
+        for node in nodes:
+            swarm.wait_profiled(node, timeout=300)
+        swarm.wait_chains_ready(timeout=300)
+        url = swarm.orchestrator.info["url"]
+        _run(url, 2, 4)
+        out = Path(tmp) / "profile.txt"
+        recorder = subprocess.Popen([spy, "record", "--pid", str(swarm.orchestrator.process.pid), "--rate", "200",
+                                     "--duration", str(int(seconds)), "--format", "raw", "--nonblocking",
+                                     "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        generated, began = 0, time.monotonic()
+        while recorder.poll() is None and time.monotonic() - began < seconds + 60:
+            generated += _run(url, sessions, tokens)[0]
+        recorder.wait(60)
+        if not out.exists():
+            raise RuntimeError(f"py-spy wrote no profile: {recorder.stderr.read().decode()[-500:]}")
+        inclusive, leaf, total = collections.Counter(), collections.Counter(), 0
+        for line in out.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0] + ")" if " (" in f else f
+                      for f in stack.split(";")]
+            total += int(count)
+            leaf[frames[-1]] += int(count)
+            for frame in set(frames):
+                inclusive[frame] += int(count)
+    top = lambda counter: [{"function": f, "share": n / total} for f, n in counter.most_common(15)]  # noqa: E731
+    return {"sessions": sessions, "seconds": seconds, "samples": total, "tokens_generated": generated,
+            "inclusive": top(inclusive), "leaf": top(leaf)}
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -150,6 +202,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON at --out; run nothing")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="profile the orchestrator at the largest vocabulary of --vocabs (py-spy) and add it to "
+                        "the JSON at --out")
+    parser.add_argument("--profile-seconds", type=float, default=20.0)
     args = parser.parse_args(argv)
     import logging
 
@@ -160,6 +216,16 @@ def main(argv=None) -> int:
         return 0
     vocabs = [int(v) for v in args.vocabs.split(",")]
     sessions = [int(n) for n in args.sessions.split(",")]
+    if args.profile_only:
+        report = json.loads(args.out.read_text())
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = make_random_model(Path(tmp) / "profiled", TinyModelSpec(
+                layers=4, hidden=512, heads=8, vocab=max(vocabs), max_length=512, seed=1))
+            report["profile"] = {"vocab": max(vocabs), **profile(str(model_dir), 16, args.tokens,
+                                                                  args.profile_seconds)}
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report["profile"], indent=1))
+        return 0
     report = {"host_cpu": host_cpu(), "tokens": args.tokens, "hidden": 512, "layers": 4, "runs": []}
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(vocabs) * len(MODES) * len(sessions)) as progress:
         for vocab in vocabs:

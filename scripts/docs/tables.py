@@ -95,6 +95,16 @@ def orchestrator_table() -> str:
                                   f"{mine['orchestrator_rss_mb']:.0f} / {theirs['orchestrator_rss_mb']:.0f}",
                                   f"{mine['servers_cpu_ms_per_token']:.2f} / {theirs['servers_cpu_ms_per_token']:.2f}",
                                   f"{mine['tokens_per_s']:.1f} / {theirs['tokens_per_s']:.1f}"]))
+    prof = bench.get("profile")
+    if prof:
+        generic = ("threading.py", "asyncio/", "_contextlib.py", "torch/_ops.py", "swarm/service.py")
+        busy = prof["samples"] / (prof["seconds"] * 200)
+        out += ["", f"Where the orchestrator's busy time goes with the servers choosing (py-spy at 200 Hz over "
+                f"{prof['seconds']:.0f} s, {prof['sessions']} sessions at vocabulary {prof['vocab']:,}: busy "
+                f"{busy:.0%} of one core, {prof['tokens_generated']:,} tokens generated meanwhile):", "",
+                table_row(["function (on the stack)", "share of the busy samples"]), table_row(["---"] * 2)]
+        out += [table_row([f"`{e['function']}`", f"{e['share']:.0%}"]) for e in prof["inclusive"]
+                if not any(g in e["function"] for g in generic)][:8]
     return "\n".join(out) + "\n"
 
 

@@ -384,7 +384,9 @@ class SpotChecker:
                                            reason="the three opinions disagree", distance=d_xy)
         return "inconclusive"
 
-    MAX_HEAD_ROWS = 64  # generated positions a head check recomputes (the last one always)
+    # generated positions a head check recomputes (sampled, the last one always): each is one LM-head row on the
+    # orchestrator's CPU (a 131k-vocabulary head made the checks half its busy time at 32 rows; bench_orchestrator)
+    MAX_HEAD_ROWS = 8
 
     @torch.inference_mode()
     def _head_mismatch(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor, dtype: str) -> Optional[str]:
