@@ -279,6 +279,54 @@ def test_a_last_server_that_chose_other_tokens_than_its_outputs_give_is_struck(l
         assert ledger.status()["counts"]["passed"] == 2 and ledger.status()["counts"]["head_checks"] == 1
 
 
+@pytest.mark.parametrize("lies", [False, True])
+def test_a_checker_holding_the_last_block_verifies_the_tokens_as_drafts(lies):
+    """y holds the last block and chooses tokens itself (its profile's ends): it verifies x's last tokens as drafts
+    in the check's prefill. Honest tokens pass without an LM head run on the orchestrator; a token y parts from
+    and that is clearly below the argmax of x's own outputs strikes x (one head row computed here)."""
+    import dataclasses
+
+    from swarm.control.spot_checks import SpotChecker
+
+    ledger = Ledger(CheckPolicy(base_rate=1.0, new_rate=1.0, strikes_to_ban=1))
+    profiles = {n: dataclasses.replace(p, ends=True) for n, p in _profiles(["x", "y"]).items()}
+    orch = _Orch(profiles, ledger)
+    weights = torch.randn(16, 50)
+    hidden = torch.randn(8, 16)  # 5 prompt positions and 3 decode steps: 4 generated tokens
+    generated = ((hidden * 2)[4:] @ weights).argmax(-1).tolist()
+    if lies:
+        generated[2] = int(((hidden * 2)[6] @ weights).argmin())
+    asked, heads = [], []
+
+    def run_span(peer, start, end, hidden, ticket, verify=None):
+        out = hidden * 2
+        if verify is None:
+            return out
+        asked.append(list(verify))
+        mine = []
+        for j, logits in enumerate(out[-len(verify):] @ weights):  # greedy, the drafts accepted while equal
+            mine.append(int(logits.argmax()))
+            if mine[-1] != verify[j]:
+                break
+        return out, mine
+
+    def head(rows):
+        heads.append(rows.shape[0])
+        return rows @ weights
+
+    checker = SpotChecker(orch, ledger, run_span=run_span, embed=lambda ids: torch.randn(len(ids), 16),
+                          num_blocks=4, seed=1, head=head)
+    try:
+        recorder = checker.recorder([("peer-x", 0, 4)])
+        recorder.add(("peer-x", 0, 4), hidden[None], (hidden * 2)[None])
+        checker.finished("r0", [("peer-x", 0, 4)], [3, 1, 4, 1, 5] + generated, recorder, prompt_tokens=5, greedy=True)
+        assert checker.wait_idle(10)
+    finally:
+        checker.close()
+    assert asked == [generated] and ledger.is_banned("x") == lies
+    assert heads == ([1] if lies else [])  # honest work costs the orchestrator no LM head
+
+
 # -- the real thing ----------------------------------------------------------------------------------------
 
 MEMORY_GB = 0.7  # every node holds SmolLM2's 30 float32 blocks: one-server chains

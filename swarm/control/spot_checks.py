@@ -13,7 +13,9 @@ How one check goes (TOPLOC's and VeriLLM's idea, "validate by re-running as pref
    ticket for a chain it belongs to and an ordinary prefill; it cannot tell a check from a short request.
 3. **Compare** ``X``'s outputs and ``Y``'s at sampled positions (the last one always) with the dtypes'
    tolerance. Equal: ``X`` passes — unless ``X`` holds the last block and chose a greedy session's tokens itself
-   (:mod:`server.ends`): then the LM head over ``X``'s own outputs must give those tokens, else ``X`` is struck. Different: a third opinion, from a third server ``Z`` or, where none holds
+   (:mod:`server.ends`): then ``Y``, which holds it too, verifies ``X``'s last tokens as drafts in the same
+   prefill; where ``Y``'s choice parts from ``X``'s, the orchestrator's LM head over ``X``'s own outputs at that
+   one position decides (a token clearly below the argmax strikes ``X``), so no head runs here on honest work. Different: a third opinion, from a third server ``Z`` or, where none holds
    the span, from the orchestrator computing it itself (float32, from its checkpoint folder); the server that
    disagrees with the two others is struck (``X``, or ``Y`` if it lied on the check). Where no other server
    holds the span, the orchestrator's own computation is the reference with ``--spot-check-local`` (else the
@@ -120,8 +122,10 @@ class CheckJob:
 class Opinion:
     """Who computed a span's outputs for a check: a server (``node``, its dtype) or the orchestrator (node None)."""
 
-    def __init__(self, node: Optional[str], dtype: str, outputs: Optional[torch.Tensor]):
+    def __init__(self, node: Optional[str], dtype: str, outputs: Optional[torch.Tensor],
+                 tokens: Optional[list[int]] = None):
         self.node, self.dtype, self.outputs = node, dtype, outputs
+        self.tokens = tokens  # a last-block checker's own greedy choice at the verified positions
 
     def agrees(self, other: "Opinion", positions: torch.Tensor, slack: float = 0.0) -> tuple[bool, float]:
         d = distance(self.outputs[positions], other.outputs[positions])
@@ -268,7 +272,10 @@ class SpotChecker:
             if self._jobs.empty():
                 self._idle.set()
 
-    def _opinion(self, node: Optional[str], profile, start: int, end: int, hidden: torch.Tensor) -> Opinion:
+    def _opinion(self, node: Optional[str], profile, start: int, end: int, hidden: torch.Tensor,
+                 verify: Optional[list[int]] = None) -> Opinion:
+        """A server's (or, ``node`` None, the orchestrator's) outputs for the span; with ``verify`` and a checker
+        that chooses tokens itself (its profile's ``ends``), its greedy tokens at those positions too."""
         if node is None:
             return Opinion(None, "float32", self.local_span(start, end, hidden))
         deadline = time.monotonic() + self.room_wait_s
@@ -276,11 +283,16 @@ class SpotChecker:
             if time.monotonic() > deadline or self._stopped.is_set():
                 raise RuntimeError(f"{node} had no free KV for the check within {self.room_wait_s:.0f} s")
             time.sleep(0.5)
+        tokens = None
         try:
-            outputs = self.run_span(profile.peer_id, start, end, hidden, self._ticket(profile.peer_id, start, end))
+            ticket = self._ticket(profile.peer_id, start, end)
+            if verify is not None and getattr(profile, "ends", False):
+                outputs, tokens = self.run_span(profile.peer_id, start, end, hidden, ticket, verify=verify)
+            else:
+                outputs = self.run_span(profile.peer_id, start, end, hidden, ticket)
         finally:
             self.orchestrator.release_check(hold)
-        return Opinion(node, profile.torch_dtype, outputs.float())
+        return Opinion(node, profile.torch_dtype, outputs.float(), tokens)
 
     def _ticket(self, peer: str, start: int, end: int) -> bytes:
         """An ordinary ticket: a ready chain through ``peer`` if there is one (a check looks like a session)."""
@@ -336,8 +348,9 @@ class SpotChecker:
         self._rng.shuffle(candidates)
         self.ledger.count("checks")
         opinions = []
+        verify = self._verified_tokens(job, trace, outputs) if end == self.num_blocks else None
         for node, profile in candidates[:1]:
-            opinions.append(self._opinion(node, profile, start, end, inputs))
+            opinions.append(self._opinion(node, profile, start, end, inputs, verify))
             self._cost(inputs.shape[0] * (end - start), profile)
         if not opinions:  # nobody else holds the span: the orchestrator's own computation is the reference
             if self.local_span is None or not self.local_checker:
@@ -348,7 +361,10 @@ class SpotChecker:
         y.outputs = y.outputs[trace.offset:]
         same, d_xy = x.agrees(y, positions, slack)
         if same:
-            wrong = self._head_mismatch(job, trace, outputs, x.dtype) if end == self.num_blocks else None
+            wrong = None
+            if verify is not None:  # the checker's own choice where it chose, else the orchestrator's head
+                wrong = (self._token_disagreement(job, trace, outputs, x.dtype, verify, y.tokens)
+                         if y.tokens is not None else self._head_mismatch(job, trace, outputs, x.dtype))
             if wrong is not None:  # its blocks are right and the tokens it chose are not theirs
                 self.ledger.count("mismatches")
                 self._strike(x_node, job, wrong)
@@ -387,6 +403,41 @@ class SpotChecker:
     # generated positions a head check recomputes (sampled, the last one always): each is one LM-head row on the
     # orchestrator's CPU (a 131k-vocabulary head made the checks half its busy time at 32 rows; bench_orchestrator)
     MAX_HEAD_ROWS = 8
+
+    MAX_VERIFIED = 64  # the last generated tokens a last-block checker verifies as drafts (multi_wire.MAX_DRAFT)
+
+    def _verified_tokens(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor) -> Optional[list[int]]:
+        """A greedy session's last generated tokens (up to :data:`MAX_VERIFIED` + 1) that the check of the chain's
+        last server verifies, or None when the check does not apply."""
+        if not job.greedy or job.prompt_tokens < 1:
+            return None
+        generated = len(job.token_ids) - job.prompt_tokens
+        first_row = job.prompt_tokens - 1 - trace.offset
+        if generated < 1 or first_row < 0 or first_row + generated > outputs.shape[0]:
+            return None
+        return job.token_ids[-min(generated, self.MAX_VERIFIED + 1):]
+
+    @torch.inference_mode()
+    def _token_disagreement(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor, dtype: str,
+                            verify: list[int], theirs: list[int]) -> Optional[str]:
+        """The checked server's tokens against the checker's own greedy choice over the same positions (it took them
+        as drafts): equal, the check passes with no LM head run here. Where they part, the orchestrator's head over
+        the checked server's own outputs at that one position decides, with the dtype's tolerance."""
+        self.ledger.count("head_checks")
+        if theirs == verify:
+            return None
+        at = next((j for j, (a, b) in enumerate(zip(verify, theirs)) if a != b), min(len(theirs), len(verify)) - 1)
+        position = len(job.token_ids) - len(verify) + at  # the token's index in token_ids
+        row = position - 1 - trace.offset
+        if self.head is None or not 0 <= row < outputs.shape[0]:
+            return None  # no opinion of our own: no strike
+        logits = self.head(outputs[row][None]).float()[0]
+        got, want = verify[at], int(logits.argmax())
+        margin = EPSILON.get(dtype, EPSILON["bfloat16"])
+        if got != want and float(logits[want] - logits[got]) > margin * max(1.0, float(logits[want].abs())):
+            return (f"chose token {got} at generated position {position - job.prompt_tokens} where the LM head over "
+                    f"its own outputs gives {want} (logits {float(logits[got]):.3g} < {float(logits[want]):.3g})")
+        return None
 
     @torch.inference_mode()
     def _head_mismatch(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor, dtype: str) -> Optional[str]:

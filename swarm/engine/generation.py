@@ -166,19 +166,30 @@ class GenerationEngine:
         return batching.head_logits(self.model, hidden)
 
     @torch.inference_mode()
-    def run_span(self, peer: str, start: int, end: int, hidden: torch.Tensor, ticket: bytes | None = None
-                 ) -> torch.Tensor:
+    def run_span(self, peer: str, start: int, end: int, hidden: torch.Tensor, ticket: bytes | None = None,
+                 verify: list[int] | None = None):
         """One prefill of ``hidden`` ``(t, H)`` through blocks ``[start, end)`` of server ``peer`` (a spot check's
-        re-execution: an ordinary multi-session stream with one session, as a chain's first prefill is)."""
+        re-execution: an ordinary multi-session stream with one session, as a chain's first prefill is); its
+        outputs. With ``verify`` (token ids; the server holds the last block and its ends): the server also chooses
+        greedily at the last ``len(verify)`` positions, ``verify[:-1]`` taken as drafts, and the answer is
+        ``(outputs, its tokens)`` — up to its first disagreement, its own token there included."""
         manager = self.manager
         with ChainBatch(manager.state.p2p, [(peer, start, end)], manager.block_uids,
                         step_timeout=self.request_timeout) as batch:
             sid = "s0"
-            outputs, failed = batch.step({sid: hidden[None].to(self.model.dtype)}, {sid: hidden.shape[0]},
-                                         {sid: ticket} if ticket is not None else {})
+            ends = {} if verify is None else {
+                "samples": {sid: {"greedy": True, "eos": None}}, "keeps": {sid},
+                "chooses": {sid: (list(verify[:-1]), len(verify))}}
+            outputs, failed, chosen = batch.step_ends({sid: hidden[None].to(self.model.dtype)},
+                                                      {sid: hidden.shape[0]},
+                                                      {sid: ticket} if ticket is not None else {}, **ends)
             if sid in failed:
                 raise RuntimeError(f"the server refused the span: {failed[sid]}")
-            return outputs[sid][0]
+            if verify is None:
+                return outputs[sid][0]
+            if sid not in chosen:
+                raise RuntimeError("the server chose no tokens for the verified positions")
+            return outputs[sid][0], [int(t) for t in chosen[sid][0]]
 
     def score(self, lease: Lease, provider: LeaseProvider | None, input_ids: list[int], top: int,
               control: SessionControl | None = None, page_hashes: list[bytes] | None = None
