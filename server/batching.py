@@ -38,7 +38,7 @@ from petals.data_structures import InferenceMetadata
 from petals.server.backend import TransformerBackend, _MergedInferenceStep
 from petals.server.task_pool import PrioritizedTaskPool, Task, _move_to_device_if_tensor
 from petals.utils.misc import DUMMY_INT64
-from server.ends import ChainEnds, HeadTask, load_for_span
+from server.ends import ChainEnds, HeadTask, load_for_span, span_ends
 from server.kv_pool import receive, step_tensors
 from swarm.model.block import DecoderBlock, Segment, token_positions
 from swarm.model.families import install_server_hooks
@@ -363,8 +363,7 @@ def merge_inference_pools_batched(backends: dict, max_batch: int = DEFAULT_MAX_B
     global _ends_missing
     layers = int(first.config.num_hidden_layers)
     ends = load_for_span(model_dir, list(backends), layers, first.dtype, device)
-    indices = {int(str(uid).rsplit(".", 1)[1]) for uid in backends}
-    _ends_missing = ends is None and model_dir is not None and bool(indices & {0, layers - 1})
+    _ends_missing = ends is None and model_dir is not None and any(span_ends(backends, layers))
     merged = BatchingTaskPool(BatchedInferenceStep(backends, ends), max_batch=max_batch,
                               max_batch_size=first_pool.max_batch_size, device=first_pool.device,
                               name="merged_inference")

@@ -144,14 +144,19 @@ class ChainEnds:
         return linear(self.norm(hidden), self.head).float()
 
 
+def span_ends(uids, num_layers: int) -> tuple[bool, bool]:
+    """Whether a span of block ``uids`` (``prefix.i``) holds block 0 and whether it holds the last block."""
+    indices = {int(str(uid).rsplit(".", 1)[1]) for uid in uids}
+    return 0 in indices, num_layers - 1 in indices
+
+
 def load_for_span(model_dir: str | Path | None, uids, num_layers: int, dtype: torch.dtype,
                   device: torch.device | str) -> Optional[ChainEnds]:
     """The ends a span of block ``uids`` (``prefix.i``) needs, or None (a middle span, no model folder, or ends
     that cannot be loaded: the orchestrator then runs them itself — logged)."""
     if model_dir is None:
         return None
-    indices = [int(str(uid).rsplit(".", 1)[1]) for uid in uids]
-    first, last = 0 in indices, num_layers - 1 in indices
+    first, last = span_ends(uids, num_layers)
     if not (first or last):
         return None
     try:

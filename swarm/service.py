@@ -142,27 +142,26 @@ def _start_bootstrap(start_dht, given: list[str], remembered: list[str]):
     orchestrator is the swarm's bootstrap, and the servers it ``remembered`` from its last run are dialled as a
     hint only: those whose address does not answer are skipped (one log line), and when none of the others lets
     the libp2p daemon start either, it starts on its own port alone — servers that come back rejoin through it."""
-    hint = "are those peers up, and their addresses right?"
+    def start(peers: list[str]):  # a daemon that will not start: its one-line StartupError
+        try:
+            return start_dht(peers)
+        except Exception as exc:
+            failure = p2p_start_failure(exc, peers, "--dht-port", "are those peers up, and their addresses right?")
+            if failure is None:
+                raise
+            raise failure from None
+
     dial = given or reachable_maddrs(remembered)
     if not given and len(dial) < len(remembered):
         logger.info("%d of the %d servers remembered from the last run do not answer: not dialled (they rejoin "
                     "when they are back)", len(remembered) - len(dial), len(remembered))
     try:
-        return start_dht(dial)
-    except Exception as exc:
-        failure = p2p_start_failure(exc, dial, "--dht-port", hint)
-        if failure is None:
+        return start(dial)
+    except PeersUnreachable:
+        if given:
             raise
-        if given or not isinstance(failure, PeersUnreachable):
-            raise failure from None
     logger.info("none of the remembered servers let the DHT join them: starting the swarm's DHT alone")
-    try:
-        return start_dht([])
-    except Exception as exc:
-        failure = p2p_start_failure(exc, [], "--dht-port", hint)
-        if failure is None:
-            raise
-        raise failure from None
+    return start([])
 
 
 async def _restore(store, options: OrchestratorOptions, orchestrator: Orchestrator, maddrs: list[str],

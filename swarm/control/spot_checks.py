@@ -40,6 +40,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from swarm.control import token_checks
 from swarm.engine.recording import SpanRecorder, SpanTrace
 from swarm.trust import records
 from swarm.trust.identity import fingerprint
@@ -348,7 +349,7 @@ class SpotChecker:
         self._rng.shuffle(candidates)
         self.ledger.count("checks")
         opinions = []
-        verify = self._verified_tokens(job, trace, outputs) if end == self.num_blocks else None
+        verify = token_checks.tokens_to_verify(job, trace.offset, outputs) if end == self.num_blocks else None
         for node, profile in candidates[:1]:
             opinions.append(self._opinion(node, profile, start, end, inputs, verify))
             self._cost(inputs.shape[0] * (end - start), profile)
@@ -362,9 +363,12 @@ class SpotChecker:
         same, d_xy = x.agrees(y, positions, slack)
         if same:
             wrong = None
-            if verify is not None:  # the checker's own choice where it chose, else the orchestrator's head
-                wrong = (self._token_disagreement(job, trace, outputs, x.dtype, verify, y.tokens)
-                         if y.tokens is not None else self._head_mismatch(job, trace, outputs, x.dtype))
+            if verify is not None and y.tokens is not None:  # the checker chose too: only where the two part
+                self.ledger.count("head_checks")
+                wrong = token_checks.disagreement(job, trace.offset, outputs, x.dtype, verify, y.tokens, self.head)
+            elif verify is not None and self.head is not None:  # else the orchestrator's head, sampled positions
+                self.ledger.count("head_checks")
+                wrong = token_checks.head_mismatch(job, trace.offset, outputs, x.dtype, self.head, self._rng)
             if wrong is not None:  # its blocks are right and the tokens it chose are not theirs
                 self.ledger.count("mismatches")
                 self._strike(x_node, job, wrong)
@@ -399,73 +403,6 @@ class SpotChecker:
         self.orchestrator.spot_check_event("spot_check_inconclusive", node=x_node, request=job.request_id,
                                            reason="the three opinions disagree", distance=d_xy)
         return "inconclusive"
-
-    # generated positions a head check recomputes (sampled, the last one always): each is one LM-head row on the
-    # orchestrator's CPU (a 131k-vocabulary head made the checks half its busy time at 32 rows; bench_orchestrator)
-    MAX_HEAD_ROWS = 8
-
-    MAX_VERIFIED = 64  # the last generated tokens a last-block checker verifies as drafts (multi_wire.MAX_DRAFT)
-
-    def _verified_tokens(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor) -> Optional[list[int]]:
-        """A greedy session's last generated tokens (up to :data:`MAX_VERIFIED` + 1) that the check of the chain's
-        last server verifies, or None when the check does not apply."""
-        if not job.greedy or job.prompt_tokens < 1:
-            return None
-        generated = len(job.token_ids) - job.prompt_tokens
-        first_row = job.prompt_tokens - 1 - trace.offset
-        if generated < 1 or first_row < 0 or first_row + generated > outputs.shape[0]:
-            return None
-        return job.token_ids[-min(generated, self.MAX_VERIFIED + 1):]
-
-    @torch.inference_mode()
-    def _token_disagreement(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor, dtype: str,
-                            verify: list[int], theirs: list[int]) -> Optional[str]:
-        """The checked server's tokens against the checker's own greedy choice over the same positions (it took them
-        as drafts): equal, the check passes with no LM head run here. Where they part, the orchestrator's head over
-        the checked server's own outputs at that one position decides, with the dtype's tolerance."""
-        self.ledger.count("head_checks")
-        if theirs == verify:
-            return None
-        at = next((j for j, (a, b) in enumerate(zip(verify, theirs)) if a != b), min(len(theirs), len(verify)) - 1)
-        position = len(job.token_ids) - len(verify) + at  # the token's index in token_ids
-        row = position - 1 - trace.offset
-        if self.head is None or not 0 <= row < outputs.shape[0]:
-            return None  # no opinion of our own: no strike
-        logits = self.head(outputs[row][None]).float()[0]
-        got, want = verify[at], int(logits.argmax())
-        margin = EPSILON.get(dtype, EPSILON["bfloat16"])
-        if got != want and float(logits[want] - logits[got]) > margin * max(1.0, float(logits[want].abs())):
-            return (f"chose token {got} at generated position {position - job.prompt_tokens} where the LM head over "
-                    f"its own outputs gives {want} (logits {float(logits[got]):.3g} < {float(logits[want]):.3g})")
-        return None
-
-    @torch.inference_mode()
-    def _head_mismatch(self, job: CheckJob, trace: SpanTrace, outputs: torch.Tensor, dtype: str) -> Optional[str]:
-        """The chain's last server chose a greedy session's tokens (server.ends): recompute them — the argmax of the
-        LM head over that server's own outputs at the generated positions (up to :data:`MAX_HEAD_ROWS`, sampled)
-        — and say which one is not theirs (None: all are, or the check does not apply). Another device's kernels
-        may order a near-tie the other way, so a token counts as wrong only when its logit is below the argmax's
-        by more than the server's dtype's tolerance times the largest logit's size (``EPSILON``)."""
-        if not job.greedy or self.head is None or job.prompt_tokens < 1:
-            return None
-        generated = len(job.token_ids) - job.prompt_tokens
-        first_row = job.prompt_tokens - 1 - trace.offset  # the row that predicts the first generated token
-        if generated < 1 or first_row < 0 or first_row + generated > outputs.shape[0]:
-            return None
-        picked = sorted(set(self._rng.sample(range(generated), min(generated, self.MAX_HEAD_ROWS - 1)))
-                        | {generated - 1})
-        self.ledger.count("head_checks")
-        rows = outputs[torch.tensor([first_row + i for i in picked])]
-        logits = self.head(rows).float()
-        margin = EPSILON.get(dtype, EPSILON["bfloat16"])
-        for i, row in zip(picked, logits):
-            got, want = job.token_ids[job.prompt_tokens + i], int(row.argmax())
-            if not 0 <= got < row.numel():
-                return f"chose token {got} at generated position {i}, outside the vocabulary"
-            if got != want and float(row[want] - row[got]) > margin * max(1.0, float(row[want].abs())):
-                return (f"chose token {got} at generated position {i} where the LM head over its own outputs "
-                        f"gives {want} (logits {float(row[got]):.3g} < {float(row[want]):.3g})")
-        return None
 
     def _positions(self, count: int) -> torch.Tensor:
         picked = set(self._rng.sample(range(count), min(count, self.policy.positions - 1))) | {count - 1}

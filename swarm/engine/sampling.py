@@ -308,8 +308,6 @@ def choose_step(chooser, context: list[int], scores: torch.Tensor, draft: Sequen
 # -- the request's sampling controls as they travel to the chain's last server (swarm.engine.multi_wire) ------
 MAX_WIRE_BIAS = 300  # logit_bias entries (OpenAI's own bound)
 MAX_WIRE_TOKENS = 1 << 20  # ids in a spec's prompt or history
-
-
 MAX_WIRE_GRAMMAR = 1 << 20  # characters of a grammar's llguidance source
 
 
@@ -321,7 +319,8 @@ def sampling_to_wire(params: SamplingParams, seed: int, generated: Sequence[int]
     stream), the tokens chosen so far (``generated``: penalties, ``min_tokens`` and the grammar's state go on from
     them), the prompt (``context``, only for the repetition penalty, which reads it) and the token that ends the
     sequence (``eos``; None with ``ignore_eos``)."""
-    return {"grammar": None if params.grammar is None else params.grammar.source,"temperature": float(params.temperature), "top_p": float(params.top_p), "top_k": int(params.top_k),
+    return {"grammar": None if params.grammar is None else params.grammar.source,
+            "temperature": float(params.temperature), "top_p": float(params.top_p), "top_k": int(params.top_k),
             "min_p": float(params.min_p), "seed": int(seed), "presence": float(params.presence_penalty),
             "frequency": float(params.frequency_penalty), "repetition": float(params.repetition_penalty),
             "bias": [[int(t), float(b)] for t, b in params.logit_bias], "logprobs": params.logprobs,
